@@ -1,0 +1,286 @@
+"""Tensor collectives, the fast path: NCCL on GPU, gloo on CPU; numbers accepted too."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import control, topology
+from .config import Timeout, to_seconds
+from .errors import MismatchError
+
+__all__ = [
+    "all_gather_tensor",
+    "all_reduce",
+    "all_reduce_dict",
+    "barrier",
+    "broadcast_tensor",
+    "one_rank_only",
+    "rank_zero_only",
+    "reduce_dict",
+    "shared_random_seed",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+Number = int | float
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+_warned: set[tuple[int, int]] = set()
+
+
+def _op(op: str) -> Any:
+    try:
+        return _OPS[op.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"op={op!r} is not supported: use one of {sorted(_OPS)}") from None
+
+
+def _comm_device() -> torch.device:
+    """Where tensors must live for the default group; warns about a wrong CUDA device."""
+    dev = topology.device()
+    if dev.type == "cuda":
+        current = torch.cuda.current_device()
+        key = (current, dev.index or 0)
+        if current != dev.index and key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"the current CUDA device is cuda:{current} but this rank's local rank "
+                f"expects {dev}; NCCL collectives may hang or corrupt memory — call "
+                "torch.cuda.set_device(gs.get_local_rank()) before the first collective "
+                "(gs.launch and gs.init_from_env do this)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return dev
+
+
+def barrier(timeout: Timeout = None) -> None:
+    """Wait until every rank arrives.
+
+    Without a timeout this is the process group's barrier (``device_ids`` passed
+    under NCCL).  With a timeout, ranks meet on gatherstore's gloo control group,
+    which never trips the NCCL watchdog: the pattern for "rank 0 evaluates while
+    the others wait".
+
+    Raises:
+        GatherTimeout: with a timeout, naming the ranks that did not arrive.
+    """
+    if not topology.is_distributed():
+        return
+    if timeout is None:
+        if _comm_device().type == "cuda":
+            dist.barrier(device_ids=[_comm_device().index or 0])
+        else:
+            dist.barrier()
+        return
+    control.exchange(b"", timeout=to_seconds(timeout), what="barrier")
+
+
+def all_reduce(x: torch.Tensor | Number, op: str = "sum") -> Any:
+    """Reduce ``x`` over all ranks; every rank gets the result.
+
+    ``op`` is "sum", "mean", "max", "min" or "product".  A tensor comes back as
+    a new tensor on its own device (the input is not modified; "mean" of an
+    integer tensor is floating point); a number comes back as a number.
+    """
+    reduce_op = _op(op)
+    if isinstance(x, torch.Tensor):
+        tensor = x.detach().clone()
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        tensor = torch.tensor(x, dtype=torch.float64 if isinstance(x, float) else torch.int64)
+    else:
+        raise TypeError(f"all_reduce takes a tensor or a number, not {type(x).__name__}")
+    if op.lower() == "mean" and not tensor.is_floating_point():
+        tensor = tensor.double()
+    if topology.is_distributed():
+        moved = tensor.to(_comm_device())
+        dist.all_reduce(moved, op=reduce_op)
+        tensor = moved.to(tensor.device)
+        if op.lower() == "mean":
+            tensor /= topology.get_world_size()
+    if isinstance(x, torch.Tensor):
+        return tensor
+    return tensor.item()
+
+
+def _check_same_keys(d: Mapping[str, Any], what: str) -> list[str]:
+    """Sorted keys, after making sure every rank has the same keys and shapes."""
+    keys = sorted(d)
+    shapes = {k: list(torch.as_tensor(d[k]).shape) for k in keys}
+    mine = json.dumps(shapes, sort_keys=True).encode()
+    everyone = control.exchange(mine, timeout=to_seconds(None), what=what)
+    if all(other == mine for other in everyone):
+        return keys
+    views = [json.loads(raw) for raw in everyone]
+    common = set.intersection(*(set(v) for v in views))
+    details = {}
+    for rank, view in enumerate(views):
+        extra = sorted(set(view) - common)
+        shaped = sorted(k for k in common if view[k] != views[0][k])
+        if extra or shaped:
+            details[rank] = f"keys only here: {extra}; shapes differing from rank 0: {shaped}"
+    raise MismatchError(
+        f"{what}: ranks passed dicts that differ — {details}; every rank must reduce the "
+        "same keys with the same shapes",
+        details=details,
+    )
+
+
+def all_reduce_dict(d: Mapping[str, Any], op: str = "mean") -> dict[str, Any]:
+    """Reduce every value of ``d`` in one flattened collective, keys sorted.
+
+    Values are tensors or numbers; each comes back in its own type and shape.
+
+    Raises:
+        MismatchError: ranks' keys or shapes differ (names them, on every rank).
+    """
+    return _reduce_dict(d, op, dst=None)
+
+
+def reduce_dict(d: Mapping[str, Any], average: bool = True, dst: int = 0) -> dict[str, Any]:
+    """Reduce ``d`` onto ``dst`` (mean or sum); other ranks get ``d`` back unchanged."""
+    return _reduce_dict(d, "mean" if average else "sum", dst=dst)
+
+
+def _reduce_dict(d: Mapping[str, Any], op: str, dst: int | None) -> dict[str, Any]:
+    reduce_op = _op(op)
+    if not topology.is_distributed() or not d:
+        return dict(d)
+    keys = _check_same_keys(d, "all_reduce_dict" if dst is None else "reduce_dict")
+    values = [torch.as_tensor(d[k]) for k in keys]
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
+    if op.lower() == "mean" and not dtype.is_floating_point:
+        dtype = torch.float64
+    dev = _comm_device()
+    flat = torch.cat([v.detach().reshape(-1).to(dev, dtype) for v in values])
+    if dst is None:
+        dist.all_reduce(flat, op=reduce_op)
+    else:
+        dist.reduce(flat, dst=dst, op=reduce_op)
+        if topology.get_rank() != dst:
+            return dict(d)
+    if op.lower() == "mean":
+        flat /= topology.get_world_size()
+    out: dict[str, Any] = {}
+    offset = 0
+    for key, value in zip(keys, values, strict=True):
+        chunk = flat[offset : offset + value.numel()].reshape(value.shape)
+        offset += value.numel()
+        original = d[key]
+        if isinstance(original, torch.Tensor):
+            keep = (
+                original.dtype
+                if op.lower() != "mean"
+                else torch.promote_types(original.dtype, torch.float32)
+            )
+            out[key] = chunk.to(original.device, keep)
+        else:
+            out[key] = chunk.item() if chunk.numel() == 1 else chunk.cpu()
+    return out
+
+
+def _meta(t: torch.Tensor) -> bytes:
+    return json.dumps([str(t.dtype), list(t.shape)]).encode()
+
+
+def all_gather_tensor(t: torch.Tensor | Number) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0; first dims may differ.
+
+    A number or 0-d tensor counts as one element.  No padding is left in the
+    result, which lives on the input's device.
+
+    Raises:
+        MismatchError: dtypes or trailing shapes differ (on every rank).
+    """
+    tensor = torch.as_tensor(t)
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    if not topology.is_distributed():
+        return tensor.clone()
+    metas = [
+        json.loads(m)
+        for m in control.exchange(_meta(tensor), timeout=to_seconds(None), what="all_gather_tensor")
+    ]
+    dtypes = {m[0] for m in metas}
+    trailing = {tuple(m[1][1:]) for m in metas}
+    if len(dtypes) > 1 or len(trailing) > 1 or any(len(m[1]) == 0 for m in metas):
+        details = {r: f"dtype {m[0]}, shape {m[1]}" for r, m in enumerate(metas)}
+        raise MismatchError(
+            f"all_gather_tensor: ranks passed tensors whose dtype or trailing shape differ — "
+            f"{details}; only the first dimension may differ between ranks",
+            details=details,
+        )
+    sizes = [m[1][0] for m in metas]
+    longest = max(sizes)
+    dev = _comm_device()
+    padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=dev)
+    padded[: tensor.shape[0]] = tensor
+    slots = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(slots, padded)
+    return torch.cat([s[:n] for s, n in zip(slots, sizes, strict=True)]).to(tensor.device)
+
+
+def broadcast_tensor(t: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+    """``src``'s tensor on every rank; other ranks may pass None (shape travels too)."""
+    if not topology.is_distributed():
+        if t is None:
+            raise ValueError("broadcast_tensor: the source rank passed None; give it a tensor")
+        return t
+    rank = topology.get_rank()
+    payload = _meta(t) if rank == src and t is not None else b""
+    metas = control.exchange(payload, timeout=to_seconds(None), what="broadcast_tensor")
+    if not metas[src]:
+        raise ValueError(f"broadcast_tensor: source rank {src} passed None; give it a tensor")
+    dtype_name, shape = json.loads(metas[src])
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    dev = _comm_device()
+    if rank == src and t is not None:
+        buf = t.detach().to(dev).contiguous()
+    else:
+        buf = torch.empty(shape, dtype=dtype, device=dev)
+    dist.broadcast(buf, src=src)
+    target = t.device if t is not None else dev
+    return buf.to(target)
+
+
+def shared_random_seed() -> int:
+    """A random integer in [0, 2**31), the same on every rank."""
+    seed = random.SystemRandom().randrange(2**31)
+    if not topology.is_distributed():
+        return seed
+    values = control.exchange(str(seed).encode(), timeout=to_seconds(None), what="seed")
+    return int(values[0])
+
+
+def rank_zero_only(fn: F) -> F:
+    """Run ``fn`` on global rank 0 only; elsewhere return None."""
+    return one_rank_only(0)(fn)
+
+
+def one_rank_only(rank: int = 0, with_barrier: bool = False) -> Callable[[F], F]:
+    """Decorator: run on ``rank`` only (None elsewhere), then optionally barrier."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs) if topology.get_rank() == rank else None
+            if with_barrier:
+                barrier()
+            return result
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

@@ -1,0 +1,114 @@
+"""The control plane: small byte exchanges through the job's rendezvous store.
+
+Every coordination step (status/size exchange, barriers with a timeout, the
+shared tmpdir path, the signing key) rides on :func:`exchange`: each rank
+publishes a few bytes under a key of the job's c10d store (the TCPStore that
+``init_process_group`` already runs), then waits, with its own timeout, for the
+keys of all ranks.  A timeout names exactly the ranks whose keys are missing,
+on every rank, and breaks nothing: unlike a gloo recv that times out (which
+closes the connection for good), a store wait can simply be given up.  Nothing
+here touches GPU memory or the NCCL watchdog.
+
+The bulk "collective" route of objects needs a real gloo group:
+:func:`control_group` creates it once per job.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from typing import Any
+
+import torch.distributed as dist
+
+from .config import DEFAULT_TIMEOUT
+from .errors import GatherError, GatherTimeout, RemoteRankError
+
+__all__ = ["control_group", "exchange", "is_initialized", "reset"]
+
+# the default group this state belongs to, its control store, gloo group, step counter
+_state: dict[str, Any] = {"world": None}
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _current() -> dict[str, Any]:
+    world = dist.group.WORLD
+    if _state["world"] is not world:
+        base = dist.distributed_c10d._get_default_store()
+        _state.update(world=world, store=dist.PrefixStore("gatherstore", base), group=None, step=0)
+    return _state
+
+
+def control_group() -> Any:
+    """A gloo group of gatherstore's own, created once per default group.
+
+    Creating it is itself a collective: every rank must reach it together
+    (``launch`` and ``init_from_env`` create it eagerly).
+    """
+    state = _current()
+    if state["group"] is None:
+        state["group"] = dist.new_group(
+            backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT)
+        )
+    return state["group"]
+
+
+def reset() -> None:
+    """Forget the control state (called when the default group is destroyed)."""
+    _state.clear()
+    _state["world"] = None
+
+
+def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[bytes]:
+    """Give every rank every rank's ``payload``, in rank order.
+
+    Raises:
+        GatherTimeout: some ranks did not arrive within ``timeout`` seconds; its
+            ``ranks`` are those ranks (the same on every rank that waited).
+        RemoteRankError: the job's store went away (rank 0's process ended).
+    """
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [payload]
+    state = _current()
+    state["step"] += 1
+    store, world = state["store"], dist.get_world_size()
+    prefix = f"{state['step']}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
+    verdict = prefix + "late"
+    try:
+        store.set(keys[dist.get_rank()], payload)
+        try:
+            store.wait(keys, _dt.timedelta(seconds=timeout))
+        except RuntimeError:
+            late = [r for r, key in enumerate(keys) if not store.check([key])]
+            if late:
+                decided = store.compare_set(verdict, "", json.dumps(late))
+                _raise_late(what, json.loads(decided), timeout)
+        if store.check([verdict]):
+            _raise_late(what, json.loads(store.get(verdict)), timeout)
+        values: list[bytes] = store.multi_get(keys)
+        if store.add(prefix + "read", 1) == world:
+            for key in [*keys, prefix + "read"]:
+                store.delete_key(key)
+        return values
+    except GatherError:
+        raise
+    except RuntimeError as exc:
+        raise RemoteRankError(
+            0,
+            f"the job's rendezvous store (hosted by rank 0) is unreachable: {exc}",
+            context=what,
+        ) from exc
+
+
+def _raise_late(what: str, late: list[int], timeout: float) -> None:
+    raise GatherTimeout(
+        f"{what}: ranks {late} did not arrive within {timeout:g} s; they are still busy, "
+        "stuck, or have stopped (raise the timeout if they legitimately work longer)",
+        ranks=late,
+        timeout=timeout,
+    )

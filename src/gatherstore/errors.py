@@ -1,0 +1,130 @@
+"""The exception hierarchy: one root, each error also a matching builtin.
+
+Data travels as attributes (ranks, keys, store URL) so callers never parse
+messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "GatherError",
+    "GatherTimeout",
+    "IntegrityError",
+    "MismatchError",
+    "RemoteRankError",
+    "StoreNotSharedError",
+    "StoreUnavailableError",
+]
+
+
+class GatherError(Exception):
+    """Root of every error gatherstore raises."""
+
+
+class GatherTimeout(GatherError, TimeoutError):
+    """Some ranks (or keys) did not deliver within the timeout.
+
+    Attributes:
+        ranks: the ranks that did not arrive, in ascending order.
+        keys: the store keys still missing, when the wait was on a store.
+        timeout: the timeout in seconds.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: Sequence[int] = (),
+        keys: Sequence[str] = (),
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.keys = list(keys)
+        self.timeout = timeout
+
+
+class RemoteRankError(GatherError, RuntimeError):
+    """Another rank failed; every rank raises this so that nobody hangs.
+
+    Attributes:
+        rank: the (first) failing rank.
+        remote_message: that rank's error message.
+        remote_traceback: that rank's traceback text, when known.
+        ranks: every failing rank.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        remote_message: str,
+        *,
+        remote_traceback: str = "",
+        ranks: Sequence[int] = (),
+        context: str = "",
+    ) -> None:
+        self.rank = rank
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+        self.ranks = sorted(ranks) if ranks else [rank]
+        where = f" in {context}" if context else ""
+        text = f"rank {rank} failed{where}: {remote_message}"
+        if len(self.ranks) > 1:
+            text += f" (failing ranks: {self.ranks})"
+        if remote_traceback:
+            text += f"\n\n--- traceback of rank {rank} ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class StoreNotSharedError(GatherError, RuntimeError):
+    """The store is not visible from every rank (e.g. node-local /tmp, memory://).
+
+    Attributes:
+        ranks: the ranks that cannot see rank 0's marker.
+        store: the store URL (password hidden).
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int], store: str) -> None:
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.store = store
+
+
+class IntegrityError(GatherError, ValueError):
+    """A part failed its checksum or signature, is truncated, or has a foreign format.
+
+    Attributes:
+        rank: the rank whose part is bad, when known.
+        key: the store key of the part, when known.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.key = key
+
+
+class StoreUnavailableError(GatherError, ConnectionError):
+    """The store cannot be reached or written.
+
+    Attributes:
+        store: the store URL (password hidden).
+    """
+
+    def __init__(self, message: str, *, store: str) -> None:
+        super().__init__(message)
+        self.store = store
+
+
+class MismatchError(GatherError, ValueError):
+    """Ranks called a collective with inputs that do not agree (keys, dtypes, shapes).
+
+    Attributes:
+        details: per-rank description of what differs.
+    """
+
+    def __init__(self, message: str, *, details: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.details = dict(details or {})

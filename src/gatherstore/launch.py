@@ -1,0 +1,267 @@
+"""Start, join and end a process group: ``launch``, ``init_from_env``, ``shutdown``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import multiprocessing as mp
+import os
+import re
+import socket
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from . import control, topology
+from .config import Timeout, to_seconds
+from .errors import RemoteRankError
+
+__all__ = ["free_port", "init_from_env", "launch", "shutdown"]
+
+_KILL_GRACE = 5.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _pick_backend(requested: str, nproc_per_node: int) -> str:
+    if requested != "auto":
+        return requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dist.is_nccl_available() and gpus >= nproc_per_node:
+        return "nccl"
+    return "gloo"
+
+
+def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Timeout) -> None:
+    """Initialise the default group (env:// rendezvous) and the control group."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=_dt.timedelta(seconds=to_seconds(timeout)),
+    )
+    if world_size > 1:
+        control.control_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    *,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    backend: str = "auto",
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: Timeout = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``nproc_per_node`` new processes of one job.
+
+    Each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...),
+    joins the process group (``backend="auto"``: NCCL when every local rank has
+    its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
+    and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
+    lambdas and closures included.  ``timeout`` is the process group's timeout.
+
+    Returns:
+        The local ranks' return values, in rank order.
+
+    Raises:
+        RemoteRankError: a child raised or died; names its rank and carries its
+            traceback text.  The other children are stopped first.
+        ValueError: bad arguments (e.g. no ``master_port`` for several nodes).
+    """
+    if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(
+            f"nproc_per_node={nproc_per_node}, nnodes={nnodes}, node_rank={node_rank}: "
+            "need nproc_per_node >= 1, nnodes >= 1 and 0 <= node_rank < nnodes"
+        )
+    if master_port is None:
+        if nnodes > 1:
+            raise ValueError(
+                "master_port=None only works on one node: pass the same master_port "
+                "(a free port on master_addr) to launch() on every node"
+            )
+        master_port = free_port(master_addr)
+    to_seconds(timeout)
+    chosen = _pick_backend(backend, nproc_per_node)
+    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    world_size = nproc_per_node * nnodes
+    env = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+    }
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    try:
+        for local_rank in range(nproc_per_node):
+            rank = node_rank * nproc_per_node + local_rank
+            child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child,
+                args=(payload, child_env, chosen, timeout, child_end),
+                name=f"gatherstore-rank{rank}",
+            )
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+        return _collect(procs, conns, node_rank * nproc_per_node)
+    finally:
+        _stop(procs)
+        for conn in conns:
+            conn.close()
+
+
+def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list[Any]:
+    """Wait for every child's result; on the first failure raise it."""
+    results: list[Any] = [None] * len(procs)
+    pending = dict(enumerate(conns))
+    while pending:
+        ready = wait(list(pending.values()) + [procs[i].sentinel for i in pending])
+        for i, conn in list(pending.items()):
+            rank = first_rank + i
+            if conn in ready or conn.poll():
+                try:
+                    status, value, tb = conn.recv()
+                except EOFError:
+                    status, value, tb = "error", "", ""
+                del pending[i]
+                if status == "ok":
+                    results[i] = cloudpickle.loads(value)
+                    continue
+                procs[i].join(timeout=_KILL_GRACE)
+                message = value or f"exited with code {procs[i].exitcode} before returning"
+                raise RemoteRankError(rank, message, remote_traceback=tb, context="launch")
+            if procs[i].sentinel in ready and not conn.poll():
+                procs[i].join()
+                del pending[i]
+                raise RemoteRankError(
+                    rank,
+                    f"process exited with code {procs[i].exitcode} before returning",
+                    context="launch",
+                )
+    return results
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate children still alive, then kill those that ignore it."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=_KILL_GRACE)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _child(
+    payload: bytes, env: dict[str, str], backend: str, timeout: Timeout, conn: Connection
+) -> None:
+    os.environ.update(env)
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        _join(backend, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), timeout)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            shutdown()
+        message: tuple[str, Any, str] = ("ok", cloudpickle.dumps(result), "")
+    except BaseException as exc:  # report everything, SystemExit included
+        message = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    conn.send(message)
+    conn.close()
+
+
+def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
+    """Join the process group described by the environment.
+
+    Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+    SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and MASTER_ADDR taken
+    from the first host of SLURM_JOB_NODELIST; MASTER_PORT defaults to 29500).
+
+    Returns:
+        True when a group was joined (or already existed), False in a plain
+        single process with none of those variables (the serial answers apply).
+    """
+    if topology.is_distributed():
+        return True
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank = int(env.get("SLURM_LOCALID", "0"))
+        if "MASTER_ADDR" not in env:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            if not nodelist:
+                raise ValueError(
+                    "SLURM job without SLURM_JOB_NODELIST or MASTER_ADDR: export "
+                    "MASTER_ADDR=<first node's hostname> before starting the job"
+                )
+            env["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
+        env.setdefault("MASTER_PORT", "29500")
+    else:
+        return False
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise ValueError(
+            "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not: "
+            "export both (torchrun does this for you)"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_size = int(env.get("LOCAL_WORLD_SIZE", str(max(gpus, 1))))
+    _join(_pick_backend(backend, local_size), rank, world, local_rank, timeout)
+    return True
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Hostnames of a SLURM node list, e.g. ``"gpu[01-03,07],cpu1"``.
+
+    Raises:
+        ValueError: the list is malformed.
+    """
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            if not first.isdigit() or (last and not last.isdigit()):
+                raise ValueError(f"cannot parse SLURM node list {nodelist!r} at {part!r}")
+            width = len(first)
+            for number in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}")
+    if not hosts:
+        raise ValueError(f"SLURM node list {nodelist!r} names no host")
+    return hosts
+
+
+def shutdown() -> None:
+    """Leave and destroy the process group (no-op without one)."""
+    if topology.is_distributed():
+        dist.destroy_process_group()
+    control.reset()
+    topology.forget()

@@ -1,0 +1,104 @@
+"""gatherstore's pytest plugin: real Redis and S3 services, and a multi-process runner.
+
+Registered under the ``pytest11`` entry point, so it loads wherever gatherstore is
+installed; it imports nothing heavy until a fixture runs. Disable it with
+``-p no:gatherstore``.
+
+Fixtures:
+    gatherstore_redis_url (session): ``GATHERSTORE_TEST_REDIS_URL``, else a throwaway
+        ``redis-server`` (``gatherstore.services.start_redis``).
+    gatherstore_s3 (session): an :class:`S3Endpoint` for ``GATHERSTORE_TEST_S3_ENDPOINT``
+        (``GATHERSTORE_TEST_S3_KEY`` / ``_SECRET``), else a throwaway SeaweedFS.
+    gatherstore_run (function): ``run(fn, nproc=2, *args, timeout=60, **kwargs)`` runs
+        ``fn`` in ``nproc`` gloo processes with ``gatherstore.launch``.
+
+A service that cannot start skips the tests that need it, except when the environment
+variable ``CI`` is set (and not "0"/"false"): then they fail.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import pytest
+
+__all__ = ["S3Endpoint", "gatherstore_redis_url", "gatherstore_run", "gatherstore_s3"]
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    """An S3-compatible endpoint and its credentials."""
+
+    endpoint_url: str
+    key: str
+    secret: str
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``s3fs.S3FileSystem`` (fsspec storage options)."""
+        return {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {"endpoint_url": self.endpoint_url},
+        }
+
+
+def _unavailable(service: str, exc: Exception) -> NoReturn:
+    message = f"{service} could not start: {exc}"
+    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"{message}\n(CI is set, so this fails instead of skipping)", pytrace=False)
+    pytest.skip(f"{message}\n(run stores/install, or set the GATHERSTORE_TEST_* variables)")
+
+
+@pytest.fixture(scope="session")
+def gatherstore_redis_url() -> Iterator[str]:
+    """A ``redis://`` URL of a real Redis for the whole session."""
+    url = os.environ.get("GATHERSTORE_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    from gatherstore.services import start_redis
+
+    try:
+        service = start_redis()
+    except (RuntimeError, OSError) as exc:
+        _unavailable("redis-server", exc)
+    with service:
+        yield service.url
+
+
+@pytest.fixture(scope="session")
+def gatherstore_s3() -> Iterator[S3Endpoint]:
+    """A real S3-compatible endpoint (SigV4 credentials included) for the whole session."""
+    from gatherstore.services import S3_KEY, S3_SECRET, start_s3
+
+    endpoint = os.environ.get("GATHERSTORE_TEST_S3_ENDPOINT")
+    if endpoint:
+        key = os.environ.get("GATHERSTORE_TEST_S3_KEY", S3_KEY)
+        yield S3Endpoint(endpoint, key, os.environ.get("GATHERSTORE_TEST_S3_SECRET", S3_SECRET))
+        return
+    try:
+        service = start_s3()
+    except (RuntimeError, OSError) as exc:
+        _unavailable("SeaweedFS (S3)", exc)
+    with service:
+        yield S3Endpoint(service.endpoint_url, service.key, service.secret)
+
+
+@pytest.fixture
+def gatherstore_run() -> Callable[..., list[Any]]:
+    """``run(fn, nproc=2, *args, timeout=60, **kwargs)``: ``fn``'s results, in rank order."""
+
+    def run(
+        fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float = 60, **kwargs: Any
+    ) -> list[Any]:
+        import gatherstore
+
+        return gatherstore.launch(
+            fn, nproc_per_node=nproc, backend="gloo", args=args, kwargs=kwargs, timeout=timeout
+        )
+
+    return run

