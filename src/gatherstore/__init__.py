@@ -14,6 +14,7 @@ from .collectives import (
 from .errors import (
     GatherError,
     GatherTimeout,
+    InsufficientMemoryError,
     IntegrityError,
     MismatchError,
     RemoteRankError,
@@ -21,6 +22,9 @@ from .errors import (
     StoreUnavailableError,
 )
 from .launch import init_from_env, launch, shutdown
+from .objects import all_gather_object, broadcast_object, gather_iter, gather_object
+from .results import collect_results
+from .stores import Store, open_store, register_store, set_default_store
 from .topology import (
     backend,
     describe,
@@ -41,20 +45,27 @@ __version__ = "0.1.0"
 __all__ = [
     "GatherError",
     "GatherTimeout",
+    "InsufficientMemoryError",
     "IntegrityError",
     "MismatchError",
     "RemoteRankError",
     "StoreNotSharedError",
+    "Store",
     "StoreUnavailableError",
     "__version__",
+    "all_gather_object",
     "all_gather_tensor",
     "all_reduce",
     "all_reduce_dict",
     "backend",
     "barrier",
+    "broadcast_object",
     "broadcast_tensor",
+    "collect_results",
     "describe",
     "device",
+    "gather_iter",
+    "gather_object",
     "get_local_rank",
     "get_local_size",
     "get_nnodes",
@@ -67,8 +78,11 @@ __all__ = [
     "is_main_process",
     "launch",
     "one_rank_only",
+    "open_store",
     "rank_zero_only",
     "reduce_dict",
+    "register_store",
+    "set_default_store",
     "shared_random_seed",
     "shutdown",
 ]

@@ -39,7 +39,8 @@ def _current() -> dict[str, Any]:
     world = dist.group.WORLD
     if _state["world"] is not world:
         base = dist.distributed_c10d._get_default_store()
-        _state.update(world=world, store=dist.PrefixStore("gatherstore", base), group=None, step=0)
+        store = dist.PrefixStore("gatherstore", base)  # type: ignore[attr-defined]
+        _state.update(world=world, store=store, group=None, step=0)
     return _state
 
 

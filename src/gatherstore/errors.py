@@ -11,6 +11,7 @@ from collections.abc import Sequence
 __all__ = [
     "GatherError",
     "GatherTimeout",
+    "InsufficientMemoryError",
     "IntegrityError",
     "MismatchError",
     "RemoteRankError",
@@ -116,6 +117,13 @@ class StoreUnavailableError(GatherError, ConnectionError):
     def __init__(self, message: str, *, store: str) -> None:
         super().__init__(message)
         self.store = store
+
+
+class InsufficientMemoryError(GatherError, MemoryError):
+    """The gathered parts would not fit in the receiving rank's available memory.
+
+    Raised on every rank before any data moves; ``gather_iter`` avoids it.
+    """
 
 
 class MismatchError(GatherError, ValueError):

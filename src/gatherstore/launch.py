@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import multiprocessing as mp
 import os
@@ -16,9 +17,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import control, topology
+from . import control, session, topology
 from .config import Timeout, to_seconds
-from .errors import RemoteRankError
+from .errors import GatherError, RemoteRankError
 
 __all__ = ["free_port", "init_from_env", "launch", "shutdown"]
 
@@ -183,13 +184,15 @@ def _child(
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         _join(backend, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), timeout)
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            shutdown()
+        result = fn(*args, **kwargs)
+        shutdown()
         message: tuple[str, Any, str] = ("ok", cloudpickle.dumps(result), "")
     except BaseException as exc:  # report everything, SystemExit included
-        message = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        # report first: the parent stops the other ranks, so shutdown cannot hang
+        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        conn.close()
+        shutdown(wait=False)
+        return
     conn.send(message)
     conn.close()
 
@@ -237,31 +240,77 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Hostnames of a SLURM node list, e.g. ``"gpu[01-03,07],cpu1"``.
+    """Hostnames of a SLURM node list, e.g. ``"gpu[01-03,07],cpu1"`` or ``"r[1-2]-n[1-4]"``.
+
+    Ranges keep the zero padding of their first number; several bracket groups
+    in one name expand to every combination, in order.
 
     Raises:
-        ValueError: the list is malformed.
+        ValueError: the list is malformed (unbalanced or nested brackets, empty
+            names or ranges, non-numeric or decreasing ranges).
     """
     hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            if not first.isdigit() or (last and not last.isdigit()):
-                raise ValueError(f"cannot parse SLURM node list {nodelist!r} at {part!r}")
-            width = len(first)
-            for number in range(int(first), int(last or first) + 1):
-                hosts.append(f"{prefix}{number:0{width}d}")
-    if not hosts:
-        raise ValueError(f"SLURM node list {nodelist!r} names no host")
+    for name in _split_top_level(nodelist):
+        hosts += _expand_name(name, nodelist)
     return hosts
 
 
-def shutdown() -> None:
-    """Leave and destroy the process group (no-op without one)."""
+def _split_top_level(nodelist: str) -> list[str]:
+    """The comma-separated names of a node list (commas inside brackets kept)."""
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(nodelist):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            raise ValueError(f"SLURM node list {nodelist!r}: unbalanced or nested brackets")
+        if char == "," and depth == 0:
+            names.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"SLURM node list {nodelist!r}: unbalanced brackets")
+    names.append(nodelist[start:])
+    for name in names:
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(
+                f"SLURM node list {nodelist!r} has an empty or blank host name; expected "
+                "names such as 'node[01-04,07],gpu1'"
+            )
+    return names
+
+
+def _expand_name(name: str, nodelist: str) -> list[str]:
+    """Every host of one name with bracket groups, e.g. ``"n[1-2]-ib"``."""
+    pieces = re.split(r"\[([^\]]*)\]", name)  # literal, ranges, literal, ..., literal
+    expanded = [pieces[0]]
+    for ranges, literal in zip(pieces[1::2], pieces[2::2], strict=True):
+        numbers: list[str] = []
+        for part in ranges.split(","):
+            first, dash, last = part.partition("-")
+            last = last if dash else first
+            digits = re.fullmatch(r"[0-9]+", first) and re.fullmatch(r"[0-9]+", last)
+            if not digits or int(first) > int(last):
+                raise ValueError(
+                    f"cannot parse SLURM node list {nodelist!r} at {part!r}: expected "
+                    "ranges such as [01-04,07]"
+                )
+            numbers += [f"{n:0{len(first)}d}" for n in range(int(first), int(last) + 1)]
+        expanded = [f"{head}{n}{literal}" for head in expanded for n in numbers]
+    return expanded
+
+
+def shutdown(*, wait: bool = True) -> None:
+    """Leave and destroy the process group (no-op without one).
+
+    Rank 0 first removes the job areas gatherstore created in its stores; with
+    ``wait`` (the default) every rank meets first, so no rank is still reading.
+    """
     if topology.is_distributed():
+        if wait and session.has_sessions():
+            with contextlib.suppress(GatherError):
+                control.exchange(b"", timeout=to_seconds(None), what="shutdown")
+        session.end_sessions()
         dist.destroy_process_group()
     control.reset()
     topology.forget()

@@ -1,0 +1,394 @@
+"""Object collectives, routed over the process group or through a store.
+
+The shape of every call (see DESIGN.md, "How an object gather works"):
+
+1. each rank serialises its object; a failure is recorded, not raised;
+2. one control exchange shares (status, size, free memory) of every rank: if
+   any rank failed, every rank raises — nobody hangs;
+3. the route: "collective" sends pickled bytes over gatherstore's gloo group,
+   a store takes the parts as files/keys; "auto" picks by total size;
+4. each rank writes its part under a key unique to (job, call, rank), and a
+   second exchange confirms every write;
+5. readers read parts in rank order, verify them, and delete them; cleanup
+   runs on error paths too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import control, serialize, topology
+from .config import Timeout, to_seconds
+from .errors import (
+    GatherError,
+    InsufficientMemoryError,
+    RemoteRankError,
+    StoreUnavailableError,
+)
+from .session import JobSession, session_for
+from .stores.base import Store
+from .stores.registry import default_store, open_store
+
+__all__ = [
+    "AUTO_THRESHOLD",
+    "all_gather_object",
+    "broadcast_object",
+    "gather_iter",
+    "gather_object",
+]
+
+#: Totals up to this many bytes go over the process group with ``store="auto"``
+#: (``GATHERSTORE_AUTO_THRESHOLD`` overrides it).
+AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(32 << 20)))
+
+_opened: dict[str, Store] = {}
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (huge when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _resolve(store: str | Store | None) -> str | Store:
+    """ "collective", "auto", or an open Store (opened stores are reused per URL)."""
+    spec = default_store(store)
+    if isinstance(spec, Store) or spec in ("collective", "auto"):
+        return spec
+    if spec not in _opened:
+        _opened[spec] = open_store(spec)
+    return _opened[spec]
+
+
+def _status(ok: bool, **fields: Any) -> bytes:
+    return json.dumps({"ok": ok, **fields}).encode()
+
+
+def _failure(exc: BaseException) -> bytes:
+    return _status(
+        False,
+        error=f"{type(exc).__name__}: {exc}",
+        kind=type(exc).__name__,
+        tb=traceback.format_exc(),
+        store=str(getattr(exc, "store", "")),
+    )
+
+
+def _agree(mine: bytes, *, timeout: float, what: str, error: BaseException | None) -> list[Any]:
+    """Exchange statuses; if any rank failed, raise on every rank."""
+    statuses = [json.loads(s) for s in control.exchange(mine, timeout=timeout, what=what)]
+    failed = [r for r, s in enumerate(statuses) if not s["ok"]]
+    if not failed:
+        return statuses
+    if error is not None:
+        raise error
+    first = statuses[failed[0]]
+    if first.get("kind") == "StoreUnavailableError":
+        raise StoreUnavailableError(
+            f"{what}: rank {failed[0]} cannot use the store: {first['error']}",
+            store=first.get("store", ""),
+        )
+    raise RemoteRankError(
+        failed[0], first["error"], remote_traceback=first.get("tb", ""), ranks=failed, context=what
+    )
+
+
+class _Call:
+    """One object collective on this rank: encode, agree, route, move, clean up."""
+
+    def __init__(self, what: str, store: str | Store | None, timeout: Timeout) -> None:
+        self.what = what
+        self.timeout = to_seconds(timeout)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.target = _resolve(store)
+
+    def agree(
+        self, prepare: Callable[[], Any], receivers: Sequence[int], *, send: bool = True
+    ) -> list[int]:
+        """Build this rank's object (``self.own``), encode it when it is sent, exchange sizes.
+
+        Returns every rank's part size (0 for ranks that send nothing).
+        """
+        self.frame: serialize.Frame | None = None
+        self.own: Any = None
+        error: BaseException | None = None
+        try:
+            self.own = prepare()
+            if send:
+                self.frame = serialize.encode(self.own)
+            mine = _status(
+                True,
+                size=self.frame.nbytes if self.frame else 0,
+                avail=_available_memory() if self.rank in receivers else 0,
+            )
+        except Exception as exc:
+            error, mine = exc, _failure(exc)
+        statuses = _agree(mine, timeout=self.timeout, what=self.what, error=error)
+        sizes = [int(s["size"]) for s in statuses]
+        self.total = sum(sizes)
+        if self.target == "auto":
+            self.target = "collective" if self.total <= AUTO_THRESHOLD else _resolve("tmpdir")
+        for r in receivers:
+            incoming = self.total - sizes[r]
+            if incoming > statuses[r]["avail"]:
+                raise InsufficientMemoryError(
+                    f"{self.what}: rank {r} would receive {incoming / 2**30:.2f} GiB but has "
+                    f"{statuses[r]['avail'] / 2**30:.2f} GiB available; use gs.gather_iter "
+                    "(one part in memory at a time) or gather less per call"
+                )
+        return sizes
+
+    # --- the collective route ---------------------------------------------------
+    def _packed(self, size: int) -> torch.Tensor:
+        out = torch.zeros(size, dtype=torch.uint8)
+        if self.frame is not None:
+            self.frame.seal(None).copy_into(out.numpy().data)
+        return out
+
+    def collective_all(self, sizes: list[int]) -> list[torch.Tensor]:
+        longest = max(sizes)
+        slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+        dist.all_gather(slots, self._packed(longest), group=control.control_group())
+        return slots
+
+    def collective_to(self, dst: int, sizes: list[int]) -> list[torch.Tensor] | None:
+        longest = max(sizes)
+        slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+        dist.gather(
+            self._packed(longest),
+            slots if self.rank == dst else None,
+            dst=dst,
+            group=control.control_group(),
+        )
+        return slots if self.rank == dst else None
+
+    def decode_slot(self, slot: torch.Tensor, size: int, rank: int) -> Any:
+        return serialize.decode(slot.numpy().data[:size], rank=rank, where=self.what)
+
+    # --- the store route -----------------------------------------------------------
+    def write(self, writers: Sequence[int]) -> tuple[JobSession, str]:
+        """Write this rank's part (if it is a writer); confirm every write."""
+        assert isinstance(self.target, Store)
+        error: BaseException | None = None
+        mine = _status(True)
+        session = session_for(self.target, self.timeout)
+        prefix = session.next_call()
+        wrote = False
+        try:
+            if self.rank in writers and self.frame is not None:
+                session.store.put(
+                    self.key(prefix, self.rank), self.frame.seal(session.key).segments
+                )
+                wrote = True
+        except Exception as exc:
+            error, mine = exc, _failure(exc)
+        self.frame = None
+        try:
+            _agree(mine, timeout=self.timeout, what=self.what, error=error)
+        except BaseException:
+            if wrote:
+                session.store.delete(self.key(prefix, self.rank))
+            raise
+        return session, prefix
+
+    @staticmethod
+    def key(prefix: str, rank: int) -> str:
+        return f"{prefix}/{rank}"
+
+    def read(self, session: JobSession, prefix: str, rank: int) -> Any:
+        key = self.key(prefix, rank)
+        raw = session.store.get(key)
+        if raw is None:
+            raise GatherError(f"{self.what}: the part of rank {rank} vanished from {session.store}")
+        return serialize.decode(raw, key=session.key, rank=rank, where=f"{session.store} {key}")
+
+
+def _serial_check(dst: int, what: str) -> None:
+    world = topology.get_world_size()
+    if not 0 <= dst < world:
+        raise ValueError(f"{what}: dst={dst} is not a rank of this job (world size {world})")
+
+
+def all_gather_object(
+    obj: Any, *, store: str | Store | None = None, timeout: Timeout = None
+) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank.
+
+    This rank's own entry is ``obj`` itself; the others are decoded copies
+    (arrays as views into the part they were read from).
+
+    Raises:
+        RemoteRankError: another rank failed (e.g. its object cannot be pickled).
+        GatherTimeout: ranks that did not arrive in time (named).
+        StoreNotSharedError / StoreUnavailableError / IntegrityError: store problems.
+    """
+    if not topology.is_distributed():
+        return [obj]
+    call = _Call("all_gather_object", store, timeout)
+    everyone = list(range(call.world))
+    sizes = call.agree(lambda: obj, everyone)
+    if call.target == "collective":
+        slots = call.collective_all(sizes)
+        return [
+            obj if r == call.rank else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)
+        ]
+    session, prefix = call.write(everyone)
+    error: BaseException | None = None
+    out: list[Any] = []
+    mine = _status(True)
+    try:
+        out = [obj if r == call.rank else call.read(session, prefix, r) for r in everyone]
+    except Exception as exc:
+        error, mine = exc, _failure(exc)
+    try:
+        _agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
+    finally:
+        session.store.delete(call.key(prefix, call.rank))
+    return out
+
+
+def gather_object(
+    obj: Any, dst: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
+) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on ``dst``; None on the other ranks.
+
+    Raises:
+        InsufficientMemoryError: the parts would not fit in ``dst``'s available
+            memory (raised on every rank before any data moves).
+        and the errors of :func:`all_gather_object`.
+    """
+    _serial_check(dst, "gather_object")
+    if not topology.is_distributed():
+        return [obj]
+    parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_object")
+    return None if parts is None else list(parts)
+
+
+def gather_iter(
+    obj: Any, dst: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
+) -> Iterator[Any]:
+    """Every rank's ``obj`` on ``dst`` as an iterator in rank order, one part in memory at a time.
+
+    The collective part runs when this is called (every rank must call it);
+    ``dst`` then reads and deletes one part per step.  Other ranks get an empty
+    iterator.  Closing the iterator early deletes the parts not read.
+    """
+    _serial_check(dst, "gather_iter")
+    if not topology.is_distributed():
+        return iter([obj])
+    parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_iter", stream=True)
+    return iter(()) if parts is None else parts
+
+
+def gather_prepared(
+    prepare: Callable[[], Any],
+    dst: int,
+    store: str | Store | None,
+    timeout: Timeout,
+    what: str,
+    stream: bool = False,
+) -> Iterator[Any] | None:
+    """The gather behind the public calls: ``prepare()`` builds each rank's object,
+    and its exceptions are reported to every rank instead of raised alone."""
+    call = _Call(what, store, timeout)
+    others = [r for r in range(call.world) if r != dst]
+    sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst)
+    obj = call.own
+    if call.target == "collective":
+        slots = call.collective_to(dst, sizes)
+        if slots is None:
+            return None
+        return iter(
+            [obj if r == dst else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)]
+        )
+    session, prefix = call.write(others)
+    if call.rank != dst:
+        return None
+    parts = _Parts(call, session, prefix, dst, obj)
+    return parts if stream else iter(list(parts))
+
+
+class _Parts(Iterator[Any]):
+    """dst's view of a stored gather: reads, verifies and deletes one part per step."""
+
+    def __init__(self, call: _Call, session: JobSession, prefix: str, dst: int, own: Any) -> None:
+        self.call, self.session, self.prefix, self.dst, self.own = call, session, prefix, dst, own
+        self.next_rank = 0
+        self.closed = False
+
+    def __iter__(self) -> _Parts:
+        return self
+
+    def __next__(self) -> Any:
+        rank = self.next_rank
+        if rank >= self.call.world:
+            self.close()
+            raise StopIteration
+        self.next_rank += 1
+        if rank == self.dst:
+            return self.own
+        try:
+            return self.call.read(self.session, self.prefix, rank)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self.session.store.delete(self.call.key(self.prefix, rank))
+
+    def close(self) -> None:
+        """Delete the parts not read yet."""
+        if not self.closed:
+            self.closed = True
+            self.next_rank = self.call.world
+            self.session.store.delete(self.prefix)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            return
+
+
+def broadcast_object(
+    obj: Any = None, src: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
+) -> Any:
+    """``src``'s ``obj`` on every rank (``src`` gets its own object back)."""
+    _serial_check(src, "broadcast_object")
+    if not topology.is_distributed():
+        return obj
+    call = _Call("broadcast_object", store, timeout)
+    receivers = [r for r in range(call.world) if r != src]
+    sizes = call.agree(lambda: obj, receivers, send=call.rank == src)
+    if call.target == "collective":
+        buf = call._packed(sizes[src])
+        dist.broadcast(buf, src=src, group=control.control_group())
+        return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
+    session, prefix = call.write([src])
+    error: BaseException | None = None
+    mine = _status(True)
+    out = obj
+    try:
+        if call.rank != src:
+            out = call.read(session, prefix, src)
+    except Exception as exc:
+        error, mine = exc, _failure(exc)
+    try:
+        _agree(mine, timeout=call.timeout, what="broadcast_object (read)", error=error)
+    finally:
+        if call.rank == src:
+            session.store.delete(prefix)
+    return out

@@ -1,0 +1,143 @@
+"""A job's use of one store: its private area, the shared-ness check, the signing key.
+
+At a store's first use in a job every rank comes here together: rank 0
+prepares the job's area (e.g. a fresh 0700 directory) and writes a marker;
+every rank checks it sees the marker, else every rank raises
+StoreNotSharedError.  When the store's parts are signed, rank 0 draws a random
+key and broadcasts it over the gloo control group; it is never written to any
+store.  The job's area is removed when the process group is shut down (or at
+exit on rank 0).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import control
+from .errors import RemoteRankError, StoreNotSharedError
+from .stores.base import Store
+
+__all__ = ["JobSession", "end_sessions", "has_sessions", "session_for"]
+
+_MARKER = "marker"
+_VISIBILITY_WAIT = 2.0
+
+
+@dataclass
+class JobSession:
+    """One store's state in this job: the job-scoped store, key, call counter."""
+
+    base: Store
+    locator: str
+    store: Store
+    key: bytes | None
+    calls: int = 0
+
+    def next_call(self) -> str:
+        """A key prefix unique to this (job, call); identical on every rank."""
+        self.calls += 1
+        return f"call-{self.calls}"
+
+
+# (default group, {store identity: session})
+_sessions: dict[str, Any] = {"world": None, "by_store": {}}
+
+
+def _identity(store: Store) -> str:
+    return f"{type(store).__qualname__}|{store.url}|{id(store)}"
+
+
+def session_for(store: Store, timeout: float) -> JobSession:
+    """The job's session on ``store``, set up collectively at its first use.
+
+    Raises:
+        StoreNotSharedError: some ranks cannot see rank 0's marker.
+        RemoteRankError: rank 0 could not prepare the store.
+    """
+    world = dist.group.WORLD
+    if _sessions["world"] is not world:
+        _sessions.update(world=world, by_store={})
+    cached: JobSession | None = _sessions["by_store"].get(_identity(store))
+    if cached is not None:
+        return cached
+    rank = dist.get_rank()
+    answer: dict[str, str] = {}
+    if rank == 0:
+        job_id = uuid.uuid4().hex[:16]
+        try:
+            answer["locator"] = store.prepare_job(job_id)
+            store.join_job(answer["locator"]).put(_MARKER, job_id.encode())
+        except Exception as exc:
+            answer["error"] = f"{type(exc).__name__}: {exc}"
+    reply = json.loads(
+        control.exchange(json.dumps(answer).encode(), timeout=timeout, what="store setup")[0]
+    )
+    if "error" in reply:
+        raise RemoteRankError(0, reply["error"], context=f"setting up store {store}")
+    job = store.join_job(reply["locator"])
+    session = JobSession(store, reply["locator"], job, None)
+    seen = rank == 0 or _sees_marker(job)
+    flags = control.exchange(b"1" if seen else b"0", timeout=timeout, what="store check")
+    blind = [r for r, flag in enumerate(flags) if flag != b"1"]
+    if blind:
+        if rank == 0:
+            _end(session)
+        raise StoreNotSharedError(
+            f"store {store} is not visible from ranks {blind}: they cannot see the job "
+            f"area {reply['locator']!r} that rank 0 created. Use a store every rank "
+            "shares: tmpdir only on one machine; across machines file:///<shared dir>, "
+            "redis:// or s3:// (memory:// lives inside one process)",
+            ranks=blind,
+            store=str(store),
+        )
+    if job.sign_parts:
+        session.key = _shared_key()
+    _sessions["by_store"][_identity(store)] = session
+    if rank == 0:
+        atexit.register(_end, session)
+    return session
+
+
+def _sees_marker(job: Store) -> bool:
+    try:
+        job.wait([_MARKER], _VISIBILITY_WAIT)
+    except Exception:
+        return False
+    return True
+
+
+def _shared_key() -> bytes:
+    """32 random bytes from rank 0, broadcast over the gloo control group."""
+    buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=control.control_group())
+    return bytes(buf.numpy())
+
+
+def _end(session: JobSession) -> None:
+    try:
+        session.base.end_job(session.locator)
+    except Exception:  # best effort at exit; `gatherstore gc` removes leftovers
+        return
+
+
+def has_sessions() -> bool:
+    """Whether this job has used a store."""
+    return bool(_sessions.get("by_store"))
+
+
+def end_sessions() -> None:
+    """Remove every job area this rank 0 created (called by ``shutdown``)."""
+    by_store: dict[str, JobSession] = _sessions.get("by_store", {})
+    if control.is_initialized() and dist.get_rank() == 0:
+        for session in by_store.values():
+            _end(session)
+            atexit.unregister(_end)
+    _sessions.update(world=None, by_store={})

@@ -1,0 +1,433 @@
+"""The Store ABC: a place for bytes, with everything but five primitives written once.
+
+A backend implements an all-or-nothing create-only write, a read that returns
+None when the key is absent, exists, list and delete.  Chunking, manifests,
+``wait``, exact prefix deletes, scoped views, error mapping, pickling and the
+password-free ``str`` live here.
+
+Every stored value starts with a 64-byte header: an inline value carries its
+payload after it; a value larger than ``max_value_size`` is written as chunks
+under ``<key>.chunks/`` first and its header (the manifest, listing the chunk
+sizes) last, so a reader never sees a partial value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import time
+import urllib.parse
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar
+
+from ..errors import GatherError, GatherTimeout, StoreUnavailableError
+
+__all__ = ["Buffer", "KeyExistsError", "Store", "hide_password"]
+
+Buffer = bytes | bytearray | memoryview
+
+_MAGIC = b"GSTORE\x00\x01"
+_HEADER = struct.Struct("<8sBxxxxxxxQQ")  # magic, kind, total payload, chunk count
+HEADER_SIZE = 64
+_INLINE, _CHUNKED = 0, 1
+CHUNKS = ".chunks"
+
+
+class KeyExistsError(GatherError, FileExistsError):
+    """A create-only put found the key already there."""
+
+
+def hide_password(url: str) -> str:
+    """``url`` with any password replaced by ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urllib.parse.urlunsplit(parts._replace(netloc=user + host))
+
+
+def _header(kind: int, total: int, count: int) -> bytes:
+    return _HEADER.pack(_MAGIC, kind, total, count).ljust(HEADER_SIZE, b"\0")
+
+
+def _nbytes(buf: Buffer) -> int:
+    return memoryview(buf).nbytes
+
+
+def _split(buffers: Sequence[Buffer], limit: int) -> Iterator[list[memoryview]]:
+    """Regroup ``buffers`` into runs of at most ``limit`` bytes, without copying."""
+    run: list[memoryview] = []
+    room = limit
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        while len(view):
+            take = view[:room]
+            run.append(take)
+            view = view[len(take) :]
+            room -= len(take)
+            if room == 0:
+                yield run
+                run, room = [], limit
+    if run:
+        yield run
+
+
+class Store(ABC):
+    """A key-value place for bytes that every rank of a job can reach.
+
+    Keys are ``/``-separated paths.  Subclasses implement ``_write``, ``_read``,
+    ``_exists``, ``_list`` and ``_delete`` (and may override ``_delete_prefix``).
+    """
+
+    #: Largest value written in one piece; larger values are chunked.
+    max_value_size: ClassVar[int] = 1 << 62
+    #: Backend exceptions that mean "cannot reach or write the store".
+    unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
+    #: Whether processes outside the job can write here (then parts are signed).
+    reachable_by_others: ClassVar[bool] = True
+    #: Whether ranks on other nodes can see the store (False: check at first use).
+    poll_interval: ClassVar[float] = 0.005
+
+    # --- primitives -------------------------------------------------------------
+    @abstractmethod
+    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        """Write the concatenation of ``buffers`` at ``key`` all-or-nothing.
+
+        Returns False (writing nothing) when ``key`` already exists.
+        """
+
+    @abstractmethod
+    def _read(self, key: str) -> Buffer | None:
+        """The whole value at ``key``, or None when absent."""
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterable[str]:
+        """Every key that starts with ``prefix`` (``""`` or ending in ``/``)."""
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[str]) -> None:
+        """Delete these exact keys; absent ones are ignored."""
+
+    def _delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix`` (ending in ``/``)."""
+        keys = list(self._list(prefix))
+        if keys:
+            self._delete(keys)
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The URL that reopens this store with :func:`gatherstore.open_store`."""
+
+    def _options(self) -> dict[str, Any]:
+        """Keyword options that, with ``url``, reopen an equal store."""
+        return {}
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Store:
+        """Open the store a URL names (see :func:`gatherstore.open_store`).
+
+        ``sign=True/False`` overrides whether parts are HMAC-signed
+        (default: when processes outside the job can reach the store).
+        """
+        sign = options.pop("sign", None)
+        store = cls._from_url(url, **options)
+        if sign is not None:
+            store.sign_parts = bool(sign)
+        return store
+
+    @classmethod
+    def _from_url(cls, url: str, **options: Any) -> Store:
+        raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
+
+    @property
+    def sign_parts(self) -> bool:
+        """Whether object parts written here are HMAC-signed and verified."""
+        return bool(self.__dict__.get("_sign", self.reachable_by_others))
+
+    @sign_parts.setter
+    def sign_parts(self, value: bool) -> None:
+        self.__dict__["_sign"] = value
+
+    # --- job hooks (see gatherstore.session) ----------------------------------------
+    def prepare_job(self, job_id: str) -> str:
+        """On rank 0, at a job's first use: create what the job needs; return a locator."""
+        return f"gatherstore/{job_id}/"
+
+    def join_job(self, locator: str) -> Store:
+        """On every rank: the store the job uses, given rank 0's locator."""
+        return self.scoped(locator)
+
+    def end_job(self, locator: str) -> None:
+        """On rank 0, when the job ends: remove what ``prepare_job`` created."""
+        self.delete(locator)
+
+    # --- the API written once ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _mapped(self, action: str) -> Iterator[None]:
+        """Map backend errors to gatherstore's, once, chained with ``from``."""
+        try:
+            yield
+        except GatherError:
+            raise
+        except self.unavailable_errors as exc:
+            raise StoreUnavailableError(
+                f"store {self} failed to {action}: {exc}; check that it is reachable, "
+                "writable and not full",
+                store=str(self),
+            ) from exc
+
+    @staticmethod
+    def _check_key(key: str) -> str:
+        if (
+            not key
+            or key.startswith("/")
+            or key.endswith("/")
+            or any(part in ("", ".", "..") or part.endswith(CHUNKS) for part in key.split("/"))
+        ):
+            raise ValueError(
+                f"store key {key!r} is not valid: use non-empty '/'-separated names, "
+                f"without '.', '..' or names ending in {CHUNKS!r}"
+            )
+        return key
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> int:
+        """Write ``data`` (bytes, or a sequence of buffers written back to back) at ``key``.
+
+        Create-only and all-or-nothing: a reader sees the whole value or nothing.
+
+        Returns:
+            The number of payload bytes written.
+
+        Raises:
+            KeyExistsError: ``key`` already exists.
+            StoreUnavailableError: the store cannot be written.
+        """
+        self._check_key(key)
+        buffers: Sequence[Buffer] = (
+            [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        )
+        total = sum(_nbytes(b) for b in buffers)
+        with self._mapped(f"write {key!r}"):
+            if total + HEADER_SIZE <= self.max_value_size:
+                if not self._write(key, [_header(_INLINE, total, 0), *buffers]):
+                    raise self._exists_error(key)
+                return total
+            return self._put_chunked(key, buffers, total)
+
+    def _put_chunked(self, key: str, buffers: Sequence[Buffer], total: int) -> int:
+        if self._exists(key):
+            raise self._exists_error(key)
+        chunk_dir = f"{key}{CHUNKS}/{uuid.uuid4().hex}/"
+        sizes: list[int] = []
+        try:
+            for i, run in enumerate(_split(buffers, self.max_value_size)):
+                if not self._write(f"{chunk_dir}{i:08d}", run):
+                    raise self._exists_error(f"{chunk_dir}{i:08d}")
+                sizes.append(sum(len(v) for v in run))
+            manifest = struct.pack(f"<{len(sizes)}Q", *sizes) + chunk_dir.encode()
+            if not self._write(key, [_header(_CHUNKED, total, len(sizes)), manifest]):
+                raise self._exists_error(key)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._delete_prefix(chunk_dir)
+            raise
+        return total
+
+    def _exists_error(self, key: str) -> KeyExistsError:
+        return KeyExistsError(
+            f"key {key!r} already exists in store {self}; parts are create-only — "
+            "delete it first or use a new key"
+        )
+
+    def _parse(self, key: str, raw: Buffer) -> tuple[int, int, int, memoryview]:
+        view = memoryview(raw).cast("B")
+        if len(view) < HEADER_SIZE:
+            raise self._corrupt(key, "shorter than its header")
+        magic, kind, total, count = _HEADER.unpack_from(view)
+        if magic != _MAGIC or kind not in (_INLINE, _CHUNKED):
+            raise self._corrupt(key, "not written by this version of gatherstore's store layer")
+        body = view[HEADER_SIZE:]
+        if kind == _INLINE and len(body) != total:
+            raise self._corrupt(key, f"truncated: {len(body)} of {total} bytes")
+        return kind, total, count, body
+
+    def _corrupt(self, key: str, why: str) -> GatherError:
+        from ..errors import IntegrityError
+
+        return IntegrityError(f"value {key!r} in store {self} is {why}", key=key)
+
+    def _chunk_layout(self, key: str, count: int, body: memoryview) -> list[tuple[str, int]]:
+        sizes = struct.unpack_from(f"<{count}Q", body)
+        chunk_dir = bytes(body[8 * count :]).decode()
+        return [(f"{chunk_dir}{i:08d}", n) for i, n in enumerate(sizes)]
+
+    def get(self, key: str) -> Buffer | None:
+        """The value at ``key`` (zero-copy where the backend allows), or None when absent.
+
+        Raises:
+            IntegrityError: the value or one of its chunks is damaged or missing.
+        """
+        self._check_key(key)
+        with self._mapped(f"read {key!r}"):
+            raw = self._read(key)
+            if raw is None:
+                return None
+            kind, total, count, body = self._parse(key, raw)
+            if kind == _INLINE:
+                return body
+            out = bytearray(total)
+            pos = 0
+            for chunk in self._iter_chunk_values(key, count, body):
+                out[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+            return out
+
+    def iter_chunks(self, key: str) -> Iterator[memoryview]:
+        """Stream the value at ``key`` chunk by chunk (one chunk in memory at a time).
+
+        Raises:
+            KeyError: ``key`` is absent.
+        """
+        self._check_key(key)
+        with self._mapped(f"read {key!r}"):
+            raw = self._read(key)
+            if raw is None:
+                raise KeyError(f"no key {key!r} in store {self}")
+            kind, _, count, body = self._parse(key, raw)
+            if kind == _INLINE:
+                yield body
+                return
+            yield from self._iter_chunk_values(key, count, body)
+
+    def _iter_chunk_values(self, key: str, count: int, body: memoryview) -> Iterator[memoryview]:
+        for chunk_key, size in self._chunk_layout(key, count, body):
+            raw = self._read(chunk_key)
+            if raw is None or _nbytes(raw) != size:
+                raise self._corrupt(key, f"missing or truncated chunk {chunk_key!r}")
+            yield memoryview(raw).cast("B")
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds a complete value."""
+        with self._mapped(f"check {key!r}"):
+            return self._exists(self._check_key(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix`` (chunks hidden), sorted."""
+        with self._mapped(f"list {prefix!r}"):
+            return sorted(
+                k for k in self._list(prefix) if not any(p.endswith(CHUNKS) for p in k.split("/"))
+            )
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        """Block until every key exists.
+
+        Raises:
+            GatherTimeout: some keys are still missing after ``timeout`` seconds;
+                ``keys`` lists them.
+        """
+        missing = list(keys)
+        deadline = time.monotonic() + timeout
+        delay = self.poll_interval / 8
+        while True:
+            missing = [k for k in missing if not self.exists(k)]
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise GatherTimeout(
+                    f"store {self}: keys {missing} did not appear within {timeout:g} s",
+                    keys=missing,
+                    timeout=timeout,
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, self.poll_interval * 20)
+
+    def delete(self, prefix: str) -> None:
+        """Delete the key ``prefix`` (with its chunks) and every key under ``prefix/``.
+
+        Exact: ``delete("a")`` never touches ``a-b`` or ``ab``.
+        """
+        base = prefix.rstrip("/")
+        with self._mapped(f"delete {prefix!r}"):
+            if base:
+                self._delete([base])
+                self._delete_prefix(f"{base}{CHUNKS}/")
+            self._delete_prefix(f"{base}/" if base else "")
+
+    def scoped(self, prefix: str) -> Store:
+        """A view of this store in which every key lives under ``prefix``."""
+        return ScopedStore(self, prefix)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the store is unusable afterwards."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __str__(self) -> str:
+        return hide_password(self.url)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from .registry import _reopen
+
+        return (_reopen, (self.url, self._options()))
+
+
+class ScopedStore(Store):
+    """A view of a parent store whose keys all live under a prefix."""
+
+    def __init__(self, parent: Store, prefix: str) -> None:
+        self.parent = parent
+        self.prefix = prefix.strip("/") + "/"
+        self.max_value_size = parent.max_value_size  # type: ignore[misc]
+        self.unavailable_errors = parent.unavailable_errors  # type: ignore[misc]
+        self.reachable_by_others = parent.reachable_by_others  # type: ignore[misc]
+        self.poll_interval = parent.poll_interval  # type: ignore[misc]
+        self.sign_parts = parent.sign_parts
+
+    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        return self.parent._write(self.prefix + key, buffers)
+
+    def _read(self, key: str) -> Buffer | None:
+        return self.parent._read(self.prefix + key)
+
+    def _exists(self, key: str) -> bool:
+        return self.parent._exists(self.prefix + key)
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        n = len(self.prefix)
+        return (k[n:] for k in self.parent._list(self.prefix + prefix))
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        self.parent._delete([self.prefix + k for k in keys])
+
+    def _delete_prefix(self, prefix: str) -> None:
+        self.parent._delete_prefix(self.prefix + prefix)
+
+    @property
+    def url(self) -> str:
+        return self.parent.url
+
+    def __str__(self) -> str:
+        return f"{self.parent} [{self.prefix}]"
+
+    def close(self) -> None:
+        self.parent.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ScopedStore, (self.parent, self.prefix))

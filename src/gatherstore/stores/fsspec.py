@@ -1,0 +1,125 @@
+"""Any fsspec filesystem: ``memory://``, ``file://``, ``s3://``, ``gs://``, ``az://``, ...
+
+Object stores publish a value with one PUT (or one multipart upload, which
+becomes visible only when completed), so a reader never sees part of it;
+filesystems write a temp file and move it into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import fsspec
+
+from .base import Buffer, Store
+
+__all__ = ["FsspecStore"]
+
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+
+
+def _backend_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [OSError, ConnectionError, TimeoutError]
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        errors += [BotoCoreError, ClientError]
+    return tuple(errors)
+
+
+class FsspecStore(Store):
+    """Values as files/objects of an fsspec filesystem under ``url``.
+
+    ``storage_options`` (e.g. ``endpoint_url``, ``key``, ``secret`` for S3) go
+    to fsspec; the usual environment (AWS_* variables, config files) applies.
+    """
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        self.root = root.rstrip("/")
+        self.protocol = url.split("://", 1)[0] if "://" in url else "file"
+        self.storage_options = storage_options
+        self.unavailable_errors = _backend_errors()  # type: ignore[misc]
+        self.reachable_by_others = self.protocol != "memory"  # type: ignore[misc]
+        self._object_store = self.protocol in _OBJECT_STORES
+
+    @classmethod
+    def _from_url(cls, url: str, **options: Any) -> Store:
+        return cls(url, **options)
+
+    @property
+    def url(self) -> str:
+        return f"{self.protocol}://{self.root}"
+
+    def _options(self) -> dict[str, Any]:
+        return dict(self.storage_options)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        path = self._path(key)
+        if self._exists(key):
+            return False
+        target = path if self._object_store else f"{path}.tmp-{uuid.uuid4().hex}"
+        if not self._object_store:
+            self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        f = self.fs.open(target, "wb")
+        try:
+            for buf in buffers:
+                f.write(memoryview(buf).cast("B"))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                discard = getattr(f, "discard", None)
+                if discard is not None:
+                    discard()
+                f.close()
+                if not self._object_store:
+                    self.fs.rm_file(target)
+            raise
+        f.close()
+        if not self._object_store:
+            if self._exists(key):
+                self.fs.rm_file(target)
+                return False
+            self.fs.mv(target, path)
+        return True
+
+    def _read(self, key: str) -> Buffer | None:
+        try:
+            data: bytes = self.fs.cat_file(self._path(key))
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return data
+
+    def _exists(self, key: str) -> bool:
+        path = self._path(key)
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.isfile(path))
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        top = self._path(prefix.rstrip("/"))
+        self.fs.invalidate_cache(top)
+        if not self.fs.exists(top):
+            return []
+        start = len(self.root) + 1 if self.root else 0
+        return [p[start:] for p in self.fs.find(top) if ".tmp-" not in p.rsplit("/", 1)[-1]]
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._path(key))
+
+    def _delete_prefix(self, prefix: str) -> None:
+        keys = list(self._list(prefix))
+        if keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm([self._path(k) for k in keys])
+        top = self._path(prefix.rstrip("/"))
+        if prefix and not self._object_store:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                if self.fs.isdir(top):
+                    self.fs.rm(top, recursive=True)

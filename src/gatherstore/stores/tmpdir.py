@@ -1,0 +1,194 @@
+"""Local and shared filesystems: ``tmpdir`` (a private job directory) and ``file://``.
+
+Values are files; a write goes to a temp file with vectored writes and is
+published with ``link`` (atomic and create-only, on NFS too).  Large values
+are read back memory-mapped (copy-on-write), so arrays decoded from them point
+into the mapping without a copy and stay valid after the file is deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .base import Buffer, Store
+
+__all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
+
+_TMP = ".tmp-"
+_MMAP_MIN = 1 << 20
+_IOV_MAX = 1024
+_SHM_MIN_FREE = 4 << 30
+
+
+def default_tmpdir_base() -> str:
+    """$GATHERSTORE_TMPDIR, else /dev/shm when writable with >= 4 GiB free, else the temp dir."""
+    explicit = os.environ.get("GATHERSTORE_TMPDIR")
+    if explicit:
+        return explicit
+    shm = "/dev/shm"
+    with contextlib.suppress(OSError):
+        stat = os.statvfs(shm)
+        if os.access(shm, os.W_OK) and stat.f_bavail * stat.f_frsize >= _SHM_MIN_FREE:
+            return shm
+    return tempfile.gettempdir()
+
+
+def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
+    """Write ``buffers`` back to back with ``writev``, handling partial writes."""
+    views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        while written and views:
+            if written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][written:]
+                written = 0
+
+
+class FileStore(Store):
+    """Values as files under a directory every rank can see (``file:///shared/dir``).
+
+    At a job's first use rank 0 creates ``<dir>/gatherstore-<job>-*`` (mode
+    0700); the job works there and removes only that directory at its end.
+    The directory the user passed is never removed.
+    """
+
+    unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
+    reachable_by_others: ClassVar[bool] = True
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+
+    @classmethod
+    def _from_url(cls, url: str, **options: Any) -> Store:
+        if options:
+            raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
+        path = url.removeprefix("file://")
+        if not path.startswith("/"):
+            raise ValueError(f"{url!r}: give an absolute path, e.g. file:///shared/nfs/dir")
+        return cls(path)
+
+    @property
+    def url(self) -> str:
+        return f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        path = self._path(key)
+        if path.exists():
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                write_all(fd, buffers)
+            finally:
+                os.close(fd)
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return True
+
+    def _read(self, key: str) -> Buffer | None:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _MMAP_MIN:
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    return f.read()
+            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+        finally:
+            os.close(fd)
+
+    def _exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        top = self._path(prefix) if prefix else self.root
+        for dirpath, _, files in os.walk(top):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for name in files:
+                if not name.startswith(_TMP):
+                    yield name if rel == "." else f"{rel}/{name}"
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(self._path(key))
+
+    def _delete_prefix(self, prefix: str) -> None:
+        top = self._path(prefix) if prefix else self.root
+        if not top.is_dir():
+            return
+        if top == self.root:
+            for child in list(top.iterdir()):
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(top, ignore_errors=True)
+
+    def prepare_job(self, job_id: str) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"gatherstore-{job_id}-", dir=self.root)
+
+    def join_job(self, locator: str) -> Store:
+        store = FileStore(locator)
+        store.sign_parts = self.sign_parts
+        return store
+
+    def end_job(self, locator: str) -> None:
+        path = Path(locator)
+        if path.parent == self.root and path.name.startswith("gatherstore-"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class TmpdirStore(FileStore):
+    """A private job directory under a node-local base (``tmpdir`` or ``tmpdir:///base``).
+
+    The base defaults to :func:`default_tmpdir_base` (/dev/shm when it has
+    room).  Fine on one machine; across machines use ``file:///<shared dir>``.
+    Parts are not signed by default: the job directory is mode 0700 on a
+    local filesystem, reachable only by the job's own user.
+    """
+
+    reachable_by_others: ClassVar[bool] = False
+
+    def __init__(self, base: str | os.PathLike[str] | None = None) -> None:
+        self.explicit_base = base is not None
+        super().__init__(base if base is not None else default_tmpdir_base())
+
+    @classmethod
+    def _from_url(cls, url: str, **options: Any) -> Store:
+        if options:
+            raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
+        if url == "tmpdir":
+            return cls()
+        path = url.removeprefix("tmpdir://")
+        if not path.startswith("/"):
+            raise ValueError(f"{url!r}: give an absolute base, e.g. tmpdir:///dev/shm")
+        return cls(path)
+
+    @property
+    def url(self) -> str:
+        return f"tmpdir://{self.root}" if self.explicit_base else "tmpdir"

@@ -1,0 +1,223 @@
+"""Tensor collectives, barriers and rank filters: serially and in real gloo groups."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import gatherstore as gs
+
+OPS = ["sum", "mean", "max", "min", "product"]
+
+
+def launch(fn: Any, nproc: int, *args: Any, **kwargs: Any) -> list[Any]:
+    return gs.launch(fn, nproc_per_node=nproc, backend="gloo", args=args, kwargs=kwargs)
+
+
+def expected_reductions(world: int) -> dict[str, float]:
+    """all_reduce of rank + 1 over ``world`` ranks, per op."""
+    values = range(1, world + 1)
+    return {
+        "sum": sum(values),
+        "mean": sum(values) / world,
+        "max": world,
+        "min": 1,
+        "product": math.prod(values),
+    }
+
+
+# --- serial: no process group ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_serial_all_reduce_of_numbers(op: str) -> None:
+    result = gs.all_reduce(3, op=op)
+    assert result == 3
+    assert isinstance(result, float if op == "mean" else int)
+    assert gs.all_reduce(2.5, op=op) == 2.5
+    assert isinstance(gs.all_reduce(2.5, op=op), float)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_serial_all_reduce_of_tensors(op: str) -> None:
+    tensor = torch.tensor([[1, 2], [3, 4]])
+    result = gs.all_reduce(tensor, op=op)
+    assert result is not tensor
+    assert torch.equal(result, tensor.double() if op == "mean" else tensor)
+    result += 1  # a new tensor: the input is untouched
+    assert tensor.tolist() == [[1, 2], [3, 4]]
+    floats = torch.tensor([0.5, 1.5], dtype=torch.float16)
+    assert gs.all_reduce(floats, op=op).dtype == torch.float16
+
+
+def test_serial_all_reduce_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="op='median'"):
+        gs.all_reduce(1, op="median")
+    with pytest.raises(TypeError, match="str"):
+        gs.all_reduce("1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bool"):
+        gs.all_reduce(True)
+    assert gs.all_reduce(2, op="SUM") == 2  # ops are case-insensitive
+
+
+def test_serial_dict_reductions() -> None:
+    metrics = {"loss": 0.25, "count": 3, "vector": torch.tensor([1.0, 2.0])}
+    for reduced in (
+        gs.all_reduce_dict(metrics),
+        gs.all_reduce_dict(metrics, op="sum"),
+        gs.reduce_dict(metrics),
+        gs.reduce_dict(metrics, average=False, dst=0),
+    ):
+        assert list(reduced) == sorted(metrics)
+        assert reduced["loss"] == 0.25
+        assert reduced["count"] == 3
+        assert torch.equal(reduced["vector"], metrics["vector"])
+    assert gs.all_reduce_dict({}) == {}
+    with pytest.raises(ValueError, match="op="):
+        gs.all_reduce_dict(metrics, op="median")
+
+
+def test_serial_all_gather_tensor() -> None:
+    tensor = torch.arange(6).reshape(3, 2)
+    gathered = gs.all_gather_tensor(tensor)
+    assert torch.equal(gathered, tensor)
+    assert gathered.data_ptr() != tensor.data_ptr()
+    assert gs.all_gather_tensor(7).tolist() == [7]
+    assert gs.all_gather_tensor(torch.tensor(1.5)).tolist() == [1.5]
+
+
+def test_serial_broadcast_tensor() -> None:
+    tensor = torch.arange(4)
+    assert torch.equal(gs.broadcast_tensor(tensor), tensor)
+    with pytest.raises(ValueError, match="None"):
+        gs.broadcast_tensor(None)
+
+
+def test_serial_barrier_seed_and_rank_filters() -> None:
+    assert gs.barrier() is None
+    assert gs.barrier(timeout=0.5) is None
+    seed = gs.shared_random_seed()
+    assert isinstance(seed, int) and 0 <= seed < 2**31
+
+    calls: list[str] = []
+
+    @gs.rank_zero_only
+    def on_zero(x: int) -> int:
+        """Docstring kept."""
+        calls.append("zero")
+        return x * 2
+
+    @gs.one_rank_only(rank=1)
+    def on_one() -> str:
+        calls.append("one")
+        return "one"
+
+    @gs.one_rank_only(rank=0, with_barrier=True)
+    def on_zero_with_barrier() -> str:
+        return "zero"
+
+    assert on_zero(21) == 42
+    assert on_zero.__name__ == "on_zero" and on_zero.__doc__ == "Docstring kept."
+    assert on_one() is None
+    assert on_zero_with_barrier() == "zero"
+    assert calls == ["zero"]
+
+
+# --- launched gloo groups: values ----------------------------------------------------------
+
+
+def _collective_values() -> dict[str, Any]:
+    """Runs in every rank: everything the parent checks."""
+    rank, world = gs.get_rank(), gs.get_world_size()
+    out: dict[str, Any] = {}
+    out["numbers"] = {op: gs.all_reduce(rank + 1, op=op) for op in OPS}
+    out["floats"] = gs.all_reduce(0.5 * (rank + 1))
+    tensor = torch.tensor([rank + 1, 10 * (rank + 1)])
+    out["tensors"] = {op: gs.all_reduce(tensor, op=op) for op in OPS}
+    out["input_untouched"] = tensor.tolist() == [rank + 1, 10 * (rank + 1)]
+    out["transposed"] = gs.all_reduce(torch.arange(6.0).reshape(2, 3).T).tolist()
+
+    out["gathered"] = gs.all_gather_tensor(torch.full((rank + 1, 2), rank))
+    out["gathered_numbers"] = gs.all_gather_tensor(rank).tolist()
+    out["gathered_empty"] = gs.all_gather_tensor(torch.ones(rank % 2, 3)).shape
+    out["gathered_all_empty"] = gs.all_gather_tensor(torch.ones(0, 2)).shape
+
+    src = world - 1
+    mine = torch.arange(6, dtype=torch.float16).reshape(2, 3) if rank == src else None
+    out["broadcast"] = gs.broadcast_tensor(mine, src=src)
+
+    out["seed"] = gs.shared_random_seed()
+    out["rank_zero_only"] = gs.rank_zero_only(lambda: f"ran on {rank}")()
+    last_only = gs.one_rank_only(rank=world - 1, with_barrier=True)(lambda: rank)
+    out["one_rank_only"] = last_only()
+
+    metrics = {"b": torch.tensor([rank, 1.0]), "a": rank + 1, "c": 0.5}
+    out["dict_mean"] = gs.all_reduce_dict(metrics)
+    out["dict_sum"] = gs.all_reduce_dict(metrics, op="sum")
+    out["dict_max"] = gs.all_reduce_dict(metrics, op="max")
+    out["reduce_dict"] = gs.reduce_dict(metrics, dst=1)
+    out["reduce_dict_sum"] = gs.reduce_dict(metrics, average=False)
+    out["metrics"] = metrics
+
+    gs.barrier()
+    gs.barrier(timeout=30)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_in_a_launched_group(world: int) -> None:
+    results = launch(_collective_values, world)
+    expected = expected_reductions(world)
+    ranks = list(range(world))
+    concatenated = [[r, r] for r in ranks for _ in range(r + 1)]
+    for rank, out in enumerate(results):
+        assert out["numbers"] == expected
+        assert isinstance(out["numbers"]["sum"], int)
+        assert isinstance(out["numbers"]["mean"], float)
+        assert out["floats"] == pytest.approx(0.5 * expected["sum"])
+        for op in OPS:
+            tens = 10**world if op == "product" else 10
+            assert out["tensors"][op].tolist() == [expected[op], tens * expected[op]]
+            assert out["tensors"][op].dtype == (torch.float64 if op == "mean" else torch.int64)
+        assert out["input_untouched"]
+        assert out["transposed"] == (world * torch.arange(6.0).reshape(2, 3).T).tolist()
+
+        assert out["gathered"].shape == (world * (world + 1) // 2, 2)
+        assert out["gathered"].tolist() == concatenated  # no padding left
+        assert out["gathered_numbers"] == ranks
+        assert out["gathered_empty"] == (world // 2, 3)
+        assert out["gathered_all_empty"] == (0, 2)
+
+        assert out["broadcast"].dtype == torch.float16
+        assert out["broadcast"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+        assert out["rank_zero_only"] == ("ran on 0" if rank == 0 else None)
+        assert out["one_rank_only"] == (world - 1 if rank == world - 1 else None)
+
+        b_sum = [sum(ranks), float(world)]
+        assert list(out["dict_sum"]) == ["a", "b", "c"]
+        assert out["dict_sum"]["a"] == expected["sum"]
+        assert isinstance(out["dict_sum"]["a"], int)
+        assert out["dict_sum"]["c"] == pytest.approx(0.5 * world)
+        assert out["dict_sum"]["b"].tolist() == b_sum
+        assert out["dict_mean"]["a"] == pytest.approx(expected["mean"])
+        assert out["dict_mean"]["b"].tolist() == pytest.approx([v / world for v in b_sum])
+        assert out["dict_mean"]["c"] == pytest.approx(0.5)
+        assert out["dict_max"]["a"] == world
+        assert out["dict_max"]["b"].tolist() == [world - 1, 1.0]
+
+        if rank == 1:
+            assert out["reduce_dict"]["a"] == pytest.approx(expected["mean"])
+        else:
+            assert out["reduce_dict"]["a"] == rank + 1  # unchanged off dst
+            assert out["reduce_dict"]["b"].tolist() == out["metrics"]["b"].tolist()
+        if rank == 0:
+            assert out["reduce_dict_sum"]["a"] == expected["sum"]
+        else:
+            assert out["reduce_dict_sum"]["a"] == rank + 1
+    assert len({out["seed"] for out in results}) == 1
