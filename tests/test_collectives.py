@@ -72,10 +72,14 @@ def test_serial_dict_reductions() -> None:
         gs.reduce_dict(metrics),
         gs.reduce_dict(metrics, average=False, dst=0),
     ):
-        assert list(reduced) == sorted(metrics)
+        assert list(reduced) == ["count", "loss", "vector"]  # keys sorted
         assert reduced["loss"] == 0.25
         assert reduced["count"] == 3
         assert torch.equal(reduced["vector"], metrics["vector"])
+        assert reduced["vector"] is not metrics["vector"]
+    assert type(gs.all_reduce_dict(metrics, op="sum")["count"]) is int
+    assert type(gs.all_reduce_dict(metrics, op="mean")["count"]) is float
+    assert gs.all_reduce_dict({"n": torch.tensor([1, 2])})["n"].dtype == torch.float32
     assert gs.all_reduce_dict({}) == {}
     with pytest.raises(ValueError, match="op="):
         gs.all_reduce_dict(metrics, op="median")
@@ -221,3 +225,186 @@ def test_collectives_in_a_launched_group(world: int) -> None:
         else:
             assert out["reduce_dict_sum"]["a"] == rank + 1
     assert len({out["seed"] for out in results}) == 1
+
+
+def _mixed_numbers() -> dict[str, Any]:
+    """Ranks pass ints and floats for the same value (e.g. a counter that stayed 0)."""
+    rank = gs.get_rank()
+    value: int | float = 0 if rank == 0 else 0.5 * rank
+    counts = {"seen": rank, "loss": 0 if rank == 0 else 1.5, "n": torch.tensor(2**25 + rank)}
+    counts["acc"] = torch.tensor(0.5, dtype=torch.float32)
+    return {
+        "sum": gs.all_reduce(value),
+        "max": gs.all_reduce(value, op="max"),
+        "ints": gs.all_reduce(rank * 3),
+        "dict": gs.all_reduce_dict(counts, op="sum"),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_ranks_may_mix_ints_and_floats() -> None:
+    results = launch(_mixed_numbers, 3)
+    for out in results:
+        assert out["sum"] == pytest.approx(1.5)
+        assert out["max"] == pytest.approx(1.0)
+        assert out["dict"]["seen"] == 3 and isinstance(out["dict"]["seen"], int)
+        assert out["dict"]["loss"] == pytest.approx(3.0)
+        assert out["dict"]["n"].item() == 3 * 2**25 + 3  # exact, not rounded through float32
+        assert out["dict"]["acc"].dtype == torch.float32
+    assert [type(out["ints"]) for out in results] == [int] * 3
+    assert [out["ints"] for out in results] == [9] * 3
+
+
+# --- launched gloo groups: mismatches are errors on every rank ------------------------------
+
+
+def _catch(fn: Any, *args: Any) -> dict[str, Any]:
+    try:
+        fn(*args)
+    except gs.GatherError as exc:
+        return {"type": type(exc).__name__, "message": str(exc), **vars(exc)}
+    return {"type": None}
+
+
+def _mismatches() -> dict[str, Any]:
+    rank = gs.get_rank()
+    out = {
+        "dtype": _catch(gs.all_gather_tensor, torch.zeros(2, dtype=torch.float64 if rank else None)),
+        "trailing": _catch(gs.all_gather_tensor, torch.zeros(1, 3 + (rank == 2))),
+        "keys": _catch(gs.all_reduce_dict, {"loss": 1.0, f"only_on_{rank}": 1.0}),
+        "shapes": _catch(gs.all_reduce_dict, {"v": torch.zeros(2 if rank == 1 else 3)}),
+        "empty": _catch(gs.reduce_dict, {} if rank == 0 else {"x": 1}),
+    }
+    # nobody hangs and the group still works afterwards
+    out["after"] = gs.all_reduce(1)
+    gs.barrier()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_inputs_raise_on_every_rank() -> None:
+    results = launch(_mismatches, 3)
+    for out in results:
+        assert out["after"] == 3
+        for case in ("dtype", "trailing", "keys", "shapes", "empty"):
+            assert out[case]["type"] == "MismatchError", (case, out[case])
+        assert out["dtype"]["details"] == {
+            0: "dtype torch.float32, shape [2]",
+            1: "dtype torch.float64, shape [2]",
+            2: "dtype torch.float64, shape [2]",
+        }
+        assert "first dimension" in out["dtype"]["message"]
+        assert out["trailing"]["details"][2] == "dtype torch.float32, shape [1, 4]"
+        assert sorted(out["keys"]["details"]) == [0, 1, 2]
+        for rank in range(3):
+            assert f"only_on_{rank}" in out["keys"]["details"][rank]
+            assert f"only_on_{rank}" in out["keys"]["message"]
+        assert list(out["shapes"]["details"]) == [1]
+        assert "'v'" in out["shapes"]["details"][1]
+        assert "'x'" in out["empty"]["details"][1]
+    assert results[0]["keys"] == results[1]["keys"] == results[2]["keys"]
+
+
+# --- launched gloo groups: barrier timeouts -------------------------------------------------
+
+
+def _late_barrier(sleeper: int, sleep: float, timeout: float) -> dict[str, Any]:
+    if gs.get_rank() == sleeper:
+        time.sleep(sleep)
+    start = time.monotonic()
+    try:
+        gs.barrier(timeout=timeout)
+        outcome: dict[str, Any] = {"type": None}
+    except gs.GatherTimeout as exc:
+        outcome = {
+            "type": type(exc).__name__,
+            "ranks": exc.ranks,
+            "timeout": exc.timeout,
+            "is_timeout_error": isinstance(exc, TimeoutError),
+            "message": str(exc),
+        }
+    outcome["waited"] = time.monotonic() - start
+    # the timeout broke nothing: the group still works
+    gs.barrier(timeout=30)
+    outcome["after"] = gs.all_reduce(1)
+    return outcome
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sleeper", [0, 2])
+def test_barrier_timeout_names_the_late_rank(sleeper: int) -> None:
+    results = launch(_late_barrier, 3, sleeper, 3.0, 1.0)
+    for rank, out in enumerate(results):
+        # every rank, the sleeper included, raises the same verdict
+        assert out["type"] == "GatherTimeout", (rank, out)
+        assert out["ranks"] == [sleeper]
+        assert out["timeout"] == 1.0
+        assert out["is_timeout_error"]
+        assert f"[{sleeper}]" in out["message"]
+        assert out["after"] == 3
+        if rank != sleeper:
+            assert 0.9 <= out["waited"] < 10
+
+
+def _slow_but_in_time() -> bool:
+    time.sleep(0.5 * gs.get_rank())
+    gs.barrier(timeout=20)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_barrier_with_a_generous_timeout_passes() -> None:
+    assert launch(_slow_but_in_time, 3) == [True, True, True]
+
+
+# --- GPUs ----------------------------------------------------------------------------------
+
+
+def _nccl_checks() -> dict[str, Any]:
+    rank, world = gs.get_rank(), gs.get_world_size()
+    device = gs.device()
+    gathered = gs.all_gather_tensor(torch.full((rank + 1,), rank, device=device))
+    gs.barrier()
+    gs.barrier(timeout=30)
+    return {
+        "backend": gs.backend(),
+        "device": str(device),
+        "current": torch.cuda.current_device(),
+        "sum": gs.all_reduce(torch.tensor([rank + 1.0], device=device)).cpu().tolist(),
+        "sum_device": str(gs.all_reduce(torch.tensor([1.0], device=device)).device),
+        "number": gs.all_reduce(rank + 1),
+        "gathered": gathered.cpu().tolist(),
+        "gathered_device": str(gathered.device),
+        "dict": gs.all_reduce_dict({"a": rank + 1}, op="sum"),
+        "world": world,
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs CUDA GPUs; none here")
+def test_collectives_under_nccl() -> None:
+    world = min(torch.cuda.device_count(), 2)
+    results = gs.launch(_nccl_checks, nproc_per_node=world, backend="nccl")
+    total = world * (world + 1) // 2
+    for rank, out in enumerate(results):
+        assert out["backend"] == "nccl"
+        assert out["device"] == f"cuda:{rank}" == f"cuda:{out['current']}"
+        assert out["sum"] == [float(total)]
+        assert out["sum_device"] == f"cuda:{rank}"
+        assert out["number"] == total
+        assert out["gathered"] == [r for r in range(world) for _ in range(r + 1)]
+        assert out["gathered_device"] == f"cuda:{rank}"
+        assert out["dict"] == {"a": total}
+
+
+def _gloo_on_a_gpu_machine() -> tuple[str, int]:
+    torch.ones(1024, 1024, device="cuda")
+    return str(gs.device()), gs.gpu_mem_usage()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none here")
+def test_gpu_mem_usage_under_gloo_with_cuda() -> None:
+    device, mib = launch(_gloo_on_a_gpu_machine, 1)[0]
+    assert device == "cpu"  # gloo computes on the CPU ...
+    assert mib >= 4  # ... but the process's CUDA memory is still reported

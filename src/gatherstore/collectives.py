@@ -94,102 +94,159 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum") -> Any:
 
     ``op`` is "sum", "mean", "max", "min" or "product".  A tensor comes back as
     a new tensor on its own device (the input is not modified; "mean" of an
-    integer tensor is floating point); a number comes back as a number.
+    integer tensor is floating point).  A number comes back as a number: it is
+    reduced in float64 (exact for integers up to 2**53), so ranks may mix ints
+    and floats; an int comes back as an int when the result is whole and
+    ``op`` is not "mean".
+
+    Raises:
+        ValueError: unknown ``op``.
+        TypeError: ``x`` is neither a tensor nor a number.
     """
     reduce_op = _op(op)
+    mean = op.lower() == "mean"
     if isinstance(x, torch.Tensor):
-        tensor = x.detach().clone()
+        tensor = x.detach().clone(memory_format=torch.contiguous_format)
+        if mean and not tensor.is_floating_point():
+            tensor = tensor.double()
     elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        tensor = torch.tensor(x, dtype=torch.float64 if isinstance(x, float) else torch.int64)
+        if not topology.is_distributed():
+            return float(x) if mean else x
+        tensor = torch.tensor(float(x), dtype=torch.float64)
     else:
         raise TypeError(f"all_reduce takes a tensor or a number, not {type(x).__name__}")
-    if op.lower() == "mean" and not tensor.is_floating_point():
-        tensor = tensor.double()
     if topology.is_distributed():
         moved = tensor.to(_comm_device())
         dist.all_reduce(moved, op=reduce_op)
         tensor = moved.to(tensor.device)
-        if op.lower() == "mean":
+        if mean:
             tensor /= topology.get_world_size()
     if isinstance(x, torch.Tensor):
         return tensor
-    return tensor.item()
+    return _number(tensor.item(), as_int=isinstance(x, int) and not mean)
 
 
-def _check_same_keys(d: Mapping[str, Any], what: str) -> list[str]:
-    """Sorted keys, after making sure every rank has the same keys and shapes."""
-    keys = sorted(d)
-    shapes = {k: list(torch.as_tensor(d[k]).shape) for k in keys}
-    mine = json.dumps(shapes, sort_keys=True).encode()
-    everyone = control.exchange(mine, timeout=to_seconds(None), what=what)
-    if all(other == mine for other in everyone):
-        return keys
-    views = [json.loads(raw) for raw in everyone]
+def _number(value: float, *, as_int: bool) -> int | float:
+    """A reduced number back in its type: int when asked for and whole, else float."""
+    return int(value) if as_int and float(value).is_integer() else float(value)
+
+
+def _as_tensor(value: Any) -> tuple[torch.Tensor, str]:
+    """A dict value as a tensor, and its kind: "int", "float" or the tensor's dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.detach(), str(value.dtype)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.tensor(value, dtype=torch.int64), "int"
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64), "float"
+    tensor = torch.as_tensor(value)
+    return tensor, str(tensor.dtype)
+
+
+def _agree(values: dict[str, tuple[torch.Tensor, str]], what: str) -> list[dict[str, Any]]:
+    """Every rank's {key: [shape, kind]}, after checking that keys and shapes agree.
+
+    Raises:
+        MismatchError: keys or shapes differ (the same error on every rank).
+    """
+    mine = {k: [list(t.shape), kind] for k, (t, kind) in values.items()}
+    if not topology.is_distributed():
+        return [mine]
+    raw = json.dumps(mine, sort_keys=True).encode()
+    views = [json.loads(b) for b in control.exchange(raw, timeout=to_seconds(None), what=what)]
     common = set.intersection(*(set(v) for v in views))
     details = {}
     for rank, view in enumerate(views):
         extra = sorted(set(view) - common)
-        shaped = sorted(k for k in common if view[k] != views[0][k])
+        shaped = sorted(k for k in common if view[k][0] != views[0][k][0])
         if extra or shaped:
             details[rank] = f"keys only here: {extra}; shapes differing from rank 0: {shaped}"
-    raise MismatchError(
-        f"{what}: ranks passed dicts that differ — {details}; every rank must reduce the "
-        "same keys with the same shapes",
-        details=details,
-    )
+    if details:
+        raise MismatchError(
+            f"{what}: ranks passed dicts that differ — {details}; every rank must reduce the "
+            "same keys with the same shapes",
+            details=details,
+        )
+    return views
 
 
 def all_reduce_dict(d: Mapping[str, Any], op: str = "mean") -> dict[str, Any]:
     """Reduce every value of ``d`` in one flattened collective, keys sorted.
 
-    Values are tensors or numbers; each comes back in its own type and shape.
+    Values are tensors or numbers; each comes back in its own type and shape
+    (numbers as in :func:`all_reduce`; integer tensors as floating point under
+    "mean"), in a new dict with sorted keys.
 
     Raises:
+        ValueError: unknown ``op``.
         MismatchError: ranks' keys or shapes differ (names them, on every rank).
     """
     return _reduce_dict(d, op, dst=None)
 
 
 def reduce_dict(d: Mapping[str, Any], average: bool = True, dst: int = 0) -> dict[str, Any]:
-    """Reduce ``d`` onto ``dst`` (mean or sum); other ranks get ``d`` back unchanged."""
+    """Reduce ``d`` onto ``dst`` (mean or sum); other ranks get ``d`` back unchanged.
+
+    Raises:
+        MismatchError: as :func:`all_reduce_dict`.
+    """
     return _reduce_dict(d, "mean" if average else "sum", dst=dst)
 
 
 def _reduce_dict(d: Mapping[str, Any], op: str, dst: int | None) -> dict[str, Any]:
     reduce_op = _op(op)
-    if not topology.is_distributed() or not d:
-        return dict(d)
-    keys = _check_same_keys(d, "all_reduce_dict" if dst is None else "reduce_dict")
-    values = [torch.as_tensor(d[k]) for k in keys]
-    dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
-    if op.lower() == "mean" and not dtype.is_floating_point:
+    mean = op.lower() == "mean"
+    keys = sorted(d)
+    values = {k: _as_tensor(d[k]) for k in keys}
+    views = _agree(values, "all_reduce_dict" if dst is None else "reduce_dict")
+    if not keys:
+        return {}
+    # the same dtype on every rank, whatever each rank passed: promote over all of them
+    dtypes = {_dtype_of(view[k][1]) for view in views for k in keys}
+    dtype = functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+    if dtype.is_floating_point and any(not dt.is_floating_point for dt in dtypes):
+        dtype = torch.promote_types(dtype, torch.float64)  # integers stay exact up to 2**53
+    elif mean and not dtype.is_floating_point:
         dtype = torch.float64
-    dev = _comm_device()
-    flat = torch.cat([v.detach().reshape(-1).to(dev, dtype) for v in values])
-    if dst is None:
-        dist.all_reduce(flat, op=reduce_op)
+    if topology.is_distributed():
+        dev = _comm_device()
+        flat = torch.cat([t.reshape(-1).to(dev, dtype) for t, _ in values.values()])
+        if dst is None:
+            dist.all_reduce(flat, op=reduce_op)
+        else:
+            dist.reduce(flat, dst=dst, op=reduce_op)
+            if topology.get_rank() != dst:
+                return dict(d)
+        if mean:
+            flat /= topology.get_world_size()
     else:
-        dist.reduce(flat, dst=dst, op=reduce_op)
-        if topology.get_rank() != dst:
-            return dict(d)
-    if op.lower() == "mean":
-        flat /= topology.get_world_size()
+        flat = torch.cat([t.reshape(-1).to(dtype) for t, _ in values.values()])
     out: dict[str, Any] = {}
     offset = 0
-    for key, value in zip(keys, values, strict=True):
-        chunk = flat[offset : offset + value.numel()].reshape(value.shape)
-        offset += value.numel()
+    for key in keys:
+        tensor, kind = values[key]
+        chunk = flat[offset : offset + tensor.numel()].reshape(tensor.shape)
+        offset += tensor.numel()
         original = d[key]
         if isinstance(original, torch.Tensor):
-            keep = (
-                original.dtype
-                if op.lower() != "mean"
-                else torch.promote_types(original.dtype, torch.float32)
-            )
+            keep = torch.promote_types(original.dtype, torch.float32) if mean else original.dtype
             out[key] = chunk.to(original.device, keep)
+        elif kind in ("int", "float"):
+            all_int = all(view[key][1] == "int" for view in views)
+            out[key] = _number(chunk.item(), as_int=all_int and not mean)
         else:
             out[key] = chunk.item() if chunk.numel() == 1 else chunk.cpu()
     return out
+
+
+def _dtype_of(kind: str) -> torch.dtype:
+    if kind == "int":
+        return torch.int64
+    if kind == "float":
+        return torch.float64
+    dtype = getattr(torch, kind.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def _meta(t: torch.Tensor) -> bytes:

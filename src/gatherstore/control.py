@@ -84,16 +84,17 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
         store.set(keys[dist.get_rank()], payload)
         try:
             store.wait(keys, _dt.timedelta(seconds=timeout))
+            late: list[int] = []
         except RuntimeError:
             late = [r for r, key in enumerate(keys) if not store.check([key])]
-            if late:
-                decided = store.compare_set(verdict, "", json.dumps(late))
-                _raise_late(what, json.loads(decided), timeout)
-        if store.check([verdict]):
-            _raise_late(what, json.loads(store.get(verdict)), timeout)
+        # Every rank proposes its view; the first proposal wins, so all ranks agree
+        # even when a late rank arrives between one rank's timeout and another's wait.
+        decided = json.loads(store.compare_set(verdict, "", json.dumps(late)))
+        if decided:
+            _raise_late(what, decided, timeout)
         values: list[bytes] = store.multi_get(keys)
         if store.add(prefix + "read", 1) == world:
-            for key in [*keys, prefix + "read"]:
+            for key in [*keys, verdict, prefix + "read"]:
                 store.delete_key(key)
         return values
     except GatherError:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import socket
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +27,9 @@ from . import control
 from .errors import RemoteRankError, StoreNotSharedError
 from .stores.base import Store
 
-__all__ = ["JobSession", "end_sessions", "has_sessions", "session_for"]
+__all__ = ["MARKER", "JobSession", "end_sessions", "has_sessions", "session_for"]
 
-_MARKER = "marker"
+MARKER = "marker"
 _VISIBILITY_WAIT = 2.0
 
 
@@ -74,7 +76,8 @@ def session_for(store: Store, timeout: float) -> JobSession:
         job_id = uuid.uuid4().hex[:16]
         try:
             answer["locator"] = store.prepare_job(job_id)
-            store.join_job(answer["locator"]).put(_MARKER, job_id.encode())
+            marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
+            store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
     reply = json.loads(
@@ -108,7 +111,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
 
 def _sees_marker(job: Store) -> bool:
     try:
-        job.wait([_MARKER], _VISIBILITY_WAIT)
+        job.wait([MARKER], _VISIBILITY_WAIT)
     except Exception:
         return False
     return True

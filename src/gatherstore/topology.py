@@ -139,7 +139,9 @@ def gpu_mem_usage() -> int:
     """Peak GPU memory allocated by this process on its device, in MiB (0 without CUDA)."""
     if not torch.cuda.is_available():
         return 0
-    return int(torch.cuda.max_memory_allocated(device()) // (1024 * 1024))
+    dev = device()  # cpu under gloo even with CUDA: then the current CUDA device
+    index = dev.index if dev.type == "cuda" else torch.cuda.current_device()
+    return int(torch.cuda.max_memory_allocated(index) // (1024 * 1024))
 
 
 def describe() -> dict[str, Any]:

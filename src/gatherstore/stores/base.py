@@ -383,9 +383,11 @@ class Store(ABC):
         return f"<{type(self).__name__} {self}>"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from .registry import _reopen
+        return (_reopen, (type(self), self.url, self._options(), self.__dict__.get("_sign")))
 
-        return (_reopen, (self.url, self._options()))
+
+def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | None) -> Store:
+    return cls.from_url(url, **options, **({} if sign is None else {"sign": sign}))
 
 
 class ScopedStore(Store):

@@ -110,7 +110,7 @@ class FsspecStore(Store):
 
     def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 self.fs.rm_file(self._path(key))
 
     def _delete_prefix(self, prefix: str) -> None:

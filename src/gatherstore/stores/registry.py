@@ -126,10 +126,6 @@ def open_store(spec: str | Store, **options: Any) -> Store:
     return _resolve(scheme).from_url(spec, **options)
 
 
-def _reopen(url: str, options: dict[str, Any]) -> Store:
-    return open_store(url, **options)
-
-
 def set_default_store(spec: str | Store | None) -> None:
     """Make ``spec`` the store object collectives use when none is passed (None: unset)."""
     if isinstance(spec, str) and spec not in ROUTES:

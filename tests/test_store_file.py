@@ -1,0 +1,56 @@
+"""The conformance suite on the filesystem stores (tmpdir, file://) and fsspec's file/memory."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from gatherstore.stores.base import Store
+from gatherstore.stores.fsspec import FsspecStore
+from gatherstore.stores.tmpdir import FileStore, TmpdirStore
+from gatherstore.testing import StoreTests
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(
+        str(Path(d, f).relative_to(root)) for d, _, files in os.walk(root) for f in files
+    )
+
+
+class TestFileStore(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        return FileStore(tmp_path)
+
+    def raw_keys(self, store: Store) -> list[str]:
+        return _files(store.root)  # type: ignore[attr-defined]
+
+
+class TestTmpdirStore(TestFileStore):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        return TmpdirStore(tmp_path)
+
+
+class TestFsspecLocal(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        return FsspecStore(f"file://{tmp_path}")
+
+    def raw_keys(self, store: Store) -> list[str]:
+        return _files(Path(store.root))  # type: ignore[attr-defined]
+
+
+class TestFsspecMemory(StoreTests):
+    @pytest.fixture
+    def store(self) -> Store:
+        return FsspecStore(f"memory://conformance-{uuid.uuid4().hex}")
+
+    def raw_keys(self, store: Store) -> list[str]:
+        fs = fsspec.filesystem("memory")
+        root = store.root  # type: ignore[attr-defined]
+        return sorted(p[len(root) + 1 :] for p in fs.find(root))
