@@ -1,0 +1,55 @@
+"""``gatherstore bench``: gatherstore's stores against the usual tools, on the same payloads.
+
+Modules: ``payloads`` (synthetic data), ``baselines`` (torch.distributed,
+mmengine), ``cases`` (what is compared), ``ceilings`` (the machine's limits),
+``runner`` (fresh processes per case), ``report`` (table, JSON lines, chart).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from . import cases, ceilings, report
+from .runner import Plan, run_cases
+
+__all__ = ["Plan", "run"]
+
+
+def run(
+    plan: Plan,
+    *,
+    patterns: list[str] | None = None,
+    redis: str | None = None,
+    s3: str | None = None,
+    services: bool = False,
+    ceiling_bytes: int = 1 << 30,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    out: TextIO = sys.stdout,
+    progress: bool = False,
+) -> int:
+    """Run the bench and write its outputs; the number of failed cases.
+
+    ``json_path`` ``"-"`` writes JSON lines to ``out`` instead of the table.
+
+    Raises:
+        ImportError: ``plot_path`` is given but matplotlib is missing.
+        ValueError: a pattern matches no case.
+    """
+    if plot_path:
+        report.check_plot()
+    with cases.reachable(redis, s3, services) as (found, notes, workdir):
+        chosen = cases.select(found, patterns)
+        limits = ceilings.measure(ceiling_bytes)
+        records = run_cases(plan, chosen, workdir, limits, progress)
+    if json_path == "-":
+        out.write(report.json_lines(records, limits))
+    else:
+        out.write(report.table(records, limits, notes) + "\n")
+        if json_path:
+            with open(json_path, "w") as f:
+                f.write(report.json_lines(records, limits))
+    if plot_path:
+        report.plot(records, plot_path)
+    return sum(r["error"] is not None for r in records)

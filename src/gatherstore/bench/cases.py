@@ -1,0 +1,146 @@
+"""What the bench compares: gatherstore over every reachable store, and the usual tools."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..stores.registry import open_store
+from .baselines import mmengine_collect_results_cpu
+
+__all__ = ["BASELINE", "Case", "reachable", "select"]
+
+#: The case every other one is compared with (time and memory ratios).
+BASELINE = "torch.all_gather_object"
+
+
+@dataclass
+class Case:
+    """One way to gather: ``op`` names the call; gatherstore's calls go through ``store``."""
+
+    name: str
+    op: str  # gather_object | gather_iter | all_gather_object | torch_gather_object | mmengine
+    store: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    impl: str = ""
+
+
+def _disk_base() -> str:
+    return "/var/tmp" if os.access("/var/tmp", os.W_OK) else tempfile.gettempdir()
+
+
+def _baselines() -> list[Case]:
+    impl = mmengine_collect_results_cpu()[1]
+    return [
+        Case(BASELINE, "all_gather_object", impl="torch.distributed (gloo)"),
+        Case("torch.gather_object", "torch_gather_object", impl="torch.distributed (gloo)"),
+        Case("mmengine.collect_results_cpu", "mmengine", impl=impl),
+    ]
+
+
+def _local(workdir: Path) -> list[Case]:
+    cases = [Case("gs.collective", "gather_object", "collective")]
+    if os.access("/dev/shm", os.W_OK):
+        cases.append(Case("gs.tmpdir-shm", "gather_object", "tmpdir:///dev/shm"))
+        cases.append(Case("gs.iter-tmpdir-shm", "gather_iter", "tmpdir:///dev/shm"))
+    cases.append(Case("gs.tmpdir-disk", "gather_object", f"tmpdir://{_disk_base()}"))
+    file_dir = workdir / "file-store"
+    file_dir.mkdir()
+    cases.append(Case("gs.file", "gather_object", f"file://{file_dir}"))
+    return cases
+
+
+def _s3_options(endpoint: str) -> dict[str, Any]:
+    from ..services import S3_KEY, S3_SECRET
+
+    return {
+        "key": os.environ.get("GATHERSTORE_TEST_S3_KEY", S3_KEY),
+        "secret": os.environ.get("GATHERSTORE_TEST_S3_SECRET", S3_SECRET),
+        "client_kwargs": {"endpoint_url": endpoint},
+    }
+
+
+def _remote(
+    stack: contextlib.ExitStack, redis: str | None, s3: str | None, notes: list[str]
+) -> list[Case]:
+    """Redis and S3 cases; a store that cannot be opened becomes a note."""
+    cases = []
+    if redis:
+        try:
+            open_store(redis).close()
+            cases.append(Case("gs.redis", "gather_object", redis))
+        except Exception as exc:
+            notes.append(f"gs.redis skipped: {type(exc).__name__}: {exc}")
+    if s3:
+        try:
+            import fsspec
+
+            options = _s3_options(s3)
+            bucket = f"gatherstore-bench-{uuid.uuid4().hex[:12]}"
+            fs = fsspec.filesystem("s3", **options)
+            fs.mkdir(bucket)
+            stack.callback(fs.rm, bucket, recursive=True)
+            url = f"s3://{bucket}/parts"
+            open_store(url, **options).close()
+            cases.append(Case("gs.s3", "gather_object", url, options))
+        except Exception as exc:
+            notes.append(f"gs.s3 skipped: {type(exc).__name__}: {exc}")
+    return cases
+
+
+def _start_services(stack: contextlib.ExitStack, notes: list[str]) -> tuple[str | None, str | None]:
+    """Start redis-server and SeaweedFS on loopback (stopped when ``stack`` closes)."""
+    from ..services import start_redis, start_s3
+
+    urls: list[str | None] = []
+    for name, start in (("redis", start_redis), ("s3", start_s3)):
+        try:
+            service = stack.enter_context(start())
+            urls.append(service.url)
+        except (RuntimeError, OSError) as exc:
+            notes.append(f"{name} service not started: {str(exc).splitlines()[0]}")
+            urls.append(None)
+    return urls[0], urls[1]
+
+
+@contextlib.contextmanager
+def reachable(
+    redis: str | None = None, s3: str | None = None, services: bool = False
+) -> Iterator[tuple[list[Case], list[str], Path]]:
+    """Every case this machine can run, notes on those it cannot, and a scratch directory.
+
+    Redis and S3 come from the arguments, else ``GATHERSTORE_TEST_REDIS_URL`` /
+    ``GATHERSTORE_TEST_S3_ENDPOINT``, else (with ``services``) fresh local servers.
+    """
+    redis = redis or os.environ.get("GATHERSTORE_TEST_REDIS_URL")
+    s3 = s3 or os.environ.get("GATHERSTORE_TEST_S3_ENDPOINT")
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=_disk_base())))
+        if services and not (redis and s3):
+            started = _start_services(stack, notes)
+            redis, s3 = redis or started[0], s3 or started[1]
+        cases = _baselines() + _local(workdir) + _remote(stack, redis, s3, notes)
+        yield cases, notes, workdir
+
+
+def select(cases: list[Case], patterns: list[str] | None) -> list[Case]:
+    """The cases whose name matches one of the glob ``patterns`` (all without patterns).
+
+    Raises:
+        ValueError: a pattern matches no case.
+    """
+    if not patterns:
+        return cases
+    names = [c.name for c in cases]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(f"--cases {pattern!r} matches no case; cases: {', '.join(names)}")
+    return [c for c in cases if any(fnmatch.fnmatch(c.name, p) for p in patterns)]

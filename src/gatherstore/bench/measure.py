@@ -1,0 +1,72 @@
+"""Sizes and memory: parse ``256MB``, format bytes, peak RSS growth from /proc/self."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["PeakMemory", "format_bytes", "parse_size"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``64MB``, ``1GB``, ``1.5G``, ``512KiB`` or ``4096`` (binary units).
+
+    Raises:
+        ValueError: ``text`` is not a positive size.
+    """
+    match = _SIZE.fullmatch(text)
+    nbytes = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else 0
+    if nbytes <= 0:
+        raise ValueError(f"{text!r} is not a size; use e.g. 64MB, 1GB or 4096 (bytes)")
+    return nbytes
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` with a binary unit, e.g. ``1.5 GiB`` (negative values keep their sign)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _status(field: str) -> int:
+    """A ``Vm*`` field of /proc/self/status in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Peak RSS growth of this process over a ``with`` block.
+
+    On entry the kernel's high-water mark is reset (``5`` to /proc/self/clear_refs,
+    where allowed; ``reset`` tells) and RSS is read; ``growth`` is VmHWM at exit
+    minus that RSS.
+    """
+
+    def __init__(self) -> None:
+        self.before = 0
+        self.growth = 0
+        self.reset = False
+
+    def __enter__(self) -> PeakMemory:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.reset = True
+        except OSError:
+            self.reset = False
+        self.before = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.growth = max(0, _status("VmHWM") - self.before)

@@ -1,0 +1,98 @@
+"""Synthetic payloads, deterministic per (seed, rank): detector predictions and tensors.
+
+``detections`` mimics an object detector's evaluation output after a
+DistributedSampler split: rank r holds images r, r+W, r+2W, ... of a dataset
+padded to a multiple of W (the padding repeats the first images), one dict per
+image with 100 boxes.  ``tensors`` is a dict of four large float32 tensors.
+Both are sized so that all ranks together hold about the requested bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BOXES",
+    "IMAGE_BYTES",
+    "KINDS",
+    "detections",
+    "digest",
+    "image_count",
+    "make",
+    "shard",
+    "tensors",
+]
+
+BOXES = 100
+#: Array bytes of one image: boxes float32 (100, 4), scores float32 (100,), labels int64 (100,).
+IMAGE_BYTES = BOXES * 4 * 4 + BOXES * 4 + BOXES * 8
+KINDS = ("detections", "tensors")
+_TENSORS = 4
+
+
+def image_count(nbytes: int) -> int:
+    """How many images make about ``nbytes`` of predictions (at least one)."""
+    return max(1, nbytes // IMAGE_BYTES)
+
+
+def shard(n_images: int, rank: int, world: int) -> range:
+    """The padded dataset positions DistributedSampler gives ``rank`` (image = position % n)."""
+    padded = -(-n_images // world) * world
+    return range(rank, padded, world)
+
+
+def detections(n_images: int, rank: int, world: int, seed: int = 0) -> list[dict[str, Any]]:
+    """This rank's predictions: ``image_id``, ``boxes``, ``scores``, ``labels``, ``file_name``."""
+    positions = shard(n_images, rank, world)
+    count = len(positions)
+    rng = np.random.default_rng([seed, rank])
+    corner = rng.random((count, BOXES, 2), dtype=np.float32) * 640
+    extent = rng.random((count, BOXES, 2), dtype=np.float32) * 128 + 1
+    boxes = np.concatenate([corner, corner + extent], axis=2)
+    scores = -np.sort(-rng.random((count, BOXES), dtype=np.float32), axis=1)
+    labels = rng.integers(0, 80, (count, BOXES), dtype=np.int64)
+    out = []
+    for k, position in enumerate(positions):
+        image_id = position % n_images
+        out.append(
+            {
+                "image_id": image_id,
+                "boxes": boxes[k],
+                "scores": scores[k],
+                "labels": labels[k],
+                "file_name": f"val/{image_id:012d}.jpg",
+            }
+        )
+    return out
+
+
+def digest(image: dict[str, Any]) -> int:
+    """CRC-32 of one prediction: its image id, arrays and file name."""
+    crc = zlib.crc32(str(image["image_id"]).encode())
+    for name in ("boxes", "scores", "labels"):
+        crc = zlib.crc32(np.ascontiguousarray(image[name]), crc)
+    return zlib.crc32(image["file_name"].encode(), crc)
+
+
+def tensors(nbytes: int, rank: int, world: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Four float32 tensors of (256,)-wide rows; all ranks together hold about ``nbytes``."""
+    rows = max(1, nbytes // world // _TENSORS // (256 * 4))
+    gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+    return {f"tensor{i}": torch.rand(rows, 256, generator=gen) for i in range(_TENSORS)}
+
+
+def make(kind: str, nbytes: int, rank: int, world: int, seed: int = 0) -> Any:
+    """The payload ``kind`` ("detections" or "tensors") of this rank.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind == "detections":
+        return detections(image_count(nbytes), rank, world, seed)
+    if kind == "tensors":
+        return tensors(nbytes, rank, world, seed)
+    raise ValueError(f"unknown payload {kind!r}; use one of {', '.join(KINDS)}")

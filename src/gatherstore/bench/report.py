@@ -1,0 +1,143 @@
+"""The bench's output: a terminal table, JSON lines, a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from .cases import BASELINE
+from .measure import format_bytes
+
+__all__ = ["PLOT_HINT", "check_plot", "json_lines", "plot", "table"]
+
+PLOT_HINT = "--plot needs matplotlib: pip install 'gatherstore[bench]'"
+
+_COLUMNS = [
+    ("case", "<"),
+    ("payload", "<"),
+    ("size", ">"),
+    ("W", ">"),
+    ("time s", ">"),
+    ("GB/s", ">"),
+    ("dst peak", ">"),
+    ("other peak", ">"),
+    ("time×", ">"),
+    ("mem×", ">"),
+    ("%memcpy", ">"),
+    ("%pickle", ">"),
+]
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    head = [r["case"], r["payload"], r["size"], str(r["world"])]
+    if r["error"] is not None:
+        return [*head, f"failed: {r['error']}"]
+    return [
+        *head,
+        f"{r['seconds']:.3f}",
+        f"{r['gbps']:.3f}",
+        format_bytes(r["dst_peak"]),
+        format_bytes(r["other_peak"]) if r["world"] > 1 else "-",
+        _num(r["time_ratio"], ".2f"),
+        _num(r["mem_ratio"], ".2f"),
+        _pct(r["of_memcpy"]),
+        _pct(r["of_pickle_dumps"]),
+    ]
+
+
+def _gbps(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} GB/s"
+
+
+def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: list[str]) -> str:
+    """The results as an aligned text table with the ceilings above and notes below."""
+    rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in records]
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(_COLUMNS))]
+    lines = [
+        f"ceilings: memcpy {_gbps(ceilings['memcpy_gbps'])}; /dev/shm write "
+        f"{_gbps(ceilings['shm_write_gbps'])}, read {_gbps(ceilings['shm_read_gbps'])}; "
+        f"pickle.dumps {_gbps(ceilings['pickle_dumps_gbps'])} "
+        f"(loads {_gbps(ceilings['pickle_loads_gbps'])}) of detections",
+        "",
+    ]
+    for row in rows:
+        if len(row) < len(_COLUMNS):  # a failed case: the message fills the rest
+            cells = [format(c, f"{a}{w}") for c, (_, a), w in zip(row, _COLUMNS, widths)]
+            lines.append("  ".join(cells[:-1] + [row[-1]]))
+            continue
+        lines.append("  ".join(format(c, f"{a}{w}") for c, (_, a), w in zip(row, _COLUMNS, widths)))
+    impls = sorted({f"{r['case']}: {r['impl']}" for r in records if r["case"].startswith("mm")})
+    lines += [
+        "",
+        "time: median over repeats of the slowest rank; GB/s: payload bytes / time (1e9);",
+        "peak: VmHWM growth over RSS before the call (dst = rank 0, other = worst other rank);",
+        f"time× / mem× (worst rank): relative to {BASELINE} in the same payload/size/W;",
+        "%memcpy / %pickle: GB/s as a fraction of the ceilings above.",
+        *impls,
+        *notes,
+    ]
+    return "\n".join(lines)
+
+
+def json_lines(records: Sequence[dict[str, Any]], ceilings: dict[str, Any]) -> str:
+    """One JSON object per line: the ceilings (``"kind": "ceilings"``), then each case."""
+    out = [json.dumps({"kind": "ceilings", **ceilings})]
+    out += [json.dumps(r) for r in records]
+    return "\n".join(out) + "\n"
+
+
+def check_plot() -> None:
+    """Raise ImportError with the install hint when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(PLOT_HINT) from exc
+
+
+def plot(records: Sequence[dict[str, Any]], path: str) -> None:
+    """Grouped bars of time and worst-rank peak memory per case, one row per payload."""
+    check_plot()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in records if r["error"] is None]
+    kinds = list(dict.fromkeys(r["payload"] for r in done)) or ["(no results)"]
+    cases = list(dict.fromkeys(r["case"] for r in done))
+    fig, axes = plt.subplots(len(kinds), 2, figsize=(14, 4.5 * len(kinds)), squeeze=False)
+    width = 0.8 / max(len(cases), 1)
+    for row, kind in enumerate(kinds):
+        mine = [r for r in done if r["payload"] == kind]
+        groups = list(dict.fromkeys((r["size"], r["world"]) for r in mine))
+        for col, (metric, label) in enumerate([("seconds", "time (s)"), ("peak", "peak GiB")]):
+            ax = axes[row][col]
+            for i, case in enumerate(cases):
+                by_group = {(r["size"], r["world"]): r for r in mine if r["case"] == case}
+                values = [_metric(by_group.get(g), metric) for g in groups]
+                xs = [g + i * width for g in range(len(groups))]
+                ax.bar(xs, values, width, label=case)
+            ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+            ax.set_xticklabels([f"{s} W={w}" for s, w in groups])
+            ax.set_title(f"{kind}: {label}")
+    axes[0][0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _metric(record: dict[str, Any] | None, metric: str) -> float:
+    if record is None:
+        return 0.0
+    if metric == "peak":
+        return max(record["dst_peak"], record["other_peak"]) / 2**30
+    return float(record[metric])

@@ -1,0 +1,192 @@
+"""Run the bench: each (case, payload, size, world) in fresh processes, repeated, measured."""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .. import launch as _launch
+from .. import objects, topology
+from ..errors import GatherError, RemoteRankError
+from ..stores.registry import ROUTES, open_store
+from . import baselines, payloads
+from .cases import BASELINE, Case
+from .measure import PeakMemory
+
+__all__ = ["Plan", "run_cases"]
+
+_WARMUP_BYTES = 1 << 16
+Op = Callable[[Any, int], int]
+
+
+@dataclass
+class Plan:
+    """What to run: ``sizes`` as (label, bytes), ``worlds``, ``payloads``, ``repeats``."""
+
+    sizes: list[tuple[str, int]]
+    worlds: list[int]
+    payloads: list[str]
+    repeats: int
+    timeout: float
+
+
+def _count(parts: list[Any] | None) -> int:
+    return -1 if parts is None else len(parts)
+
+
+def _gatherstore(case: Case, timeout: float) -> Op:
+    store = case.store if case.store in ROUTES else open_store(case.store, **case.options)
+    if case.op == "gather_iter":
+
+        def stream(obj: Any, size: int) -> int:
+            count = 0
+            for part in objects.gather_iter(obj, store=store, timeout=timeout):
+                del part
+                count += 1
+            return count if topology.get_rank() == 0 else -1
+
+        return stream
+    return lambda obj, size: _count(objects.gather_object(obj, store=store, timeout=timeout))
+
+
+def _operation(case: Case, timeout: float) -> Op:
+    """``op(obj, size)``: gather ``obj`` to rank 0; the number of items rank 0 got (else -1)."""
+    if case.op == "all_gather_object":
+        return lambda obj, size: len(baselines.torch_all_gather_object(obj))
+    if case.op == "torch_gather_object":
+        return lambda obj, size: _count(baselines.torch_gather_object(obj))
+    if case.op == "mmengine":
+        collect = baselines.mmengine_collect_results_cpu()[0]
+        return lambda obj, size: _count(collect(obj if isinstance(obj, list) else [obj], size))
+    return _gatherstore(case, timeout)
+
+
+def _expected(case: Case, kind: str, nbytes: int, world: int) -> tuple[int, int]:
+    """(size passed to the op, items rank 0 must receive)."""
+    size = payloads.image_count(nbytes) if kind == "detections" else world
+    return size, size if case.op == "mmengine" else world
+
+
+def _worker(case: Case, kind: str, nbytes: int, repeats: int, workdir: str, timeout: float) -> Any:
+    """One rank of one case: warm up, then ``repeats`` measured gathers of the payload."""
+    os.chdir(workdir)  # mmengine's .dist_test goes here
+    rank, world = topology.get_rank(), topology.get_world_size()
+    op = _operation(case, timeout)
+    warm = payloads.make(kind, _WARMUP_BYTES, rank, world)
+    op(warm, _expected(case, kind, _WARMUP_BYTES, world)[0])
+    del warm
+    obj = payloads.make(kind, nbytes, rank, world)
+    size, expected = _expected(case, kind, nbytes, world)
+    times, peaks, reset = [], [], True
+    for _ in range(repeats):
+        gc.collect()
+        dist.barrier()
+        with PeakMemory() as mem:
+            start = time.perf_counter()
+            count = op(obj, size)
+            times.append(time.perf_counter() - start)
+        peaks.append(mem.growth)
+        reset = reset and mem.reset
+        if rank == 0 and count != expected:
+            raise GatherError(f"{case.name}: rank 0 got {count} items, expected {expected}")
+    return {"times": times, "peaks": peaks, "reset": reset}
+
+
+def _summarise(ranks: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
+    """Median over repeats of the slowest rank's time; peak growth per rank (max of repeats)."""
+    per_repeat = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
+    seconds = statistics.median(per_repeat)
+    peaks = [max(r["peaks"]) for r in ranks]
+    return {
+        "seconds": seconds,
+        "times": per_repeat,
+        "gbps": nbytes / seconds / 1e9,
+        "dst_peak": peaks[0],
+        "other_peak": max(peaks[1:], default=0),
+        "peak_reset": all(r["reset"] for r in ranks),
+    }
+
+
+def _ratios(records: list[dict[str, Any]]) -> None:
+    """Time and memory (worst rank) of each record relative to the baseline of its group."""
+    key = ("payload", "size", "world")
+    base = {
+        tuple(r[k] for k in key): r
+        for r in records
+        if r["case"] == BASELINE and r.get("error") is None
+    }
+    for r in records:
+        ref = base.get(tuple(r[k] for k in key))
+        ok = ref is not None and r.get("error") is None
+        r["time_ratio"] = r["seconds"] / ref["seconds"] if ok and ref else None
+        worst = max(r.get("dst_peak", 0), r.get("other_peak", 0))
+        ref_worst = max(ref["dst_peak"], ref["other_peak"]) if ok and ref else 0
+        r["mem_ratio"] = worst / ref_worst if ok and ref_worst else None
+
+
+def _fractions(record: dict[str, Any], ceilings: dict[str, float | None]) -> None:
+    for name in ("memcpy", "shm", "pickle_dumps"):
+        limit = ceilings.get(f"{name}_gbps")
+        record[f"of_{name}"] = record["gbps"] / limit if limit and "gbps" in record else None
+
+
+def _jobs(plan: Plan, cases: list[Case]) -> Iterator[tuple[int, str, int, str, Case]]:
+    for world in plan.worlds:
+        for label, nbytes in plan.sizes:
+            for kind in plan.payloads:
+                for case in cases:
+                    yield world, label, nbytes, kind, case
+
+
+def run_cases(
+    plan: Plan,
+    cases: list[Case],
+    workdir: Path,
+    ceilings: dict[str, float | None],
+    progress: bool,
+) -> list[dict[str, Any]]:
+    """Every case of ``plan``, each in one ``gs.launch`` of fresh processes; one record each.
+
+    A case that fails is recorded with its one-line ``error``; the others still run.
+    """
+    jobs = list(_jobs(plan, cases))
+    records = []
+    bar = tqdm(jobs, desc="bench", unit="case", disable=not progress)
+    for world, label, nbytes, kind, case in bar:
+        bar.set_postfix_str(f"{case.name} {kind} {label} W={world}")
+        record: dict[str, Any] = {
+            "kind": "case",
+            "case": case.name,
+            "store": case.store or None,
+            "impl": case.impl or "gatherstore",
+            "payload": kind,
+            "size": label,
+            "bytes": nbytes,
+            "world": world,
+            "repeats": plan.repeats,
+            "error": None,
+        }
+        try:
+            ranks = _launch.launch(
+                _worker,
+                nproc_per_node=world,
+                backend="gloo",
+                args=(case, kind, nbytes, plan.repeats, str(workdir), plan.timeout),
+                timeout=plan.timeout,
+            )
+            record.update(_summarise(ranks, nbytes))
+            _fractions(record, ceilings)
+        except RemoteRankError as exc:
+            record["error"] = exc.remote_message.splitlines()[0]
+        records.append(record)
+    _ratios(records)
+    return records

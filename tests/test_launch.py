@@ -1,0 +1,181 @@
+"""gs.launch: results in rank order, cloudpickled callables, failures and clean-up."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gatherstore as gs
+
+
+def pid_is_running(pid: int) -> bool:
+    """Whether ``pid`` names a live (not zombie) process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def assert_children_gone(pid_dir: Path, expected: int) -> None:
+    pids = [int(p.read_text()) for p in sorted(pid_dir.iterdir())]
+    assert len(pids) == expected
+    assert not [pid for pid in pids if pid_is_running(pid)]
+    assert not [c for c in multiprocessing.active_children() if c.pid in pids]
+
+
+def _record_pid(pid_dir: str) -> int:
+    rank = gs.get_rank()
+    Path(pid_dir, str(rank)).write_text(str(os.getpid()))
+    return rank
+
+
+# --- results -------------------------------------------------------------------------------
+
+
+def _identify(tag: str, *, scale: int) -> dict[str, Any]:
+    return {
+        "rank": gs.get_rank(),
+        "tag": tag,
+        "scaled": scale * gs.get_rank(),
+        "pid": os.getpid(),
+        "distributed": gs.is_distributed(),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
+    results = gs.launch(
+        _identify, nproc_per_node=3, backend="gloo", args=("x",), kwargs={"scale": 10}
+    )
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert [r["scaled"] for r in results] == [0, 10, 20]
+    assert {r["tag"] for r in results} == {"x"}
+    assert all(r["distributed"] for r in results)
+    assert len({r["pid"] for r in results} | {os.getpid()}) == 4  # one new process per rank
+    assert not gs.is_distributed()
+
+
+@pytest.mark.timeout(60)
+def test_lambdas_and_closures_are_shipped_with_cloudpickle() -> None:
+    offset = 100
+    data = {"label": "closure"}
+
+    def closure(extra: int) -> tuple[str, int]:
+        return data["label"], offset + extra + gs.get_rank()
+
+    assert gs.launch(closure, nproc_per_node=2, backend="gloo", args=(5,)) == [
+        ("closure", 105),
+        ("closure", 106),
+    ]
+    assert gs.launch(lambda: gs.get_world_size() * 7, backend="gloo") == [7]
+
+
+@pytest.mark.timeout(60)
+def test_a_single_process_job() -> None:
+    (described,) = gs.launch(gs.describe, nproc_per_node=1, backend="gloo")
+    assert described["world_size"] == 1
+    assert described["is_distributed"] is True
+    assert described["backend"] == "gloo"
+
+
+# --- bad arguments ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"nproc_per_node": 0}, "nproc_per_node=0"),
+        ({"nproc_per_node": -1}, "nproc_per_node=-1"),
+        ({"nnodes": 0}, "nnodes=0"),
+        ({"nnodes": 2, "node_rank": 2, "master_port": 29500}, "node_rank=2"),
+        ({"node_rank": -1}, "node_rank=-1"),
+        ({"nnodes": 2}, "master_port"),
+        ({"timeout": -1}, "timeout"),
+        ({"timeout": "soon"}, "timeout"),
+    ],
+)
+def test_bad_arguments_raise_value_error_before_starting_anything(
+    options: dict[str, Any], match: str
+) -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=match):
+        gs.launch(_identify, backend="gloo", args=("x",), kwargs={"scale": 1}, **options)
+    assert set(multiprocessing.active_children()) == before
+
+
+# --- failures --------------------------------------------------------------------------------
+
+
+def _rank_one_raises(pid_dir: str) -> None:
+    rank = _record_pid(pid_dir)
+    gs.barrier()  # every pid is on disk before anyone fails
+    if rank == 1:
+        raise ValueError("boom")
+    if rank == 0:
+        time.sleep(60)
+    gs.barrier()  # the others wait here for rank 1, who never comes
+
+
+@pytest.mark.timeout(90)
+def test_a_child_exception_is_raised_in_the_parent_and_the_others_are_stopped(
+    tmp_path: Path,
+) -> None:
+    start = time.monotonic()
+    with pytest.raises(gs.RemoteRankError) as caught:
+        gs.launch(_rank_one_raises, nproc_per_node=3, backend="gloo", args=(str(tmp_path),))
+    error = caught.value
+    assert time.monotonic() - start < 45  # nobody waited for the sleeper
+    assert error.rank == 1
+    assert error.ranks == [1]
+    assert "boom" in str(error)
+    assert "ValueError: boom" in error.remote_message
+    assert "Traceback (most recent call last)" in error.remote_traceback
+    assert 'raise ValueError("boom")' in error.remote_traceback
+    assert "_rank_one_raises" in error.remote_traceback
+    assert isinstance(error, gs.GatherError) and isinstance(error, RuntimeError)
+    assert_children_gone(tmp_path, 3)
+
+
+def _rank_one_exits(pid_dir: str) -> None:
+    rank = _record_pid(pid_dir)
+    gs.barrier()
+    if rank == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(90)
+def test_a_child_that_dies_is_named_with_its_exit_code(tmp_path: Path) -> None:
+    with pytest.raises(gs.RemoteRankError) as caught:
+        gs.launch(_rank_one_exits, nproc_per_node=2, backend="gloo", args=(str(tmp_path),))
+    assert caught.value.rank == 1
+    assert "exited with code 3" in str(caught.value)
+    assert_children_gone(tmp_path, 2)
+
+
+@pytest.mark.timeout(60)
+def test_an_unpicklable_result_is_a_remote_error() -> None:
+    with pytest.raises(gs.RemoteRankError, match="lock") as caught:
+        gs.launch(threading.Lock, backend="gloo")
+    assert caught.value.rank == 0
+
+
+def _exit_cleanly_with_system_exit() -> None:
+    raise SystemExit(5)
+
+
+@pytest.mark.timeout(60)
+def test_system_exit_in_a_child_is_reported() -> None:
+    with pytest.raises(gs.RemoteRankError, match="SystemExit: 5"):
+        gs.launch(_exit_cleanly_with_system_exit, backend="gloo")

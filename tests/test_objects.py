@@ -1,0 +1,279 @@
+"""Object collectives in real gloo groups, over every route and local store."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gatherstore as gs
+from gatherstore import objects
+
+SPECS = ["auto", "collective", "tmpdir", "file"]
+
+
+def _spec(name: str, tmp_path: Path) -> str:
+    return f"file://{tmp_path}/shared" if name == "file" else name
+
+
+def _leftovers(path: Path) -> list[str]:
+    return [str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()]
+
+
+def test_serial_answers() -> None:
+    obj = {"a": np.arange(3)}
+    assert gs.all_gather_object(obj) == [obj]
+    assert gs.gather_object(obj) == [obj]
+    assert list(gs.gather_iter(obj)) == [obj]
+    assert gs.broadcast_object(obj) is obj
+    assert gs.collect_results([1, None, 3], size=2) == [1, None]
+    assert gs.collect_results(["b", "a"], indices=[1, 0]) == ["a", "b"]
+    with pytest.raises(ValueError, match="dst=1"):
+        gs.gather_object(obj, dst=1)
+
+
+def _round_trip(spec: str) -> dict[str, Any]:
+    rank = gs.get_rank()
+    world = gs.get_world_size()
+    obj = {
+        "rank": rank,
+        "array": np.full((rank + 1, 3), rank, dtype=np.float32),
+        "tensor": torch.arange(50_000) * rank,
+        "none": None,
+        "text": "x" * rank,
+    }
+    out: dict[str, Any] = {}
+    everyone = gs.all_gather_object(obj, store=spec)
+    out["all"] = [(o["rank"], o["array"].shape, int(o["tensor"][-1]), o["none"]) for o in everyone]
+    gathered = gs.gather_object(obj, dst=world - 1, store=spec)
+    out["gather"] = None if gathered is None else [o["rank"] for o in gathered]
+    out["iter"] = [o["text"] for o in gs.gather_iter(obj, store=spec)]
+    out["bcast"] = gs.broadcast_object({"from": rank} if rank == 1 else None, src=1, store=spec)
+    # back-to-back and interleaved calls on two routes never collide
+    a = gs.all_gather_object(rank, store=spec)
+    b = gs.all_gather_object(-rank, store="collective")
+    c = gs.all_gather_object(rank * 10, store=spec)
+    out["interleaved"] = (a, b, c)
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", SPECS)
+def test_round_trip_in_rank_order(name: str, tmp_path: Path) -> None:
+    spec = _spec(name, tmp_path)
+    results = gs.launch(_round_trip, nproc_per_node=3, backend="gloo", args=(spec,))
+    for rank, out in enumerate(results):
+        assert out["all"] == [(r, (r + 1, 3), 49_999 * r, None) for r in range(3)]
+        assert out["gather"] == ([0, 1, 2] if rank == 2 else None)
+        assert out["iter"] == (["", "x", "xx"] if rank == 0 else [])
+        assert out["bcast"] == {"from": 1}
+        assert out["interleaved"] == ([0, 1, 2], [0, -1, -2], [0, 10, 20])
+    if name == "file":
+        assert (tmp_path / "shared").is_dir(), "the user's directory is never removed"
+        assert _leftovers(tmp_path) == []
+
+
+def _tmpdir_job(base: str) -> list[str]:
+    gs.gather_object(np.zeros(1000) + gs.get_rank(), store=f"tmpdir://{base}")
+    return sorted(os.listdir(base))
+
+
+@pytest.mark.timeout(120)
+def test_tmpdir_job_directory_is_private_and_removed(tmp_path: Path) -> None:
+    during = gs.launch(_tmpdir_job, nproc_per_node=2, backend="gloo", args=(str(tmp_path),))
+    assert len(during[0]) == 1 and during[0][0].startswith("gatherstore-")
+    assert list(tmp_path.iterdir()) == [], "the job directory is gone when the job ends"
+
+
+def _check_mode(base: str) -> int:
+    gs.all_gather_object(1, store=f"tmpdir://{base}")
+    (job,) = os.listdir(base)
+    return os.stat(os.path.join(base, job)).st_mode & 0o777
+
+
+@pytest.mark.timeout(120)
+def test_tmpdir_job_directory_mode(tmp_path: Path) -> None:
+    assert gs.launch(_check_mode, nproc_per_node=2, backend="gloo", args=(str(tmp_path),)) == [
+        0o700,
+        0o700,
+    ]
+
+
+def _fails_on_rank(spec: str, bad: int) -> tuple[str, int, str]:
+    obj: Any = threading.Lock() if gs.get_rank() == bad else [1, 2, 3]
+    try:
+        gs.all_gather_object(obj, store=spec)
+    except gs.RemoteRankError as exc:
+        return type(exc).__name__, exc.rank, exc.remote_message
+    except TypeError as exc:  # the failing rank raises its own error
+        return type(exc).__name__, gs.get_rank(), str(exc)
+    return "no error", -1, ""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", SPECS)
+def test_remote_rank_error_on_every_rank(name: str, tmp_path: Path) -> None:
+    spec = _spec(name, tmp_path)
+    results = gs.launch(_fails_on_rank, nproc_per_node=3, backend="gloo", args=(spec, 2))
+    for rank, (kind, failing, message) in enumerate(results):
+        assert failing == 2
+        assert "lock" in message.lower()
+        assert kind == ("TypeError" if rank == 2 else "RemoteRankError")
+    if name == "file":
+        assert _leftovers(tmp_path) == []
+
+
+def _late_rank(spec: str) -> tuple[str, list[int]]:
+    if gs.get_rank() == 1:
+        time.sleep(4)
+    try:
+        gs.gather_object(gs.get_rank(), store=spec, timeout=1.5)
+    except gs.GatherTimeout as exc:
+        if gs.get_rank() != 1:
+            time.sleep(4)  # keep rank 0's rendezvous store up until the late rank arrives
+        return "GatherTimeout", exc.ranks
+    return "no error", []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["auto", "tmpdir"])
+def test_gather_timeout_names_late_ranks(name: str) -> None:
+    results = gs.launch(_late_rank, nproc_per_node=3, backend="gloo", args=(name,))
+    assert results == [("GatherTimeout", [1])] * 3
+
+
+def _memory_store() -> str:
+    try:
+        gs.all_gather_object(gs.get_rank(), store="memory://gatherstore-test")
+    except gs.StoreNotSharedError as exc:
+        return f"{exc.ranks}|{exc.store}|{exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_memory_store_across_processes_is_not_shared() -> None:
+    results = gs.launch(_memory_store, nproc_per_node=3, backend="gloo")
+    for text in results:
+        ranks, store, message = text.split("|", 2)
+        assert ranks == "[1, 2]"
+        assert store.startswith("memory://")
+        assert "redis://" in message and "file:///" in message
+
+
+def _collect(spec: str) -> dict[str, Any]:
+    rank, world = gs.get_rank(), gs.get_world_size()
+    size = 10
+    # DistributedSampler: pads 10 to 12, rank r holds r, r+3, r+6, r+9 (index 10, 11 are 0, 1)
+    mine = [i % size for i in range(rank, 12, world)]
+    results = [None if i == 4 else f"r{i}" for i in mine]
+    out: dict[str, Any] = {}
+    out["interleaved"] = gs.collect_results(results, size, store=spec)
+    per = [list(range(0, 4)), list(range(4, 8)), list(range(8, 10))][rank]
+    out["contiguous"] = gs.collect_results(per, size, order="contiguous", store=spec)
+    out["indices"] = gs.collect_results(results, indices=mine, store=spec)
+    try:
+        gs.collect_results(["x"], size=5, indices=[rank], store=spec)
+    except ValueError as exc:
+        out["missing"] = str(exc)
+    try:
+        gs.collect_results([1, 2], indices=[0] if rank == 1 else [0, 1], store=spec)
+    except (gs.RemoteRankError, ValueError) as exc:
+        out["bad_args"] = type(exc).__name__
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["collective", "tmpdir"])
+def test_collect_results_order_and_truncation(name: str) -> None:
+    results = gs.launch(_collect, nproc_per_node=3, backend="gloo", args=(name,))
+    expected = [None if i == 4 else f"r{i}" for i in range(10)]
+    assert results[0]["interleaved"] == expected
+    assert results[0]["contiguous"] == list(range(10))
+    assert results[0]["indices"] == expected
+    assert "3, 4" in results[0]["missing"]
+    for rank, out in enumerate(results):
+        assert out["bad_args"] == ("ValueError" if rank == 1 else "RemoteRankError")
+        if rank:
+            assert out["interleaved"] is None and out["contiguous"] is None
+
+
+def _too_big_for_dst() -> str:
+    objects._available_memory = lambda: 1000  # this rank pretends to be nearly full
+    try:
+        gs.gather_object(np.zeros(10_000), store="tmpdir")
+    except gs.InsufficientMemoryError as exc:
+        assert "gather_iter" in str(exc), str(exc)
+        return type(exc).__name__
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_gather_that_cannot_fit_fails_fast_everywhere() -> None:
+    assert (
+        gs.launch(_too_big_for_dst, nproc_per_node=2, backend="gloo")
+        == ["InsufficientMemoryError"] * 2
+    )
+
+
+def _peak_growth(part_mb: int) -> dict[str, float]:
+    """Peak RSS growth (VmHWM after a reset) of one 4 x part_mb gather, in MB."""
+
+    def status(field: str) -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) / 1024
+        raise AssertionError(field)
+
+    part = {f"a{i}": np.random.default_rng(i).random(part_mb * 2**17 // 10) for i in range(10)}
+    nbytes = sum(a.nbytes for a in part.values()) / 2**20
+    gs.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    checksum = 0.0
+    for other in gs.gather_iter(part, store="tmpdir"):
+        checksum += float(sum(a[-1] for a in other.values()))
+        del other
+    growth = status("VmHWM") - before
+    gs.barrier()
+    return {"growth": growth, "part": nbytes, "checksum": checksum}
+
+
+@pytest.mark.timeout(300)
+def test_peak_memory_of_a_4_by_100mb_gather() -> None:
+    results = gs.launch(_peak_growth, nproc_per_node=4, backend="gloo", args=(100,))
+    dst, others = results[0], results[1:]
+    assert dst["checksum"] != 0
+    assert dst["growth"] < 2.5 * dst["part"], dst
+    for out in others:
+        assert out["growth"] < 1.5 * out["part"], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_single_part_over_4_gib(tmp_path: Path) -> None:
+    from gatherstore import serialize
+    from gatherstore.stores.tmpdir import FileStore
+
+    n = (4 << 30) // 8 + 1024
+    big = np.arange(n, dtype=np.int64)
+    frame = serialize.encode({"big": big, "tail": "end"}).seal(None)
+    assert frame.nbytes > 4 << 30
+    store = FileStore(tmp_path)
+    store.put("part", frame.segments)
+    del frame
+    raw = store.get("part")
+    out = serialize.decode(raw, rank=0, where="part")
+    del raw
+    store.delete("part")
+    assert out["tail"] == "end"
+    assert out["big"].shape == (n,)
+    assert out["big"][0] == 0 and out["big"][-1] == n - 1 and out["big"][n // 2] == n // 2
+    assert _leftovers(tmp_path) == []

@@ -1,0 +1,82 @@
+"""The public surface is explicit: ``__all__`` is pinned here."""
+
+from __future__ import annotations
+
+import gatherstore as gs
+
+PUBLIC = {
+    # topology
+    "get_world_size",
+    "get_rank",
+    "get_local_rank",
+    "get_local_size",
+    "get_node_rank",
+    "get_nnodes",
+    "is_main_process",
+    "is_distributed",
+    "backend",
+    "device",
+    "describe",
+    "gpu_mem_usage",
+    # lifecycle
+    "launch",
+    "init_from_env",
+    "shutdown",
+    # sync and rank filters
+    "barrier",
+    "rank_zero_only",
+    "one_rank_only",
+    "shared_random_seed",
+    # tensors
+    "all_reduce",
+    "all_reduce_dict",
+    "reduce_dict",
+    "all_gather_tensor",
+    "broadcast_tensor",
+    # objects
+    "all_gather_object",
+    "gather_object",
+    "gather_iter",
+    "broadcast_object",
+    "collect_results",
+    # stores
+    "Store",
+    "open_store",
+    "set_default_store",
+    "register_store",
+    # errors
+    "GatherError",
+    "GatherTimeout",
+    "RemoteRankError",
+    "StoreNotSharedError",
+    "IntegrityError",
+    "StoreUnavailableError",
+    "InsufficientMemoryError",
+    "MismatchError",
+    "__version__",
+}
+
+
+def test_all_is_pinned() -> None:
+    assert set(gs.__all__) == PUBLIC
+    assert len(gs.__all__) == len(set(gs.__all__))
+
+
+def test_every_name_resolves() -> None:
+    for name in gs.__all__:
+        assert getattr(gs, name) is not None
+
+
+def test_errors_subclass_the_root_and_a_builtin() -> None:
+    pairs = {
+        gs.GatherTimeout: TimeoutError,
+        gs.RemoteRankError: RuntimeError,
+        gs.StoreNotSharedError: RuntimeError,
+        gs.IntegrityError: ValueError,
+        gs.StoreUnavailableError: ConnectionError,
+        gs.InsufficientMemoryError: MemoryError,
+        gs.MismatchError: ValueError,
+    }
+    for error, builtin in pairs.items():
+        assert issubclass(error, gs.GatherError)
+        assert issubclass(error, builtin)
