@@ -19,6 +19,7 @@ import json
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -209,12 +210,13 @@ class _Call:
     def key(prefix: str, rank: int) -> str:
         return f"{prefix}/{rank}"
 
-    def read(self, session: JobSession, prefix: str, rank: int) -> Any:
+    def fetch(self, session: JobSession, prefix: str, rank: int) -> serialize.Verified:
+        """Read and verify one part (checksums release the GIL: this runs ahead in a thread)."""
         key = self.key(prefix, rank)
         raw = session.store.get(key)
         if raw is None:
             raise GatherError(f"{self.what}: the part of rank {rank} vanished from {session.store}")
-        return serialize.decode(raw, key=session.key, rank=rank, where=f"{session.store} {key}")
+        return serialize.verify(raw, key=session.key, rank=rank, where=f"{session.store} {key}")
 
 
 def _serial_check(dst: int, what: str) -> None:
@@ -251,7 +253,7 @@ def all_gather_object(
     out: list[Any] = []
     mine = _status(True)
     try:
-        out = [obj if r == call.rank else call.read(session, prefix, r) for r in everyone]
+        out = list(_Parts(call, session, prefix, call.rank, obj, delete=False))
     except Exception as exc:
         error, mine = exc, _failure(exc)
     try:
@@ -323,12 +325,40 @@ def gather_prepared(
 
 
 class _Parts(Iterator[Any]):
-    """dst's view of a stored gather: reads, verifies and deletes one part per step."""
+    """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
 
-    def __init__(self, call: _Call, session: JobSession, prefix: str, dst: int, own: Any) -> None:
-        self.call, self.session, self.prefix, self.dst, self.own = call, session, prefix, dst, own
+    While one part is unpickled the next is read and verified in a thread, so
+    at most two parts are held besides what the consumer keeps.  With
+    ``delete`` each part is deleted once read, and closing early deletes the
+    rest.
+    """
+
+    def __init__(
+        self,
+        call: _Call,
+        session: JobSession,
+        prefix: str,
+        own_rank: int,
+        own: Any,
+        *,
+        delete: bool = True,
+    ) -> None:
+        self.call, self.session, self.prefix = call, session, prefix
+        self.own_rank, self.own, self.delete = own_rank, own, delete
+        self.todo = [r for r in range(call.world) if r != own_rank]
         self.next_rank = 0
         self.closed = False
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gatherstore-read")
+        self.ahead: dict[int, Future[serialize.Verified]] = {}
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        for rank in self.todo[:2]:
+            if rank not in self.ahead:
+                self.ahead[rank] = self.pool.submit(
+                    self.call.fetch, self.session, self.prefix, rank
+                )
+                return
 
     def __iter__(self) -> _Parts:
         return self
@@ -339,21 +369,29 @@ class _Parts(Iterator[Any]):
             self.close()
             raise StopIteration
         self.next_rank += 1
-        if rank == self.dst:
+        if rank == self.own_rank:
             return self.own
         try:
-            return self.call.read(self.session, self.prefix, rank)
+            future = self.ahead.pop(rank)
+            self.todo.remove(rank)
+            self._prefetch()
+            return serialize.load(future.result())
         except BaseException:
             self.close()
             raise
         finally:
-            self.session.store.delete(self.call.key(self.prefix, rank))
+            if self.delete:
+                self.session.store.delete(self.call.key(self.prefix, rank))
 
     def close(self) -> None:
-        """Delete the parts not read yet."""
-        if not self.closed:
-            self.closed = True
-            self.next_rank = self.call.world
+        """Stop reading ahead; with ``delete``, delete the parts not read yet."""
+        if self.closed:
+            return
+        self.closed = True
+        self.next_rank = self.call.world
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.ahead.clear()
+        if self.delete:
             self.session.store.delete(self.prefix)
 
     def __del__(self) -> None:
@@ -383,7 +421,7 @@ def broadcast_object(
     out = obj
     try:
         if call.rank != src:
-            out = call.read(session, prefix, src)
+            out = serialize.load(call.fetch(session, prefix, src))
     except Exception as exc:
         error, mine = exc, _failure(exc)
     try:

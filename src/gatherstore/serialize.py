@@ -1,14 +1,16 @@
-"""Framing of one rank's object: pickle protocol 5 with out-of-band buffers.
+"""Framing of one rank's object: pickle protocol 5 with out-of-band regions.
 
-A part is ``header | digest | buffer table | pickle stream | buffers``.  Numpy
-arrays and CPU tensors travel as out-of-band buffers: written straight from
-their memory (no extra copy) and, on read, rebuilt as views of the part's
-buffer (a memory map for files).  CUDA tensors are copied to CPU memory first,
-so objects never grow GPU memory; tensors that require grad are detached.
-cloudpickle is used only when plain pickle fails.  The digest is CRC-32, or
-HMAC-SHA256 when a signing key is given; it is checked before anything is
-unpickled, and a part from another format version, truncated or altered,
-raises :class:`~gatherstore.IntegrityError`.
+A part is ``header | digest | region table | pickle stream | regions``.  The
+regions are pickle's out-of-band buffers (numpy arrays, CPU tensors) and the
+columns of record batches (see :mod:`gatherstore.records`): written straight
+from their memory with vectored writes, and on read rebuilt as views of the
+part's buffer (a memory map for files).  CUDA tensors are copied to CPU memory
+first, so objects never grow GPU memory; tensors that require grad are
+detached.  cloudpickle is used only when plain pickle fails.
+
+The digest is CRC-32, or HMAC-SHA256 when a signing key is given; it is
+checked before anything is unpickled, and a part from another format version,
+truncated or altered, raises :class:`~gatherstore.IntegrityError`.
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import torch
 
+from . import records
 from .errors import IntegrityError
 
-__all__ = ["FORMAT_VERSION", "Frame", "decode", "encode"]
+__all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "encode", "load", "verify"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"GSPART\x00\x00"
-_HEAD = struct.Struct("<8sIIQQQ")  # magic, version, flags, buffer count, pickle length, total
+# magic, version, flags, out-of-band buffers, columns, pickle length, total
+_HEAD = struct.Struct("<8sIIQQQQ")
 _HEAD_SIZE = 64
 _DIGEST_SIZE = 32
 _PREFIX = _HEAD_SIZE + _DIGEST_SIZE
@@ -49,16 +54,16 @@ class Frame:
     """
 
     nbytes: int
-    _fields: tuple[int, int, int]  # flags, buffer count, pickle length
-    _body: list[memoryview]  # table, padding, pickle stream, buffers
+    _fields: tuple[int, int, int, int]  # flags, buffers, columns, pickle length
+    _body: list[memoryview]  # table, padding, pickle stream, regions
     segments: list[memoryview] = field(default_factory=list)
 
     def seal(self, key: bytes | None) -> Frame:
         """Compute the digest (signature when ``key`` is given); returns self."""
-        flags, count, pickle_len = self._fields
+        flags, count, columns, pickle_len = self._fields
         if key is not None:
             flags |= _SIGNED
-        head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, pickle_len, self.nbytes)
+        head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, columns, pickle_len, self.nbytes)
         head_view = memoryview(head.ljust(_HEAD_SIZE, b"\0"))
         digest = _digest([head_view, *self._body], key)
         self.segments = [head_view, memoryview(digest), *self._body]
@@ -82,7 +87,17 @@ def _rebuild_tensor(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> torc
     return torch.frombuffer(view, dtype=torch.uint8).view(kind).reshape(shape)
 
 
-def _reduce_tensor(obj: Any) -> Any:
+def _reduce_array(obj: Any) -> Any:
+    """Strided numpy arrays are made contiguous first: numpy's own reduction of
+    them loses a non-native byte order."""
+    if obj.flags.c_contiguous or obj.flags.f_contiguous or obj.dtype.hasobject:
+        return NotImplemented
+    return np.ascontiguousarray(obj).__reduce_ex__(5)
+
+
+def _reduce_object(obj: Any) -> Any:
+    if type(obj) is np.ndarray:
+        return _reduce_array(obj)
     if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
         return NotImplemented
     tensor = obj.detach()
@@ -97,36 +112,55 @@ def _reduce_tensor(obj: Any) -> Any:
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
-        return _reduce_tensor(obj)
+        return _reduce_object(obj)
+
+
+class _ColumnPickler(_Pickler):
+    """Also stores record-batch columns as out-of-band regions (persistent ids)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.columns: list[records.Column] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is records.Column:
+            self.columns.append(obj)
+            return len(self.columns) - 1
+        return None
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
-        reduced = _reduce_tensor(obj)
+        reduced = _reduce_object(obj)
         if reduced is NotImplemented:
             return super().reducer_override(obj)
         return reduced
 
 
-def _pickle(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer], int]:
-    for flags, pickler in ((0, _Pickler), (_CLOUDPICKLE, _CloudPickler)):
+def _pickle(obj: Any) -> tuple[bytes, list[memoryview], list[records.Column], int]:
+    packed, batched = records.pack(obj)
+    attempts: list[tuple[int, Any, Any]] = [(0, _ColumnPickler if batched else _Pickler, packed)]
+    attempts.append((_CLOUDPICKLE, _CloudPickler, obj))
+    for flags, pickler_class, value in attempts:
         stream = io.BytesIO()
-        buffers: list[pickle.PickleBuffer] = []
+        buffers: list[memoryview] = []
 
-        def out_of_band(buf: pickle.PickleBuffer, buffers: list[Any] = buffers) -> bool:
+        def out_of_band(buf: pickle.PickleBuffer, buffers: list[memoryview] = buffers) -> bool:
             """Small buffers stay in the stream (cheaper than a table entry each)."""
-            if buf.raw().nbytes < _OUT_OF_BAND_MIN:
+            raw = buf.raw()
+            if raw.nbytes < _OUT_OF_BAND_MIN:
                 return True
-            buffers.append(buf)
+            buffers.append(raw)
             return False
 
+        pickler = pickler_class(stream, protocol=5, buffer_callback=out_of_band)
         try:
-            pickler(stream, protocol=5, buffer_callback=out_of_band).dump(obj)
+            pickler.dump(value)
         except (pickle.PicklingError, TypeError, AttributeError):
             if flags:
                 raise
             continue
-        return stream.getvalue(), buffers, flags
+        return stream.getvalue(), buffers, getattr(pickler, "columns", []), flags
     raise AssertionError("unreachable")
 
 
@@ -153,36 +187,43 @@ def encode(obj: Any) -> Frame:
     Raises:
         Exception: whatever pickling raises when neither pickle nor cloudpickle can.
     """
-    data, buffers, flags = _pickle(obj)
-    raws = [pb.raw() for pb in buffers]
-    count = len(raws)
-    pos = _PREFIX + 16 * count
-    body: list[memoryview] = []
+    data, buffers, columns, flags = _pickle(obj)
+    regions = [[b.cast("B")] for b in buffers] + [c.segments for c in columns]
+    pos = _PREFIX + 16 * len(regions)
     pad = _pad(pos, len(data))
-    body += [memoryview(_PADDING[:pad]), memoryview(data)]
-    pickle_at = pos + pad
-    pos = pickle_at + len(data)
+    body: list[memoryview] = [memoryview(_PADDING[:pad]), memoryview(data)]
+    pos += pad + len(data)
     table: list[int] = []
-    for raw in raws:
-        pad = _pad(pos, raw.nbytes)
+    for segments in regions:
+        size = sum(s.nbytes for s in segments)
+        pad = _pad(pos, size)
         if pad:
             body.append(memoryview(_PADDING[:pad]))
         pos += pad
-        table += (pos, raw.nbytes)
-        body.append(raw.cast("B"))
-        pos += raw.nbytes
+        table += (pos, size)
+        body += segments
+        pos += size
     table_view = memoryview(struct.pack(f"<{len(table)}Q", *table))
-    return Frame(pos, (flags, count, len(data)), [table_view, *body])
+    return Frame(pos, (flags, len(buffers), len(columns), len(data)), [table_view, *body])
 
 
-def decode(
+@dataclass
+class Verified:
+    """A part whose digest checked out: its pickle stream and regions, as views."""
+
+    stream: memoryview
+    buffers: list[memoryview]
+    columns: list[memoryview]
+
+
+def verify(
     data: Any, *, key: bytes | None = None, rank: int | None = None, where: str | None = None
-) -> Any:
-    """Rebuild the object of a frame, arrays as views into ``data``.
+) -> Verified:
+    """Check a frame's header and digest (signature with ``key``) without unpickling.
 
     Raises:
         IntegrityError: foreign format or version, truncated, or digest/signature
-            mismatch (nothing is unpickled then); names ``rank`` and ``where``.
+            mismatch; names ``rank`` and ``where``.
     """
     view = memoryview(data).cast("B")
     who = f"part of rank {rank}" if rank is not None else "part"
@@ -194,7 +235,7 @@ def decode(
 
     if len(view) < _PREFIX:
         raise fail(f"is truncated: {len(view)} bytes, shorter than the frame header")
-    magic, version, flags, count, pickle_len, total = _HEAD.unpack_from(view)
+    magic, version, flags, count, columns, pickle_len, total = _HEAD.unpack_from(view)
     if magic != _MAGIC:
         raise fail("is not a gatherstore part (bad magic)")
     if version != FORMAT_VERSION:
@@ -215,12 +256,32 @@ def decode(
     if not hmac.compare_digest(expected, bytes(view[_HEAD_SIZE:_PREFIX])):
         what = "signature" if signed else "checksum"
         raise fail(f"failed its {what} check: it was altered or written by someone else")
-    table = struct.unpack_from(f"<{2 * count}Q", view, _PREFIX)
-    pickle_at = _pickle_offset(_PREFIX + 16 * count, pickle_len)
-    stream = view[pickle_at : pickle_at + pickle_len]
-    buffers = [view[off : off + n] for off, n in zip(table[::2], table[1::2], strict=True)]
-    return pickle.loads(stream, buffers=buffers)
+    regions = count + columns
+    table = struct.unpack_from(f"<{2 * regions}Q", view, _PREFIX)
+    pos = _PREFIX + 16 * regions
+    pickle_at = pos + _pad(pos, pickle_len)
+    views = [view[off : off + n] for off, n in zip(table[::2], table[1::2], strict=True)]
+    return Verified(view[pickle_at : pickle_at + pickle_len], views[:count], views[count:])
 
 
-def _pickle_offset(pos: int, pickle_len: int) -> int:
-    return pos + _pad(pos, pickle_len)
+class _ColumnUnpickler(pickle.Unpickler):
+    def __init__(self, verified: Verified) -> None:
+        super().__init__(io.BytesIO(verified.stream), buffers=verified.buffers)
+        self.columns = verified.columns
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.columns[pid]
+
+
+def load(verified: Verified) -> Any:
+    """Unpickle a verified part; arrays are views into its buffer."""
+    if verified.columns:
+        return _ColumnUnpickler(verified).load()
+    return pickle.loads(verified.stream, buffers=verified.buffers)
+
+
+def decode(
+    data: Any, *, key: bytes | None = None, rank: int | None = None, where: str | None = None
+) -> Any:
+    """:func:`verify`, then :func:`load`."""
+    return load(verify(data, key=key, rank=rank, where=where))

@@ -1,0 +1,259 @@
+"""Record batches: runs of same-shaped records packed into columns before pickling.
+
+Evaluation results are long lists of small records (a dict per image holding a
+few arrays and scalars).  Pickling them object by object runs at well under
+0.1 GB/s.  Before pickling, every run of records with the same structure —
+dicts with the same keys in the same order, or instances of one dataclass,
+whose array/tensor fields share dtype and trailing shape — becomes a
+:class:`Batch`: one column per field.  Array columns are written as a single
+out-of-band region (numpy fields straight from each record's memory, tensor
+fields concatenated once), with the first-dimension lengths kept for ragged
+fields; other fields become plain Python lists, which pickle fast.  On load
+the records are rebuilt with array fields as views into the column.
+
+Lists that are not homogeneous fall back to plain pickling per run of records;
+this is never a user-visible format choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Batch", "Column", "pack"]
+
+#: Shortest run of records worth a batch.
+MIN_RUN = 8
+#: Containers shorter than this are searched for lists of records (depth-limited).
+_SCAN_LEN = 64
+_SCAN_DEPTH = 4
+
+Kind = tuple[Any, ...]
+
+
+class Column:
+    """An out-of-band region made of segments written back to back."""
+
+    __slots__ = ("nbytes", "segments")
+
+    def __init__(self, segments: list[memoryview]) -> None:
+        self.segments = segments
+        self.nbytes = sum(s.nbytes for s in segments)
+
+
+def _structure(record: Any) -> tuple[type, tuple[str, ...]] | None:
+    """(record type, field names) of a dict or plain dataclass instance, else None."""
+    kind = type(record)
+    if kind is dict:
+        return (dict, tuple(record))
+    if dataclasses.is_dataclass(kind) and hasattr(record, "__dict__"):
+        names = tuple(record.__dict__)
+        if names == tuple(f.name for f in dataclasses.fields(kind)):
+            return (kind, names)
+    return None
+
+
+def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
+    """One raw-bytes column for arrays of one plain dtype and trailing shape, else None."""
+    if not all(type(v) is np.ndarray for v in values):
+        return None
+    dtypes = {v.dtype for v in values}
+    ndims = {v.ndim for v in values}
+    if len(dtypes) != 1 or len(ndims) != 1:
+        return None
+    (dtype,), (ndim,) = dtypes, ndims
+    if dtype.hasobject or dtype.fields is not None:
+        return None
+    try:
+        joined = np.stack(values) if ndim == 0 else np.concatenate(values)
+    except ValueError:  # trailing shapes differ
+        return None
+    if joined.dtype != dtype:  # numpy joins in native byte order; keep the original
+        joined = joined.astype(dtype)
+    lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
+    column = Column([joined.reshape(-1).view(np.uint8).data])
+    return ("np", dtype.str, joined.shape[1:], ndim == 0), (column, _compact(lengths))
+
+
+def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
+    """One column for dense tensors of one dtype and trailing shape, else None.
+
+    Tensors are detached; CUDA tensors are copied to CPU one by one, so the
+    column never grows GPU memory.
+    """
+    if not all(type(v) is torch.Tensor for v in values):
+        return None
+    if not all(v.layout == torch.strided and not v.is_quantized for v in values):
+        return None
+    dtypes = {v.dtype for v in values}
+    ndims = {v.dim() for v in values}
+    if len(dtypes) != 1 or len(ndims) != 1:
+        return None
+    (dtype,), (ndim,) = dtypes, ndims
+    detached = [v.detach().cpu() for v in values]
+    try:
+        joined = torch.stack(detached) if ndim == 0 else torch.cat(detached)
+    except RuntimeError:  # trailing shapes differ
+        return None
+    lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
+    raw = joined.contiguous().reshape(-1).view(torch.uint8).numpy()
+    kind = ("pt", str(dtype).removeprefix("torch."), tuple(joined.shape[1:]), ndim == 0)
+    return kind, (Column([raw.data]), _compact(lengths))
+
+
+def _compact(lengths: np.ndarray | None) -> Any:
+    """None (0-d), an int (all equal) or the lengths array."""
+    if lengths is None:
+        return None
+    if len(lengths) and (lengths == lengths[0]).all():
+        return int(lengths[0])
+    return lengths
+
+
+class Batch:
+    """A run of records with one structure, pickled as columns."""
+
+    def __init__(self, records: Sequence[Any], structure: tuple[type, tuple[str, ...]]) -> None:
+        self.cls, self.names = structure
+        self.count = len(records)
+        self.kinds: list[Kind] = []
+        self.columns: list[Any] = []
+        for name in self.names:
+            if self.cls is dict:
+                values = [r[name] for r in records]
+            else:
+                values = [r.__dict__[name] for r in records]
+            packed = _numpy_column(values) or _tensor_column(values)
+            kind, column = packed if packed is not None else (("py",), values)
+            self.kinds.append(kind)
+            self.columns.append(column)
+
+    def __reduce__(self) -> tuple[Callable[..., list[Any]], tuple[Any, ...]]:
+        return (_unbatch, (self.cls, self.names, self.kinds, self.count, self.columns))
+
+
+def _numpy_values(
+    buf: memoryview, dtype: str, trailing: tuple[int, ...], zero_d: bool, count: int, lengths: Any
+) -> list[Any]:
+    base = np.frombuffer(buf, dtype=np.dtype(dtype))
+    if zero_d:
+        return [base[i, ...] for i in range(count)]
+    base = base.reshape((-1, *trailing))
+    if isinstance(lengths, int):
+        return list(base.reshape((count, lengths, *trailing)))
+    return np.split(base, np.cumsum(lengths)[:-1])
+
+
+def _tensor_values(
+    buf: memoryview, dtype: str, trailing: tuple[int, ...], zero_d: bool, count: int, lengths: Any
+) -> list[Any]:
+    kind = getattr(torch, dtype)
+    if len(buf) == 0:
+        base = torch.empty(0, dtype=kind)
+    else:
+        base = torch.frombuffer(buf, dtype=torch.uint8).view(kind)
+    if zero_d:
+        return list(base.unbind(0))
+    base = base.reshape((-1, *trailing))
+    if isinstance(lengths, int):
+        return list(base.reshape((count, lengths, *trailing)).unbind(0))
+    return list(torch.split(base, [int(n) for n in lengths]))
+
+
+def _unbatch(
+    cls: type, names: tuple[str, ...], kinds: list[Kind], count: int, columns: list[Any]
+) -> list[Any]:
+    values: list[Any] = []
+    for kind, column in zip(kinds, columns, strict=True):
+        if kind[0] == "py":
+            values.append(column)
+            continue
+        buf, lengths = column
+        rebuild = _numpy_values if kind[0] == "np" else _tensor_values
+        values.append(rebuild(buf, kind[1], tuple(kind[2]), kind[3], count, lengths))
+    if cls is dict:
+        return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+    out = []
+    for row in zip(*values, strict=True):
+        obj: Any = object.__new__(cls)
+        obj.__dict__.update(zip(names, row, strict=True))
+        out.append(obj)
+    return out
+
+
+class _Chunks:
+    """A list split into plain runs and batches; unpickles to the original list."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+
+    def __reduce__(self) -> tuple[Callable[..., list[Any]], tuple[Any, ...]]:
+        return (_concat, (self.chunks,))
+
+
+def _concat(chunks: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for chunk in chunks:
+        out.extend(chunk)
+    return out
+
+
+def _pack_list(items: list[Any]) -> Any:
+    signatures = [_structure(item) for item in items]
+    chunks: list[Any] = []
+    start = 0
+    batched = False
+    while start < len(items):
+        end = start + 1
+        while end < len(items) and signatures[end] == signatures[start]:
+            end += 1
+        signature = signatures[start]
+        if signature is not None and end - start >= MIN_RUN:
+            chunks.append(Batch(items[start:end], signature))
+            batched = True
+        elif chunks and type(chunks[-1]) is list:
+            chunks[-1].extend(items[start:end])
+        else:
+            chunks.append(items[start:end])
+        start = end
+    if not batched:
+        return items
+    return chunks[0] if len(chunks) == 1 else _Chunks(chunks)
+
+
+def pack(obj: Any, depth: int = 0) -> tuple[Any, bool]:
+    """``obj`` with its lists of records replaced by batches; and whether any was made.
+
+    Only exact ``list``/``tuple``/``dict`` containers are searched (short ones,
+    a few levels deep); nothing else is touched.
+    """
+    kind = type(obj)
+    if kind is list and len(obj) >= MIN_RUN:
+        packed = _pack_list(obj)
+        if packed is not obj:
+            return packed, True
+    if depth >= _SCAN_DEPTH or kind not in (list, tuple, dict) or len(obj) >= _SCAN_LEN:
+        return obj, False
+    if kind is dict:
+        changed = {k: pack(v, depth + 1) for k, v in obj.items()}
+        if any(flag for _, flag in changed.values()):
+            return _Rebuilt(dict, {k: v for k, (v, _) in changed.items()}), True
+        return obj, False
+    items = [pack(v, depth + 1) for v in obj]
+    if any(flag for _, flag in items):
+        return _Rebuilt(kind, [v for v, _ in items]), True
+    return obj, False
+
+
+class _Rebuilt:
+    """A small container some of whose items were packed; unpickles to ``kind``."""
+
+    def __init__(self, kind: type, items: Any) -> None:
+        self.kind, self.items = kind, items
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.kind, (self.items,))
