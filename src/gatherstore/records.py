@@ -100,7 +100,8 @@ def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
     except RuntimeError:  # trailing shapes differ
         return None
     lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
-    raw = joined.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat = joined.contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     kind = ("pt", str(dtype).removeprefix("torch."), tuple(joined.shape[1:]), ndim == 0)
     return kind, (Column([raw.data]), _compact(lengths))
 
@@ -136,13 +137,18 @@ class Batch:
         return (_unbatch, (self.cls, self.names, self.kinds, self.count, self.columns))
 
 
+def _rows(count: int, lengths: Any) -> int:
+    """Total first-dimension length of a column."""
+    return count * lengths if isinstance(lengths, int) else int(np.sum(lengths))
+
+
 def _numpy_values(
     buf: memoryview, dtype: str, trailing: tuple[int, ...], zero_d: bool, count: int, lengths: Any
 ) -> list[Any]:
     base = np.frombuffer(buf, dtype=np.dtype(dtype))
     if zero_d:
         return [base[i, ...] for i in range(count)]
-    base = base.reshape((-1, *trailing))
+    base = base.reshape((_rows(count, lengths), *trailing))
     if isinstance(lengths, int):
         return list(base.reshape((count, lengths, *trailing)))
     return np.split(base, np.cumsum(lengths)[:-1])
@@ -154,11 +160,13 @@ def _tensor_values(
     kind = getattr(torch, dtype)
     if len(buf) == 0:
         base = torch.empty(0, dtype=kind)
+    elif buf.readonly:  # torch cannot honour read-only memory: copy once
+        base = torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(kind)
     else:
         base = torch.frombuffer(buf, dtype=torch.uint8).view(kind)
     if zero_d:
         return list(base.unbind(0))
-    base = base.reshape((-1, *trailing))
+    base = base.reshape((_rows(count, lengths), *trailing))
     if isinstance(lengths, int):
         return list(base.reshape((count, lengths, *trailing)).unbind(0))
     return list(torch.split(base, [int(n) for n in lengths]))

@@ -104,7 +104,8 @@ def _reduce_object(obj: Any) -> Any:
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
-    raw = tensor.reshape(-1).view(torch.uint8).numpy()
+    flat = tensor.reshape(-1)
+    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     dtype = str(tensor.dtype).removeprefix("torch.")
     buffer = pickle.PickleBuffer(raw)  # type: ignore[arg-type]
     return (_rebuild_tensor, (buffer, dtype, tuple(tensor.shape)))

@@ -113,8 +113,10 @@ class FileStore(Store):
         try:
             size = os.fstat(fd).st_size
             if size < _MMAP_MIN:
+                buf = bytearray(size)
                 with os.fdopen(os.dup(fd), "rb") as f:
-                    return f.read()
+                    f.readinto(buf)
+                return buf
             return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)

@@ -1,0 +1,264 @@
+"""Framing and record batches: exact round trips, zero-copy views, damaged parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+from typing import Any
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gatherstore as gs
+from gatherstore import serialize
+from gatherstore.records import MIN_RUN
+from gatherstore.stores.tmpdir import FileStore
+
+
+def round_trip(obj: Any, key: bytes | None = None) -> Any:
+    frame = serialize.encode(obj).seal(key)
+    buf = bytearray(frame.nbytes)
+    frame.copy_into(memoryview(buf))
+    return serialize.decode(buf, key=key, rank=0)
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Equal values, the same types, dtypes, shapes and key order."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.dtype.str == b.dtype.str and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and not a.requires_grad
+        assert torch.equal(a, b.detach())
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    elif dataclasses.is_dataclass(a):
+        assert_same(dataclasses.asdict(a), dataclasses.asdict(b))
+    else:
+        assert a == b or (a != a and b != b)
+
+
+@dataclasses.dataclass
+class Detection:
+    boxes: Any
+    score: float
+    name: str | None
+
+
+DTYPES = st.sampled_from(["<f4", ">f4", "<i8", ">i2", "|u1", "|b1", "<f8", ">c16"])
+
+
+@st.composite
+def arrays(draw: Any) -> np.ndarray:
+    arr = draw(
+        hnp.arrays(
+            dtype=draw(DTYPES),
+            shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+        )
+    )
+    if arr.ndim >= 2 and draw(st.booleans()):
+        arr = arr[:, ::-1]  # not contiguous
+    return arr
+
+
+@st.composite
+def tensors(draw: Any) -> torch.Tensor:
+    dtype = draw(st.sampled_from([torch.float32, torch.int64, torch.bfloat16, torch.bool]))
+    shape = draw(st.lists(st.integers(0, 3), min_size=0, max_size=3))
+    tensor = torch.zeros(shape, dtype=torch.float64).uniform_(-5, 5).to(dtype)
+    if dtype.is_floating_point and draw(st.booleans()):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+SCALARS = st.one_of(
+    st.none(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5), st.booleans()
+)
+FIELDS = st.one_of(SCALARS, arrays(), tensors())
+
+
+@st.composite
+def record_lists(draw: Any) -> list[Any]:
+    """Runs of same-shaped records (ragged first dims), mixed with odd items."""
+    out: list[Any] = []
+    for _ in range(draw(st.integers(0, 3))):
+        names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
+        trailing = draw(st.lists(st.integers(0, 3), max_size=2))
+        dtype = draw(DTYPES)
+        as_tensor = draw(st.booleans())
+        count = draw(st.integers(0, 2 * MIN_RUN))
+        for _ in range(count):
+            record: dict[str, Any] = {}
+            for i, name in enumerate(names):
+                if i == 0:
+                    shape = (draw(st.integers(0, 3)), *trailing)
+                    arr = np.ones(shape, dtype=dtype)
+                    record[name] = torch.from_numpy(arr.real.astype("<f4")) if as_tensor else arr
+                else:
+                    record[name] = draw(FIELDS)
+            out.append(record)
+        out += draw(st.lists(FIELDS, max_size=2))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(record_lists())
+def test_round_trip_of_random_record_lists(items: list[Any]) -> None:
+    assert_same(round_trip(items), items)
+    assert_same(round_trip({"nested": (items, [items])}), {"nested": (items, [items])})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(FIELDS, max_size=6))
+def test_round_trip_of_random_fields(values: list[Any]) -> None:
+    assert_same(round_trip(values), values)
+
+
+def test_dataclass_records_and_none_fields() -> None:
+    dets = [
+        Detection(
+            np.arange(i % 3 * 4, dtype=np.float32).reshape(-1, 4)
+            if i % 5
+            else np.zeros((0, 4), np.float32),
+            i / 7,
+            None if i % 2 else f"d{i}",
+        )
+        for i in range(40)
+    ]
+    assert_same(round_trip(dets), dets)
+
+
+def test_numpy_and_torch_interleaved() -> None:
+    items = [
+        {"a": np.arange(3), "b": torch.arange(3)}
+        if i % 2
+        else {"a": torch.arange(3), "b": np.arange(3)}
+        for i in range(30)
+    ]
+    assert_same(round_trip(items), items)
+
+
+def test_tensor_that_requires_grad_is_detached() -> None:
+    items = [{"x": torch.ones(2, requires_grad=True)} for _ in range(MIN_RUN)]
+    out = round_trip(items)
+    assert not out[0]["x"].requires_grad and torch.equal(out[0]["x"], torch.ones(2))
+
+
+def test_records_are_views_into_the_part(tmp_path: Path) -> None:
+    records = [
+        {"boxes": np.full((i % 4 + 1, 4), i, np.float32), "t": torch.full((3,), float(i)), "id": i}
+        for i in range(100)
+    ]
+    store = FileStore(tmp_path)
+    frame = serialize.encode(records).seal(None)
+    store.put("part", frame.segments)
+    raw = store.get("part")
+    out = serialize.decode(raw)
+    store.delete("part")  # the mapping outlives the file
+    assert_same(out, records)
+    bases = {id(_root(r["boxes"])) for r in out}
+    assert len(bases) == 1, "every record's array is a view of one column"
+    ptrs = [r["t"].data_ptr() for r in out]
+    assert ptrs == [ptrs[0] + 12 * i for i in range(100)], "tensors are views of one column"
+    out[3]["boxes"][0, 0] = -1  # writable (copy-on-write), the others untouched
+    assert out[4]["boxes"][0, 0] == 4
+
+
+def _root(arr: np.ndarray) -> Any:
+    while isinstance(arr.base, np.ndarray):
+        arr = arr.base
+    return arr.base
+
+
+def test_big_part_from_a_file_is_memory_mapped(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    data = {"x": np.arange(1 << 20, dtype=np.float64)}
+    store.put("part", serialize.encode(data).seal(None).segments)
+    out = serialize.decode(store.get("part"))
+    assert isinstance(_root(out["x"]), memoryview)
+    assert_same(out, data)
+
+
+def test_cloudpickle_only_when_pickle_fails() -> None:
+    fn = round_trip(lambda x: x + 1)
+    assert fn(1) == 2
+    assert round_trip([1, "x"]) == [1, "x"]
+
+
+def test_cuda_tensors_travel_through_cpu_memory() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine (checked on the GPU machine)")
+    before = torch.cuda.memory_allocated()
+    t = torch.ones(1000, device="cuda")
+    held = torch.cuda.memory_allocated()
+    out = round_trip([{"t": t} for _ in range(MIN_RUN)] + [t])
+    assert torch.cuda.max_memory_allocated() >= held >= before
+    assert out[0]["t"].device.type == "cpu"
+
+
+class Canary:
+    unpickled = 0
+
+    def __reduce__(self) -> Any:
+        return (_canary, ())
+
+
+def _canary() -> Canary:
+    Canary.unpickled += 1
+    return Canary()
+
+
+@pytest.mark.parametrize("where", [100, -1, 40])
+def test_damaged_part_raises_integrity_error_and_unpickles_nothing(where: int) -> None:
+    frame = serialize.encode([Canary(), np.arange(10_000)]).seal(None)
+    buf = bytearray(frame.nbytes)
+    frame.copy_into(memoryview(buf))
+    buf[where] ^= 0xFF
+    Canary.unpickled = 0
+    with pytest.raises(gs.IntegrityError) as info:
+        serialize.decode(buf, rank=3, where="call-1/3")
+    assert info.value.rank == 3 and info.value.key == "call-1/3"
+    assert Canary.unpickled == 0
+
+
+def test_truncated_foreign_and_other_version_parts() -> None:
+    frame = serialize.encode({"a": 1}).seal(None)
+    buf = bytearray(frame.nbytes)
+    frame.copy_into(memoryview(buf))
+    with pytest.raises(gs.IntegrityError, match="truncated"):
+        serialize.decode(buf[:-5], rank=1)
+    with pytest.raises(gs.IntegrityError, match="not a gatherstore part"):
+        serialize.decode(pickle.dumps({"a": 1}) * 10, rank=1)
+    other = bytearray(buf)
+    other[8] = serialize.FORMAT_VERSION + 1
+    with pytest.raises(gs.IntegrityError, match="format version"):
+        serialize.decode(other, rank=1)
+
+
+def test_signed_parts_need_the_key() -> None:
+    key, other = b"k" * 32, b"o" * 32
+    frame = serialize.encode({"a": np.arange(5000)}).seal(key)
+    buf = bytearray(frame.nbytes)
+    frame.copy_into(memoryview(buf))
+    assert serialize.decode(buf, key=key)["a"][-1] == 4999
+    with pytest.raises(gs.IntegrityError, match="signature"):
+        serialize.decode(buf, key=other)
+    with pytest.raises(gs.IntegrityError, match="signed"):
+        serialize.decode(buf)
+    unsigned = serialize.encode({"a": 1}).seal(None)
+    raw = bytearray(unsigned.nbytes)
+    unsigned.copy_into(memoryview(raw))
+    with pytest.raises(gs.IntegrityError, match="signature is required"):
+        serialize.decode(raw, key=key)
