@@ -223,25 +223,17 @@ def test_gather_that_cannot_fit_fails_fast_everywhere() -> None:
 
 def _peak_growth(part_mb: int) -> dict[str, float]:
     """Peak RSS growth (VmHWM after a reset) of one 4 x part_mb gather, in MB."""
-
-    def status(field: str) -> float:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) / 1024
-        raise AssertionError(field)
-
     part = {f"a{i}": np.random.default_rng(i).random(part_mb * 2**17 // 10) for i in range(10)}
     nbytes = sum(a.nbytes for a in part.values()) / 2**20
     gs.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = status("VmRSS")
+    before = _status("VmRSS")
     checksum = 0.0
     for other in gs.gather_iter(part, store="tmpdir"):
         checksum += float(sum(a[-1] for a in other.values()))
         del other
-    growth = status("VmHWM") - before
+    growth = _status("VmHWM") - before
     gs.barrier()
     return {"growth": growth, "part": nbytes, "checksum": checksum}
 
@@ -250,6 +242,7 @@ def _peak_growth(part_mb: int) -> dict[str, float]:
 def test_peak_memory_of_a_4_by_100mb_gather() -> None:
     results = gs.launch(_peak_growth, nproc_per_node=4, backend="gloo", args=(100,))
     dst, others = results[0], results[1:]
+    print("4 x 100 MB gather_iter, peak RSS growth (MB):", results)
     assert dst["checksum"] != 0
     assert dst["growth"] < 2.5 * dst["part"], dst
     for out in others:
@@ -277,3 +270,56 @@ def test_single_part_over_4_gib(tmp_path: Path) -> None:
     assert out["big"].shape == (n,)
     assert out["big"][0] == 0 and out["big"][-1] == n - 1 and out["big"][n // 2] == n // 2
     assert _leftovers(tmp_path) == []
+
+
+def _detections_peak(part_mb: int) -> dict[str, float]:
+    """Peak RSS growth of gathering detection-style records on rank 0, in MB."""
+    rank = gs.get_rank()
+    rng = np.random.default_rng(rank)
+    count = part_mb * 2**20 // 2800
+    preds = [
+        {
+            "image_id": i * 4 + rank,
+            "boxes": rng.random((100, 4), dtype=np.float32),
+            "scores": rng.random(100, dtype=np.float32),
+            "labels": rng.integers(0, 80, 100),
+            "file_name": f"{i * 4 + rank:012d}.jpg",
+        }
+        for i in range(count)
+    ]
+    nbytes = sum(p["boxes"].nbytes + p["scores"].nbytes + p["labels"].nbytes for p in preds)
+    gs.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    gathered = gs.gather_object(preds, store="tmpdir")
+    growth = _status("VmHWM") - before
+    received = 0.0
+    if gathered is not None:
+        assert [p[0]["image_id"] for p in gathered] == [0, 1, 2, 3]
+        received = sum(
+            p["boxes"].nbytes + p["scores"].nbytes + p["labels"].nbytes
+            for part in gathered[1:]
+            for p in part
+        )
+    gs.barrier()
+    return {"growth": growth, "part": nbytes / 2**20, "received": received / 2**20}
+
+
+def _status(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(field)
+
+
+@pytest.mark.timeout(300)
+def test_peak_memory_of_a_records_gather() -> None:
+    """Record batches: dst <= 1.4x the payload it receives, others <= 1.2x their part."""
+    results = gs.launch(_detections_peak, nproc_per_node=4, backend="gloo", args=(60,))
+    dst, others = results[0], results[1:]
+    print("records gather, peak RSS growth (MB):", results)
+    assert dst["growth"] < 1.4 * dst["received"], dst
+    for out in others:
+        assert out["growth"] < 1.2 * out["part"], out
