@@ -69,13 +69,15 @@ class FileStore(Store):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
 
+    scheme: ClassVar[str] = "file"
+
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
         if options:
             raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
-        path = url.removeprefix("file://")
+        path = url.removeprefix(f"{cls.scheme}://")
         if not path.startswith("/"):
-            raise ValueError(f"{url!r}: give an absolute path, e.g. file:///shared/nfs/dir")
+            raise ValueError(f"{url!r}: give an absolute path, e.g. {cls.scheme}:///shared/dir")
         return cls(path)
 
     @property
@@ -180,16 +182,13 @@ class TmpdirStore(FileStore):
         self.explicit_base = base is not None
         super().__init__(base if base is not None else default_tmpdir_base())
 
+    scheme: ClassVar[str] = "tmpdir"
+
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
-        if options:
-            raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
-        if url == "tmpdir":
+        if url == cls.scheme and not options:
             return cls()
-        path = url.removeprefix("tmpdir://")
-        if not path.startswith("/"):
-            raise ValueError(f"{url!r}: give an absolute base, e.g. tmpdir:///dev/shm")
-        return cls(path)
+        return super()._from_url(url, **options)
 
     @property
     def url(self) -> str:
