@@ -70,7 +70,8 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
     Raises:
         GatherTimeout: some ranks did not arrive within ``timeout`` seconds; its
             ``ranks`` are those ranks (the same on every rank that waited).
-        RemoteRankError: the job's store went away (rank 0's process ended).
+        RemoteRankError: the job's store went away (the process hosting it, rank 0 or
+            the launcher, ended).
     """
     if not is_initialized() or dist.get_world_size() == 1:
         return [payload]
@@ -102,7 +103,7 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
     except RuntimeError as exc:
         raise RemoteRankError(
             0,
-            f"the job's rendezvous store (hosted by rank 0) is unreachable: {exc}",
+            f"the job's rendezvous store (hosted by rank 0 or its launcher) is unreachable: {exc}",
             context=what,
         ) from exc
 

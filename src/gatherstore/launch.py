@@ -91,17 +91,29 @@ def launch(
             f"nproc_per_node={nproc_per_node}, nnodes={nnodes}, node_rank={node_rank}: "
             "need nproc_per_node >= 1, nnodes >= 1 and 0 <= node_rank < nnodes"
         )
-    if master_port is None:
-        if nnodes > 1:
-            raise ValueError(
-                "master_port=None only works on one node: pass the same master_port "
-                "(a free port on master_addr) to launch() on every node"
-            )
-        master_port = free_port(master_addr)
-    to_seconds(timeout)
+    if master_port is None and nnodes > 1:
+        raise ValueError(
+            "master_port=None only works on one node: pass the same master_port "
+            "(a free port on master_addr) to launch() on every node"
+        )
+    seconds = to_seconds(timeout)
     chosen = _pick_backend(backend, nproc_per_node)
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     world_size = nproc_per_node * nnodes
+    server = None
+    if master_port is None:
+        # This process hosts the rendezvous store on a port the OS picks while binding
+        # (as torchrun's agent does): no window in which another process can take a
+        # "free" port, and the store outlives any child that dies.
+        server = dist.TCPStore(  # type: ignore[attr-defined]
+            master_addr,
+            0,
+            world_size,
+            is_master=True,
+            timeout=_dt.timedelta(seconds=seconds),
+            wait_for_workers=False,
+        )
+        master_port = server.port
     env = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
@@ -109,6 +121,8 @@ def launch(
         "LOCAL_WORLD_SIZE": str(nproc_per_node),
         "GROUP_RANK": str(node_rank),
         "GROUP_WORLD_SIZE": str(nnodes),
+        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
+        "TORCHELASTIC_USE_AGENT_STORE": str(server is not None),
     }
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
@@ -132,6 +146,7 @@ def launch(
         _stop(procs)
         for conn in conns:
             conn.close()
+        del server  # stops the store's server, if this process hosted one
 
 
 def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list[Any]:
