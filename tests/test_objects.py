@@ -323,3 +323,20 @@ def test_peak_memory_of_a_records_gather() -> None:
     assert dst["growth"] < 1.4 * dst["received"], dst
     for out in others:
         assert out["growth"] < 1.2 * out["part"], out
+
+
+def _different_calls() -> dict[int, str] | None:
+    try:
+        if gs.get_rank() == 0:
+            gs.barrier(timeout=30)
+        else:
+            gs.all_gather_object(1)
+    except gs.MismatchError as exc:
+        return exc.details
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_ranks_in_different_calls_fail_together() -> None:
+    expected = {0: "barrier", 1: "all_gather_object"}
+    assert gs.launch(_different_calls, nproc_per_node=2, backend="gloo") == [expected] * 2

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .config import DEFAULT_TIMEOUT
-from .errors import GatherError, GatherTimeout, RemoteRankError
+from .errors import GatherError, GatherTimeout, MismatchError, RemoteRankError
 
 __all__ = ["control_group", "exchange", "is_initialized", "reset"]
 
@@ -82,7 +82,7 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
     keys = [f"{prefix}{r}" for r in range(world)]
     verdict = prefix + "late"
     try:
-        store.set(keys[dist.get_rank()], payload)
+        store.set(keys[dist.get_rank()], what.encode() + b"\0" + payload)
         try:
             store.wait(keys, _dt.timedelta(seconds=timeout))
             late: list[int] = []
@@ -93,11 +93,11 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
         decided = json.loads(store.compare_set(verdict, "", json.dumps(late)))
         if decided:
             _raise_late(what, decided, timeout)
-        values: list[bytes] = store.multi_get(keys)
+        labelled: list[bytes] = store.multi_get(keys)
         if store.add(prefix + "read", 1) == world:
             for key in [*keys, verdict, prefix + "read"]:
                 store.delete_key(key)
-        return values
+        return _unlabel(labelled, what)
     except GatherError:
         raise
     except RuntimeError as exc:
@@ -106,6 +106,19 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
             f"the job's rendezvous store (hosted by rank 0 or its launcher) is unreachable: {exc}",
             context=what,
         ) from exc
+
+
+def _unlabel(labelled: list[bytes], what: str) -> list[bytes]:
+    """Payloads without their labels; ranks that were in another call make every rank raise."""
+    labels, payloads = zip(*(value.split(b"\0", 1) for value in labelled), strict=True)
+    if len(set(labels)) > 1:
+        calls = {rank: label.decode() for rank, label in enumerate(labels)}
+        raise MismatchError(
+            f"{what}: ranks are in different gatherstore calls at the same step — {calls}; "
+            "every rank must make the same collective calls in the same order",
+            details=calls,
+        )
+    return list(payloads)
 
 
 def _raise_late(what: str, late: list[int], timeout: float) -> None:
