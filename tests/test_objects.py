@@ -340,3 +340,27 @@ def _different_calls() -> dict[int, str] | None:
 def test_ranks_in_different_calls_fail_together() -> None:
     expected = {0: "barrier", 1: "all_gather_object"}
     assert gs.launch(_different_calls, nproc_per_node=2, backend="gloo") == [expected] * 2
+
+
+def _rank_one_fails() -> str:
+    @gs.one_rank_only(rank=1, with_barrier=True)
+    def evaluate() -> int:
+        raise ValueError("evaluation broke")
+
+    try:
+        evaluate()
+    except gs.RemoteRankError as exc:
+        return f"remote {exc.rank}: {exc.remote_message}"
+    except ValueError as exc:
+        return f"own: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_only_failure_reaches_the_waiting_ranks() -> None:
+    results = gs.launch(_rank_one_fails, nproc_per_node=3, backend="gloo")
+    assert results == [
+        "remote 1: ValueError: evaluation broke",
+        "own: evaluation broke",
+        "remote 1: ValueError: evaluation broke",
+    ]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import control, topology
 from .config import Timeout, to_seconds
-from .errors import MismatchError
+from .errors import MismatchError, RemoteRankError
 
 __all__ = [
     "all_gather_tensor",
@@ -328,14 +328,29 @@ def rank_zero_only(fn: F) -> F:
 
 
 def one_rank_only(rank: int = 0, with_barrier: bool = False) -> Callable[[F], F]:
-    """Decorator: run on ``rank`` only (None elsewhere), then optionally barrier."""
+    """Decorator: run on ``rank`` only (None elsewhere), then optionally wait for it.
+
+    With ``with_barrier`` the other ranks wait on the control plane (never the
+    NCCL watchdog); if the function raises on ``rank``, the others raise
+    :class:`RemoteRankError` instead of waiting forever.
+    """
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs) if topology.get_rank() == rank else None
-            if with_barrier:
-                barrier()
+            if not with_barrier or not topology.is_distributed():
+                return fn(*args, **kwargs) if topology.get_rank() == rank else None
+            result, failure = None, b""
+            try:
+                if topology.get_rank() == rank:
+                    result = fn(*args, **kwargs)
+            except Exception as exc:
+                failure = f"{type(exc).__name__}: {exc}".encode()
+                control.exchange(failure, timeout=to_seconds(None), what="one_rank_only")
+                raise
+            reported = control.exchange(failure, timeout=to_seconds(None), what="one_rank_only")
+            if reported[rank]:
+                raise RemoteRankError(rank, reported[rank].decode(), context=fn.__name__)
             return result
 
         return wrapper  # type: ignore[return-value]
