@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import control
-from .errors import RemoteRankError, StoreNotSharedError
+from .errors import RemoteRankError, StoreNotSharedError, StoreUnavailableError
 from .stores.base import Store
 
 __all__ = ["MARKER", "JobSession", "end_sessions", "has_sessions", "session_for"]
@@ -80,9 +80,14 @@ def session_for(store: Store, timeout: float) -> JobSession:
             store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
+            answer["kind"] = type(exc).__name__
     reply = json.loads(
         control.exchange(json.dumps(answer).encode(), timeout=timeout, what="store setup")[0]
     )
+    if reply.get("kind") == "StoreUnavailableError":
+        raise StoreUnavailableError(
+            f"setting up store {store}: rank 0 cannot use it: {reply['error']}", store=str(store)
+        )
     if "error" in reply:
         raise RemoteRankError(0, reply["error"], context=f"setting up store {store}")
     job = store.join_job(reply["locator"])

@@ -19,6 +19,17 @@ from .base import Buffer, Store
 __all__ = ["FsspecStore"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+_CREATE_ONLY = {"s3", "s3a"}
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether a write failed because the object exists (HTTP 412 to If-None-Match)."""
+    if isinstance(exc, FileExistsError):
+        return True
+    cause = exc.__cause__
+    response = getattr(cause, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("PreconditionFailed", "412")
 
 
 def _backend_errors() -> tuple[type[BaseException], ...]:
@@ -67,20 +78,23 @@ class FsspecStore(Store):
         target = path if self._object_store else f"{path}.tmp-{uuid.uuid4().hex}"
         if not self._object_store:
             self.fs.makedirs(self.fs._parent(path), exist_ok=True)
-        f = self.fs.open(target, "wb")
+        # s3fs's "xb" sends If-None-Match: * (PUT or multipart completion): create-only
+        f = self.fs.open(target, "xb" if self.protocol in _CREATE_ONLY else "wb")
         try:
             for buf in buffers:
                 f.write(memoryview(buf).cast("B"))
-        except BaseException:
+            f.close()  # an object becomes visible only here, whole
+        except BaseException as exc:
             with contextlib.suppress(Exception):
                 discard = getattr(f, "discard", None)
                 if discard is not None:
-                    discard()
+                    discard()  # aborts a multipart upload
                 f.close()
                 if not self._object_store:
                     self.fs.rm_file(target)
+            if self._object_store and _precondition_failed(exc) and self._exists(key):
+                return False
             raise
-        f.close()
         if not self._object_store:
             if self._exists(key):
                 self.fs.rm_file(target)
@@ -89,11 +103,25 @@ class FsspecStore(Store):
         return True
 
     def _read(self, key: str) -> Buffer | None:
+        """The value in one writable buffer, so arrays and tensors decode without copies."""
+        path = self._path(key)
         try:
-            data: bytes = self.fs.cat_file(self._path(key))
+            if self._object_store:  # one GET; readinto would add a HEAD and still copy
+                return bytearray(self.fs.cat_file(path))
+            with self.fs.open(path, "rb") as f:
+                size = getattr(f, "size", None)
+                if not isinstance(size, int):
+                    return bytearray(f.read())
+                out = bytearray(size)
+                view, pos = memoryview(out), 0
+                while pos < len(out):
+                    n = f.readinto(view[pos:])
+                    if not n:
+                        break
+                    pos += n
         except (FileNotFoundError, IsADirectoryError):
             return None
-        return data
+        return out if pos == len(out) else out[:pos]
 
     def _exists(self, key: str) -> bool:
         path = self._path(key)

@@ -1,0 +1,354 @@
+"""RedisStore against a real redis-server: conformance, TTLs, options, failures, jobs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import uuid
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+import gatherstore as gs
+from gatherstore import services
+from gatherstore.stores.base import Store
+from gatherstore.stores.redis import RedisStore
+from gatherstore.testing import StoreTests
+
+PASSWORD = "s3cr3t-redis-pw"
+
+
+def _raw(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)
+
+
+def _raw_keys(url: str, prefix: str) -> list[str]:
+    client = _raw(url)
+    try:
+        pattern = "".join(f"\\{c}" if c in "\\*?[]" else c for c in prefix) + "*"
+        return sorted({k.decode()[len(prefix) :] for k in client.scan_iter(match=pattern)})
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def redis_url(gatherstore_redis_url: str) -> str:
+    """The session's Redis, through an ACL user with a password (so hiding it is tested)."""
+    client = _raw(gatherstore_redis_url)
+    try:
+        client.acl_setuser(
+            "gatherstore-test",
+            enabled=True,
+            passwords=[f"+{PASSWORD}"],
+            keys=["*"],
+            channels=["*"],
+            commands=["+@all"],
+        )
+    except redis.RedisError:  # an external server that refuses ACL changes
+        return gatherstore_redis_url
+    finally:
+        client.close()
+    parts = urllib.parse.urlsplit(gatherstore_redis_url)
+    netloc = f"gatherstore-test:{PASSWORD}@{parts.hostname}:{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own: it sees (and lists) only its keys."""
+    return f"test-{uuid.uuid4().hex}/"
+
+
+class TestRedisStore(StoreTests):
+    @pytest.fixture
+    def store(self, redis_url: str, prefix: str) -> Iterator[Store]:
+        store = RedisStore(redis_url, key_prefix=prefix)
+        yield store
+        store.delete("")
+        store.close()
+
+    def raw_keys(self, store: Store) -> list[str]:
+        assert isinstance(store, RedisStore)
+        return _raw_keys(store.url, store.key_prefix)
+
+
+def test_every_key_has_a_ttl(redis_url: str, prefix: str) -> None:
+    store = RedisStore(redis_url, key_prefix=prefix, ttl=120, chunk_size=4096)
+    store.put("small", b"v")
+    store.put("big", os.urandom(20_000))  # 5 chunks and a manifest
+    client = _raw(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        assert len(keys) == 7
+        ttls = [client.pttl(k) for k in keys]
+        assert all(0 < t <= 120_000 for t in ttls), ttls
+    finally:
+        client.close()
+        store.delete("")
+
+
+def test_keys_expire(redis_url: str, prefix: str) -> None:
+    store = RedisStore(redis_url, key_prefix=prefix, ttl=0.3)
+    store.put("k", b"v")
+    deadline = time.monotonic() + 10
+    while store.exists("k") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not store.exists("k")
+
+
+def test_options_from_url_or_keywords(redis_url: str) -> None:
+    store = RedisStore(f"{redis_url}?ttl=90&chunk_size=2097152&socket_timeout=7&key_prefix=a/")
+    assert (store.ttl, store.chunk_size, store.max_value_size, store.key_prefix) == (
+        90.0,
+        2 << 20,
+        2 << 20,
+        "a/",
+    )
+    assert store.url == redis_url  # the query moves into the options
+    assert store._options() == {
+        "ttl": 90.0,
+        "chunk_size": 2 << 20,
+        "socket_timeout": 7.0,
+        "key_prefix": "a/",
+    }
+    # the same option both ways is fine when it agrees
+    same = RedisStore(f"{redis_url}?ttl=90", ttl=90, socket_timeout=7.0)
+    assert same.ttl == 90.0
+    clone = pickle.loads(pickle.dumps(store))
+    assert (clone.url, clone._options()) == (store.url, store._options())
+    assert RedisStore(redis_url).chunk_size == 4 << 20
+    assert gs.open_store(f"{redis_url}?sign=false").sign_parts is False
+    assert gs.open_store(redis_url).sign_parts is True
+
+
+@pytest.mark.parametrize(
+    ("query", "keywords", "names"),
+    [
+        ("ttl=60", {"ttl": 30}, ["'ttl'", "60.0", "30"]),
+        ("socket_timeout=5", {"socket_timeout": 10}, ["'socket_timeout'", "5.0", "10"]),
+        ("", {"db": 3}, ["'db'", "0", "3"]),
+        ("password=one", {"password": "two"}, ["'password'"]),
+    ],
+)
+def test_conflicting_options_are_refused(
+    redis_url: str, query: str, keywords: dict[str, Any], names: list[str]
+) -> None:
+    with pytest.raises(ValueError, match="given twice") as info:
+        RedisStore(f"{redis_url}?{query}", **keywords)
+    for name in names:
+        assert name in str(info.value)
+    assert PASSWORD not in str(info.value)
+    assert "one" not in str(info.value).replace("give it once", "")
+
+
+def test_bad_options_are_refused(redis_url: str) -> None:
+    with pytest.raises(ValueError, match="chunk_size"):
+        RedisStore(redis_url, chunk_size=600 << 20)
+    with pytest.raises(ValueError, match="ttl"):
+        RedisStore(redis_url, ttl=0)
+    with pytest.raises(ValueError, match="unknown Redis option"):
+        RedisStore(redis_url, no_such_option=1)
+    with pytest.raises(ValueError, match="not a Redis URL"):
+        RedisStore("http://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="socket_timeout"):
+        RedisStore(f"{redis_url}?socket_timeout=soon")
+
+
+def test_password_hidden_but_kept(redis_url: str, prefix: str) -> None:
+    store = gs.open_store(redis_url, key_prefix=prefix)
+    if PASSWORD not in redis_url:
+        pytest.skip("the test server refused to create an ACL user")
+    assert PASSWORD not in str(store) and PASSWORD not in repr(store)
+    assert "***" in str(store)
+    clone = pickle.loads(pickle.dumps(store))
+    clone.put("k", b"v")  # the password survived pickling
+    assert bytes(store.get("k") or b"") == b"v"
+    store.delete("")
+    # a password given as a keyword stays out of str() too
+    plain = urllib.parse.urlsplit(redis_url)._replace(
+        netloc=f"{urllib.parse.urlsplit(redis_url).hostname}:{urllib.parse.urlsplit(redis_url).port}"
+    )
+    keyword = RedisStore(
+        urllib.parse.urlunsplit(plain), username="gatherstore-test", password=PASSWORD
+    )
+    assert PASSWORD not in str(keyword)
+    assert pickle.loads(pickle.dumps(keyword)).exists("nothing-here") is False
+
+
+def test_reads_are_writable(redis_url: str, prefix: str) -> None:
+    store = RedisStore(redis_url, key_prefix=prefix)
+    try:
+        store.put("k", b"abc")
+        value = store.get("k")
+        assert value is not None and not memoryview(value).readonly
+    finally:
+        store.delete("")
+
+
+def test_stopped_server_is_unavailable(tmp_path: Any) -> None:
+    service = services.start_redis(workdir=str(tmp_path))
+    url = service.url.replace("redis://", f"redis://:{PASSWORD}@")
+    client = _raw(service.url)
+    client.config_set("requirepass", PASSWORD)
+    client.close()
+    store = RedisStore(url, socket_connect_timeout=2)
+    store.put("k", b"v")
+    service.stop()
+    for action in (lambda: store.put("k2", b"v"), lambda: store.get("k"), store.list):
+        with pytest.raises(gs.StoreUnavailableError) as info:
+            action()
+        assert PASSWORD not in str(info.value)
+        assert "***" in str(info.value) and info.value.store == str(store)
+        assert isinstance(info.value.__cause__, (redis.RedisError, OSError))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_part_over_512_mb_round_trips(redis_url: str, prefix: str) -> None:
+    store = RedisStore(redis_url, key_prefix=prefix)
+    size = 600 << 20
+    data = np.random.default_rng(0).integers(0, 255, size=size, dtype=np.uint8)
+    crc = zlib.crc32(data.data)
+    try:
+        assert store.put("huge", data.data) == size
+        assert len(_raw_keys(redis_url, prefix)) == 151  # 150 chunks of 4 MiB + the manifest
+        del data
+        value = store.get("huge")
+        assert value is not None and len(value) == size and zlib.crc32(value) == crc
+        del value
+        assert sum(len(c) for c in store.iter_chunks("huge")) == size
+    finally:
+        store.delete("")
+    assert _raw_keys(redis_url, prefix) == []
+
+
+# --- object collectives over redis:// in real gloo groups ----------------------------------
+
+
+def _objects_job(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    store = gs.open_store(url, **options)
+    rank, world = gs.get_rank(), gs.get_world_size()
+    obj = {"rank": rank, "array": np.full(100_000 * (rank + 1), rank, dtype=np.int32)}
+    out: dict[str, Any] = {}
+    everyone = gs.all_gather_object(obj, store=store, timeout=60)
+    out["all"] = [(o["rank"], int(o["array"].sum()), len(o["array"])) for o in everyone]
+    gathered = gs.gather_object(obj, dst=world - 1, store=store, timeout=60)
+    out["gather"] = None if gathered is None else [o["rank"] for o in gathered]
+    out["iter"] = [o["rank"] for o in gs.gather_iter(obj, store=store, timeout=60)]
+    out["bcast"] = gs.broadcast_object({"from": 1} if rank == 1 else None, src=1, store=store)
+    results = [f"item-{i}" for i in range(rank, 10, world)]
+    out["collect"] = gs.collect_results(results, size=10, store=store, timeout=60)
+    try:
+        gs.all_gather_object(
+            (x for x in range(3)) if rank == world - 1 else rank, store=store, timeout=60
+        )
+        out["failure"] = None
+    except Exception as exc:
+        out["failure"] = type(exc).__name__
+    out["after_failure"] = gs.all_gather_object(rank, store=store, timeout=60)
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_object_collectives_over_redis(redis_url: str, prefix: str, nproc: int) -> None:
+    options = {"key_prefix": prefix, "chunk_size": 256 << 10}  # parts of ~400 KB are chunked
+    results = gs.launch(
+        _objects_job, nproc_per_node=nproc, backend="gloo", args=(redis_url, options)
+    )
+    expected_all = [(r, 100_000 * (r + 1) * r, 100_000 * (r + 1)) for r in range(nproc)]
+    for rank, out in enumerate(results):
+        assert out["all"] == expected_all
+        assert out["gather"] == (list(range(nproc)) if rank == nproc - 1 else None)
+        assert out["iter"] == (list(range(nproc)) if rank == 0 else [])
+        assert out["bcast"] == {"from": 1}
+        assert out["collect"] == ([f"item-{i}" for i in range(10)] if rank == 0 else None)
+        assert out["failure"] == ("TypeError" if rank == nproc - 1 else "RemoteRankError")
+        assert out["after_failure"] == list(range(nproc))
+    assert _raw_keys(redis_url, prefix) == []  # shutdown removed the job area
+
+
+def _stopped_server_job(url: str, pid: int) -> tuple[str, str, float]:
+    store = gs.open_store(url, socket_connect_timeout=2)
+    assert gs.all_gather_object(gs.get_rank(), store=store, timeout=30) == [0, 1, 2]
+    gs.barrier(timeout=30)  # every rank has cleaned up its part
+    if gs.get_rank() == 0:
+        os.kill(pid, signal.SIGKILL)  # the parent reaps it; wait until the port is closed
+        port = urllib.parse.urlsplit(url).port
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) != 0:
+                    break
+            time.sleep(0.05)
+    gs.barrier(timeout=30)
+    start = time.monotonic()
+    try:
+        gs.gather_object(np.zeros(1000), store=store, timeout=30)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_stopped_server_fails_every_rank(tmp_path: Any) -> None:
+    service = services.start_redis(workdir=str(tmp_path))
+    client = _raw(service.url)
+    client.config_set("requirepass", PASSWORD)
+    client.close()
+    url = service.url.replace("redis://", f"redis://:{PASSWORD}@")
+    try:
+        results = gs.launch(
+            _stopped_server_job,
+            nproc_per_node=3,
+            backend="gloo",
+            args=(url, service.process.pid),
+            timeout=60,
+        )
+    finally:
+        service.stop()
+    for kind, message, seconds in results:
+        assert kind == "StoreUnavailableError", message
+        assert PASSWORD not in message and "***" in message
+        assert seconds < 30
+
+
+def test_unix_socket(tmp_path: Any) -> None:
+    executable = shutil.which("redis-server") or "/usr/bin/redis-server"
+    sock = tmp_path / "redis.sock"
+    argv = [executable, "--port", "0", "--unixsocket", str(sock), "--save", "", "--dir", tmp_path]
+    server = subprocess.Popen(list(map(str, argv)), stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store = gs.open_store(f"unix://{sock}?db=2&ttl=60", key_prefix="u/")
+        assert isinstance(store, RedisStore) and store.url == f"unix://{sock}"
+        store.put("k", b"over a unix socket")
+        assert bytes(pickle.loads(pickle.dumps(store)).get("k") or b"") == b"over a unix socket"
+        client = redis.Redis(unix_socket_path=str(sock), db=2)
+        assert client.keys() == [b"u/k"] and 0 < client.ttl(b"u/k") <= 60
+        client.close()
+        store.close()
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_tls_url_is_understood() -> None:
+    store = RedisStore(f"rediss://user:{PASSWORD}@redis.example:6380/3", ssl_cert_reqs="none")
+    assert str(store) == "rediss://user:***@redis.example:6380/3"
+    assert store._pool.connection_class is redis.SSLConnection
+    assert store._pool.connection_kwargs["db"] == 3
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone._pool.connection_kwargs["password"] == PASSWORD
+    assert clone._options() == {"ssl_cert_reqs": "none"}

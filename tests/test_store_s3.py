@@ -1,0 +1,252 @@
+"""FsspecStore on S3 against a real SeaweedFS: conformance, multipart, object collectives."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gatherstore as gs
+from gatherstore.pytest_plugin import S3Endpoint
+from gatherstore.stores.base import Store
+from gatherstore.stores.fsspec import FsspecStore
+from gatherstore.testing import StoreTests
+
+s3fs = pytest.importorskip("s3fs")
+botocore_session = pytest.importorskip("botocore.session")
+
+
+def _client(endpoint: S3Endpoint) -> Any:
+    return botocore_session.get_session().create_client(
+        "s3",
+        endpoint_url=endpoint.endpoint_url,
+        aws_access_key_id=endpoint.key,
+        aws_secret_access_key=endpoint.secret,
+        region_name="us-east-1",
+    )
+
+
+@pytest.fixture(scope="module")
+def s3(gatherstore_s3: S3Endpoint) -> Iterator[tuple[S3Endpoint, str, Any]]:
+    """(endpoint, a bucket of this module's own, a raw botocore client)."""
+    client = _client(gatherstore_s3)
+    bucket = f"gatherstore-test-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    yield gatherstore_s3, bucket, client
+    for key in _raw_objects(client, bucket, ""):
+        client.delete_object(Bucket=bucket, Key=key)
+    client.delete_bucket(Bucket=bucket)
+    client.close()
+
+
+def _raw_objects(client: Any, bucket: str, prefix: str) -> list[str]:
+    """Every object under ``prefix``, listed with botocore (no s3fs, no caches)."""
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys += [item["Key"][len(prefix) :] for item in page.get("Contents", [])]
+    return sorted(keys)
+
+
+def _pending_uploads(client: Any, bucket: str, prefix: str) -> list[str]:
+    reply = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+    return [u["Key"] for u in reply.get("Uploads", [])]
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test-{uuid.uuid4().hex}"
+
+
+class TestS3Store(StoreTests):
+    @pytest.fixture
+    def store(self, s3: tuple[S3Endpoint, str, Any], prefix: str) -> Iterator[Store]:
+        endpoint, bucket, _ = s3
+        store = FsspecStore(f"s3://{bucket}/{prefix}", **endpoint.storage_options)
+        yield store
+        store.delete("")
+
+    def raw_keys(self, store: Store) -> list[str]:
+        assert isinstance(store, FsspecStore)
+        bucket, _, prefix = store.root.partition("/")
+        client = _client(S3Endpoint(**_endpoint_of(store)))
+        try:
+            return _raw_objects(client, bucket, f"{prefix}/")
+        finally:
+            client.close()
+
+
+def _endpoint_of(store: FsspecStore) -> dict[str, str]:
+    options = store.storage_options
+    return {
+        "endpoint_url": options["client_kwargs"]["endpoint_url"],
+        "key": options["key"],
+        "secret": options["secret"],
+    }
+
+
+def test_create_only_is_enforced_by_the_server(s3: tuple[S3Endpoint, str, Any]) -> None:
+    """Two writers that both passed the existence check: the second PUT is refused."""
+    endpoint, bucket, _ = s3
+    store = FsspecStore(f"s3://{bucket}/race-{uuid.uuid4().hex}", **endpoint.storage_options)
+    real_exists, prechecks = store._exists, [False, False]
+
+    def exists(key: str) -> bool:  # both writers' existence checks come first, then real ones
+        return prechecks.pop() if prechecks else real_exists(key)
+
+    store._exists = exists  # type: ignore[method-assign]
+    assert store._write("k", [b"first"]) is True
+    assert store._write("k", [b"second"]) is False
+    assert prechecks == []
+    del store._exists
+    assert bytes(store._read("k") or b"") == b"first"
+    store.delete("")
+
+
+@pytest.mark.timeout(120)
+def test_multipart_part_round_trips_and_is_never_partial(
+    s3: tuple[S3Endpoint, str, Any], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint, bucket, client = s3
+    options = {**endpoint.storage_options, "default_block_size": 5 << 20}
+    options["fixed_upload_size"] = True  # 5 MiB parts: a 120 MB value is 24 parts
+    store = FsspecStore(f"s3://{bucket}/{prefix}", **options)
+    data = np.random.default_rng(1).integers(0, 255, size=120 << 20, dtype=np.uint8)
+    crc = zlib.crc32(data.data)
+    seen: list[int] = []
+    listed: list[list[str]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            listed.append(_raw_objects(client, bucket, f"{prefix}/"))
+            if listed[-1]:
+                value = store.get("big")
+                seen.append(-1 if value is None else zlib.crc32(value))
+                return
+            done.wait(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        store.put("big", data.data)
+    finally:
+        done.set()
+        watcher.join(60)
+    assert all(keys in ([], ["big"]) for keys in listed)
+    assert all(c == crc for c in seen)
+    head = client.head_object(Bucket=bucket, Key=f"{prefix}/big")
+    assert head["ContentLength"] == (120 << 20) + 64
+    assert head["ETag"].strip('"').endswith("-25")  # a multipart object of 25 parts
+    value = store.get("big")
+    assert value is not None and zlib.crc32(value) == crc and not memoryview(value).readonly
+    # a producer that dies mid-upload: the upload is aborted, nothing is visible
+    real_open = store.fs.open
+
+    def failing_open(path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        f = real_open(path, mode, **kwargs)
+        real_write, calls = f.write, []
+
+        def write(data: Any) -> Any:
+            calls.append(len(data))
+            if len(calls) == 5:  # the header and 40 MB (8 parts) are uploaded by now
+                raise OSError("producer died")
+            return real_write(data)
+
+        f.write = write
+        return f
+
+    monkeypatch.setattr(store.fs, "open", failing_open)
+    pieces = [data.data[i : i + (10 << 20)] for i in range(0, 60 << 20, 10 << 20)]
+    with pytest.raises(gs.StoreUnavailableError, match="producer died"):
+        store.put("broken", pieces)
+    monkeypatch.undo()
+    assert _raw_objects(client, bucket, f"{prefix}/") == ["big"]
+    assert _pending_uploads(client, bucket, f"{prefix}/") == []
+    store.delete("")
+    assert _raw_objects(client, bucket, f"{prefix}/") == []
+
+
+# --- object collectives over s3:// in real gloo groups --------------------------------------
+
+
+def _objects_job(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    store = gs.open_store(url, **options)
+    rank, world = gs.get_rank(), gs.get_world_size()
+    obj = {"rank": rank, "array": np.full(50_000 * (rank + 1), rank, dtype=np.int64)}
+    out: dict[str, Any] = {}
+    everyone = gs.all_gather_object(obj, store=store, timeout=60)
+    out["all"] = [(o["rank"], int(o["array"].sum()), len(o["array"])) for o in everyone]
+    gathered = gs.gather_object(obj, dst=world - 1, store=store, timeout=60)
+    out["gather"] = None if gathered is None else [o["rank"] for o in gathered]
+    out["iter"] = [o["rank"] for o in gs.gather_iter(obj, store=store, timeout=60)]
+    out["bcast"] = gs.broadcast_object({"from": 1} if rank == 1 else None, src=1, store=store)
+    results = [f"item-{i}" for i in range(rank, 10, world)]
+    out["collect"] = gs.collect_results(results, size=10, store=store, timeout=60)
+    try:
+        gs.gather_object(threading.Lock() if rank == 1 else rank, store=store, timeout=60)
+        out["failure"] = None
+    except Exception as exc:
+        out["failure"] = type(exc).__name__
+    out["after_failure"] = gs.all_gather_object(rank, store=store, timeout=60)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_object_collectives_over_s3(s3: tuple[S3Endpoint, str, Any], prefix: str) -> None:
+    endpoint, bucket, client = s3
+    nproc = 3
+    results = gs.launch(
+        _objects_job,
+        nproc_per_node=nproc,
+        backend="gloo",
+        args=(f"s3://{bucket}/{prefix}", endpoint.storage_options),
+    )
+    expected_all = [(r, 50_000 * (r + 1) * r, 50_000 * (r + 1)) for r in range(nproc)]
+    for rank, out in enumerate(results):
+        assert out["all"] == expected_all
+        assert out["gather"] == (list(range(nproc)) if rank == nproc - 1 else None)
+        assert out["iter"] == (list(range(nproc)) if rank == 0 else [])
+        assert out["bcast"] == {"from": 1}
+        assert out["collect"] == ([f"item-{i}" for i in range(10)] if rank == 0 else None)
+        assert out["failure"] == ("TypeError" if rank == 1 else "RemoteRankError")
+        assert out["after_failure"] == list(range(nproc))
+    assert _raw_objects(client, bucket, f"{prefix}/") == []  # shutdown removed the job area
+    assert _pending_uploads(client, bucket, f"{prefix}/") == []
+
+
+PART = 256 << 20
+
+
+def _big_gather_job(url: str, options: dict[str, Any]) -> list[tuple[int, int, int, bool]]:
+    store = gs.open_store(url, **options)
+    rank = gs.get_rank()
+    array = np.random.default_rng(rank).integers(0, 1 << 62, size=PART // 8, dtype=np.int64)
+    obj = {"rank": rank, "crc": zlib.crc32(array.data), "array": array}
+    seen = []
+    for part in gs.gather_iter(obj, store=store, timeout=300):
+        got = part["array"]
+        ok = zlib.crc32(got) == part["crc"] and got.flags.writeable
+        seen.append((part["rank"], got.nbytes, part["crc"], ok))
+        del part, got
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_gigabyte_gather_through_s3(s3: tuple[S3Endpoint, str, Any], prefix: str) -> None:
+    endpoint, bucket, client = s3
+    results = gs.launch(
+        _big_gather_job,
+        nproc_per_node=4,
+        backend="gloo",
+        args=(f"s3://{bucket}/{prefix}", endpoint.storage_options),
+        timeout=300,
+    )
+    assert [(r, n, ok) for r, n, _, ok in results[0]] == [(r, PART, True) for r in range(4)]
+    assert results[1:] == [[], [], []]
+    assert _raw_objects(client, bucket, f"{prefix}/") == []
