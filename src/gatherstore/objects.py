@@ -46,8 +46,10 @@ __all__ = [
 ]
 
 #: Totals up to this many bytes go over the process group with ``store="auto"``
-#: (``GATHERSTORE_AUTO_THRESHOLD`` overrides it).
-AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(32 << 20)))
+#: (``GATHERSTORE_AUTO_THRESHOLD`` overrides it).  Measured with 4 gloo ranks on
+#: one 2-core machine: at 64 KiB both routes take ~10 ms; from 256 KiB on the
+#: tmpdir route is 2.5-4x faster (1 MiB: 37 ms vs 10 ms; 256 MiB: 1.25 s vs 0.76 s).
+AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)))
 
 _opened: dict[str, Store] = {}
 
@@ -142,7 +144,9 @@ class _Call:
         sizes = [int(s["size"]) for s in statuses]
         self.total = sum(sizes)
         if self.target == "auto":
-            self.target = "collective" if self.total <= AUTO_THRESHOLD else _resolve("tmpdir")
+            small = self.total <= AUTO_THRESHOLD
+            # tmpdir is node-local: across nodes "auto" stays on the process group
+            self.target = "collective" if small or topology.get_nnodes() > 1 else _resolve("tmpdir")
         for r in receivers:
             incoming = self.total - sizes[r]
             if incoming > statuses[r]["avail"]:
