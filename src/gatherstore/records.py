@@ -18,6 +18,7 @@ this is never a user-visible format choice.
 from __future__ import annotations
 
 import dataclasses
+from itertools import repeat
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -184,7 +185,7 @@ def _unbatch(
         rebuild = _numpy_values if kind[0] == "np" else _tensor_values
         values.append(rebuild(buf, kind[1], tuple(kind[2]), kind[3], count, lengths))
     if cls is dict:
-        return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+        return list(map(dict, map(zip, repeat(names), zip(*values))))
     out = []
     for row in zip(*values, strict=True):
         obj: Any = object.__new__(cls)
