@@ -18,8 +18,8 @@ this is never a user-visible format choice.
 from __future__ import annotations
 
 import dataclasses
-from itertools import repeat
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -185,7 +185,7 @@ def _unbatch(
         rebuild = _numpy_values if kind[0] == "np" else _tensor_values
         values.append(rebuild(buf, kind[1], tuple(kind[2]), kind[3], count, lengths))
     if cls is dict:
-        return list(map(dict, map(zip, repeat(names), zip(*values))))
+        return list(map(dict, map(zip, repeat(names), zip(*values, strict=True))))
     out = []
     for row in zip(*values, strict=True):
         obj: Any = object.__new__(cls)
