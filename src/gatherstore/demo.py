@@ -20,12 +20,12 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from . import launch as _launch
 from . import objects, results, topology
 from .bench import payloads
 from .bench.measure import PeakMemory, format_bytes
 from .collectives import barrier
 from .errors import IntegrityError
+from .launch import launch
 from .stores.registry import ROUTES, open_store
 from .stores.tmpdir import FileStore
 
@@ -122,7 +122,7 @@ def run(cfg: DemoConfig, out: TextIO = sys.stdout) -> None:
     """
     where = describe_store(cfg.store)
     n_images = payloads.image_count(cfg.nbytes)
-    ranks = _launch.launch(_rank_main, nproc_per_node=cfg.nproc, backend="gloo", args=(cfg, n_images))
+    ranks = launch(_rank_main, nproc_per_node=cfg.nproc, backend="gloo", args=(cfg, n_images))
     seconds = ranks[0]["seconds"]
     nbytes = n_images * payloads.IMAGE_BYTES
     how = "gather_iter, verified part by part" if cfg.stream else "collect_results"

@@ -89,7 +89,9 @@ def _prefixes(store: Store) -> Iterator[Leftover]:
     for job in jobs:
         marker = _marker(store, f"{_KEY_ROOT}/{job}/{MARKER}")
         if _JOB_ID.fullmatch(job) and marker is not None and marker.get("job") == job:
-            yield Leftover(f"{store.url}/{_KEY_ROOT}/{job}/", job, float(marker["created"]), "marker")
+            yield Leftover(
+                f"{store.url}/{_KEY_ROOT}/{job}/", job, float(marker["created"]), "marker"
+            )
 
 
 def find(store: Store) -> list[Leftover]:

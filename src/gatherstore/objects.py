@@ -172,14 +172,13 @@ class _Call:
 
     def collective_to(self, dst: int, sizes: list[int]) -> list[torch.Tensor] | None:
         longest = max(sizes)
+        group = control.control_group()
+        if self.rank != dst:
+            dist.gather(self._packed(longest), None, dst=dst, group=group)
+            return None
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-        dist.gather(
-            self._packed(longest),
-            slots if self.rank == dst else None,
-            dst=dst,
-            group=control.control_group(),
-        )
-        return slots if self.rank == dst else None
+        dist.gather(slots[dst], slots, dst=dst, group=group)
+        return slots
 
     def decode_slot(self, slot: torch.Tensor, size: int, rank: int) -> Any:
         return serialize.decode(slot.numpy().data[:size], rank=rank, where=self.what)

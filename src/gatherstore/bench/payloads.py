@@ -74,7 +74,7 @@ def digest(image: dict[str, Any]) -> int:
     """CRC-32 of one prediction: its image id, arrays and file name."""
     crc = zlib.crc32(str(image["image_id"]).encode())
     for name in ("boxes", "scores", "labels"):
-        crc = zlib.crc32(np.ascontiguousarray(image[name]), crc)
+        crc = zlib.crc32(np.ascontiguousarray(image[name]).data, crc)
     return zlib.crc32(image["file_name"].encode(), crc)
 
 

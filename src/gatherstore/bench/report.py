@@ -22,8 +22,8 @@ _COLUMNS = [
     ("GB/s", ">"),
     ("dst peak", ">"),
     ("other peak", ">"),
-    ("time×", ">"),
-    ("mem×", ">"),
+    ("time/ref", ">"),
+    ("mem/ref", ">"),
     ("%memcpy", ">"),
     ("%pickle", ">"),
 ]
@@ -54,6 +54,10 @@ def _row(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cell(text: str, align: str, width: int) -> str:
+    return format(text, f"{align}{width}")
+
+
 def _gbps(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} GB/s"
 
@@ -71,17 +75,19 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
     ]
     for row in rows:
         if len(row) < len(_COLUMNS):  # a failed case: the message fills the rest
-            cells = [format(c, f"{a}{w}") for c, (_, a), w in zip(row, _COLUMNS, widths)]
-            lines.append("  ".join(cells[:-1] + [row[-1]]))
+            cells = [_cell(c, a, w) for c, (_, a), w in zip(row, _COLUMNS, widths, strict=False)]
+            lines.append("  ".join([*cells[:-1], row[-1]]))
             continue
-        lines.append("  ".join(format(c, f"{a}{w}") for c, (_, a), w in zip(row, _COLUMNS, widths)))
+        cells = [_cell(c, a, w) for c, (_, a), w in zip(row, _COLUMNS, widths, strict=True)]
+        lines.append("  ".join(cells))
     impls = sorted({f"{r['case']}: {r['impl']}" for r in records if r["case"].startswith("mm")})
     lines += [
         "",
         "time: median over repeats of the slowest rank; GB/s: payload bytes / time (1e9);",
         "peak: VmHWM growth over RSS before the call (dst = rank 0, other = worst other rank);",
-        f"time× / mem× (worst rank): relative to {BASELINE} in the same payload/size/W;",
-        "%memcpy / %pickle: GB/s as a fraction of the ceilings above.",
+        f"time/ref, mem/ref (worst rank): relative to ref = {BASELINE}, same payload/size/W;",
+        "%memcpy / %pickle: GB/s as a fraction of the ceilings above (%pickle can pass 100%:",
+        "ranks serialise in parallel, rank 0 never serialises its own part).",
         *impls,
         *notes,
     ]
@@ -139,5 +145,5 @@ def _metric(record: dict[str, Any] | None, metric: str) -> float:
     if record is None:
         return 0.0
     if metric == "peak":
-        return max(record["dst_peak"], record["other_peak"]) / 2**30
+        return float(max(record["dst_peak"], record["other_peak"])) / 2**30
     return float(record[metric])

@@ -14,9 +14,9 @@ from typing import Any
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import launch as _launch
 from .. import objects, topology
 from ..errors import GatherError, RemoteRankError
+from ..launch import launch
 from ..stores.registry import ROUTES, open_store
 from . import baselines, payloads
 from .cases import BASELINE, Case
@@ -50,7 +50,7 @@ def _gatherstore(case: Case, timeout: float) -> Op:
         def stream(obj: Any, size: int) -> int:
             count = 0
             for part in objects.gather_iter(obj, store=store, timeout=timeout):
-                del part
+                del part  # before the next part is read: one part in memory
                 count += 1
             return count if topology.get_rank() == 0 else -1
 
@@ -116,21 +116,23 @@ def _summarise(ranks: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
     }
 
 
+def _worst(record: dict[str, Any]) -> int:
+    return int(max(record["dst_peak"], record["other_peak"]))
+
+
 def _ratios(records: list[dict[str, Any]]) -> None:
-    """Time and memory (worst rank) of each record relative to the baseline of its group."""
-    key = ("payload", "size", "world")
-    base = {
-        tuple(r[k] for k in key): r
+    """Time and worst-rank memory of each record relative to the baseline of its group."""
+    group = ("payload", "size", "world")
+    refs = {
+        tuple(r[k] for k in group): r
         for r in records
-        if r["case"] == BASELINE and r.get("error") is None
+        if r["case"] == BASELINE and r["error"] is None
     }
     for r in records:
-        ref = base.get(tuple(r[k] for k in key))
-        ok = ref is not None and r.get("error") is None
-        r["time_ratio"] = r["seconds"] / ref["seconds"] if ok and ref else None
-        worst = max(r.get("dst_peak", 0), r.get("other_peak", 0))
-        ref_worst = max(ref["dst_peak"], ref["other_peak"]) if ok and ref else 0
-        r["mem_ratio"] = worst / ref_worst if ok and ref_worst else None
+        ref = refs.get(tuple(r[k] for k in group))
+        done = ref is not None and r["error"] is None
+        r["time_ratio"] = r["seconds"] / ref["seconds"] if done and ref else None
+        r["mem_ratio"] = _worst(r) / _worst(ref) if done and ref and _worst(ref) else None
 
 
 def _fractions(record: dict[str, Any], ceilings: dict[str, float | None]) -> None:
@@ -175,8 +177,9 @@ def run_cases(
             "repeats": plan.repeats,
             "error": None,
         }
+        started = time.perf_counter()
         try:
-            ranks = _launch.launch(
+            ranks = launch(
                 _worker,
                 nproc_per_node=world,
                 backend="gloo",
@@ -187,6 +190,7 @@ def run_cases(
             _fractions(record, ceilings)
         except RemoteRankError as exc:
             record["error"] = exc.remote_message.splitlines()[0]
+        record["wall_s"] = time.perf_counter() - started  # processes' start and end included
         records.append(record)
     _ratios(records)
     return records

@@ -153,8 +153,9 @@ class FileStore(Store):
             shutil.rmtree(top, ignore_errors=True)
 
     def prepare_job(self, job_id: str) -> str:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f"gatherstore-{job_id}-", dir=self.root)
+        with self._mapped("create a job directory"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            return tempfile.mkdtemp(prefix=f"gatherstore-{job_id}-", dir=self.root)
 
     def join_job(self, locator: str) -> Store:
         store = FileStore(locator)

@@ -1,0 +1,358 @@
+"""The ``gatherstore`` command: demo, bench, check, gc, describe.
+
+Every failure ends in one line on stderr that names what to fix, and a
+non-zero exit: 2 for bad arguments, 1 for a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from importlib import metadata
+from typing import Any
+
+from . import bench, demo, objects, topology
+from .bench.measure import format_bytes, parse_size
+from .bench.payloads import KINDS
+from .errors import GatherError, IntegrityError, RemoteRankError, StoreUnavailableError
+from .gc import collect, parse_duration
+from .launch import init_from_env, launch, shutdown
+from .session import MARKER
+from .stores.registry import ROUTES, default_store, known_schemes, open_store
+from .stores.tmpdir import FileStore, default_tmpdir_base
+
+__all__ = ["main"]
+
+_PROBE_BYTES = 1 << 20
+_VERSIONS = ("gatherstore", "torch", "numpy", "fsspec", "cloudpickle", "redis", "s3fs", "mmengine")
+
+
+class CheckFailed(GatherError):
+    """``gatherstore check`` found a problem; the message says which rank and what."""
+
+
+# --- argument types ------------------------------------------------------------------------
+def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` that turns ValueError into argparse's clean usage error."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _store_spec(spec: str) -> str:
+    scheme = urllib.parse.urlsplit(spec).scheme or spec.split(":", 1)[0]
+    if scheme not in known_schemes():
+        raise ValueError(
+            f"unknown store scheme {scheme!r} in {spec!r}; use tmpdir, tmpdir:///base, "
+            "file:///dir, redis://host:port/db, s3://bucket/prefix (any fsspec protocol), "
+            "collective or auto"
+        )
+    return spec
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _sizes(text: str) -> list[tuple[str, int]]:
+    return [(item.strip(), parse_size(item)) for item in text.split(",")]
+
+
+def _ints(text: str) -> list[int]:
+    return [_positive_int(item.strip()) for item in text.split(",")]
+
+
+def _names(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _payloads(text: str) -> list[str]:
+    kinds = _names(text)
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"unknown payload {kind!r}; use {', '.join(KINDS)}")
+    return kinds
+
+
+# --- demo ------------------------------------------------------------------------------------
+def _demo(args: argparse.Namespace) -> int:
+    cfg = demo.DemoConfig(args.nproc, args.size, args.store, args.stream)
+    demo.run(cfg)
+    return 0
+
+
+# --- bench -----------------------------------------------------------------------------------
+def _bench(args: argparse.Namespace) -> int:
+    plan = bench.Plan(args.sizes, args.world, args.payloads, args.repeats, args.timeout)
+    failed = bench.run(
+        plan,
+        patterns=args.cases,
+        redis=args.redis,
+        s3=args.s3,
+        services=args.services,
+        ceiling_bytes=args.ceiling_size,
+        json_path=args.json,
+        plot_path=args.plot,
+        progress=sys.stdout.isatty(),
+    )
+    return 1 if failed else 0
+
+
+# --- joining a job (torchrun, SLURM, or a caller's process group) -------------------------
+@contextlib.contextmanager
+def _job(timeout: float | None) -> Iterator[bool]:
+    """Join the job the environment describes, if any; leave it after if this joined it."""
+    owned = not topology.is_distributed()
+    joined = init_from_env(timeout=timeout)
+    try:
+        yield joined
+    finally:
+        if joined and owned:
+            shutdown()
+
+
+# --- check -----------------------------------------------------------------------------------
+def _roundtrip(spec: str) -> dict[str, Any]:
+    """Create a job area, put/get/delete a probe in it, remove it; what was seen.
+
+    Raises:
+        StoreUnavailableError / IntegrityError: a step failed (the message says which).
+    """
+    with open_store(spec) as store:
+        start = time.perf_counter()
+        job_id = uuid.uuid4().hex[:16]
+        try:
+            locator = store.prepare_job(job_id)
+        except OSError as exc:
+            raise StoreUnavailableError(
+                f"store {store} cannot create a job area: {exc}; check that the base "
+                "directory exists and is writable by this user",
+                store=str(store),
+            ) from exc
+        facts: dict[str, Any] = {"store": demo.describe_store(spec)}
+        try:
+            job = store.join_job(locator)
+            marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
+            job.put(MARKER, json.dumps(marker).encode())
+            probe = os.urandom(_PROBE_BYTES)
+            job.put("check/probe", probe)
+            back = job.get("check/probe")
+            if back is None or bytes(back) != probe:
+                raise IntegrityError(
+                    f"store {store}: the probe read back differs from the one written"
+                )
+            job.delete("check/probe")
+            if job.exists("check/probe"):
+                raise StoreUnavailableError(
+                    f"store {store} did not delete the probe", store=str(store)
+                )
+            if isinstance(store, FileStore):
+                facts["mode"] = oct(os.stat(locator).st_mode & 0o777)
+        finally:
+            store.end_job(locator)
+        left = os.path.exists(locator) if isinstance(store, FileStore) else store.list(locator)
+        if left:
+            raise StoreUnavailableError(
+                f"store {store}: could not remove the job area {locator!r}; check permissions",
+                store=str(store),
+            )
+        facts["seconds"] = time.perf_counter() - start
+    return facts
+
+
+def _check_rank(spec: str, timeout: float) -> dict[str, Any]:
+    """The check on one rank: its own round trip, then, with several ranks, the shared-ness."""
+    world = topology.get_world_size()
+    facts: dict[str, Any] = {"store": spec}
+    error = None
+    try:
+        if spec not in ROUTES:
+            facts = _roundtrip(spec)
+    except Exception as exc:
+        error = _one_line(exc)
+    if world == 1:
+        if error:
+            raise CheckFailed(error)
+        return facts
+    errors = objects.all_gather_object(error, store="collective", timeout=timeout)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        raise CheckFailed(f"rank {bad[0][0]}: {bad[0][1]}")
+    hosts = objects.all_gather_object(socket.gethostname(), store=spec, timeout=timeout)
+    facts.update(ranks=world, hosts=sorted(set(hosts)))
+    return facts
+
+
+def _check_report(facts: dict[str, Any]) -> str:
+    spec = facts["store"]
+    lines = [f"route {spec}: the process group" if spec in ROUTES else f"store {spec}: reachable"]
+    if "seconds" in facts:
+        mode = f" (mode {facts['mode'][2:]})" if "mode" in facts else ""
+        lines[0] += (
+            f"; job area{mode} created, {format_bytes(_PROBE_BYTES)} put/get/delete, "
+            f"removed in {facts['seconds'] * 1000:.1f} ms"
+        )
+    if "ranks" in facts:
+        lines.append(f"{facts['ranks']} ranks on {', '.join(facts['hosts'])} all see the store")
+    return "\n".join([*lines, "ok"])
+
+
+def _check(args: argparse.Namespace) -> int:
+    if args.nproc > 1:
+        facts = launch(
+            _check_rank, nproc_per_node=args.nproc, backend="gloo", args=(args.store, args.timeout)
+        )[0]
+    else:
+        with _job(args.timeout):
+            facts = _check_rank(args.store, args.timeout)
+            rank = topology.get_rank()
+        if rank != 0:
+            return 0
+    print(_check_report(facts))
+    return 0
+
+
+# --- gc ------------------------------------------------------------------------------------
+def _gc(args: argparse.Namespace) -> int:
+    if args.store in ROUTES:
+        raise ValueError(f"gc needs a store URL, not the route {args.store!r}")
+    with open_store(args.store) as store:
+        removed, failed = collect(store, args.older_than, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    now = time.time()
+    for item in removed:
+        print(f"{verb} {item.where} (job {item.job}, {(now - item.created) / 3600:.1f} h old)")
+    for item in failed:
+        print(f"could not remove {item.where}; check its permissions", file=sys.stderr)
+    print(f"{verb} {len(removed)} job area(s) from {store}")
+    return 1 if failed else 0
+
+
+# --- describe ------------------------------------------------------------------------------
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _VERSIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _describe(args: argparse.Namespace) -> int:
+    with _job(None):
+        info = topology.describe()
+        ranks = objects.gather_object(topology.describe(), store="collective")
+    if ranks is None:
+        return 0
+    info.update(
+        default_store=str(default_store()),
+        auto_threshold=objects.AUTO_THRESHOLD,
+        tmpdir_base=default_tmpdir_base(),
+        versions=_versions(),
+    )
+    if len(ranks) > 1:
+        info["ranks"] = ranks
+    print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+# --- the parser ----------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gatherstore", description="Gather large Python objects across PyTorch ranks."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    store = _argtype(_store_spec)
+
+    p = sub.add_parser("demo", help="gather a sharded evaluation's predictions on rank 0")
+    p.add_argument("--nproc", type=_argtype(_positive_int), default=4, help="processes (4)")
+    p.add_argument("--size", type=_argtype(parse_size), default=64 << 20, help="total (64MB)")
+    p.add_argument("--store", type=store, default="tmpdir", help="store URL (tmpdir)")
+    p.add_argument("--stream", action="store_true", help="gather_iter with a progress bar")
+    p.set_defaults(handler=_demo)
+
+    p = sub.add_parser("bench", help="gatherstore's stores against the usual tools")
+    p.add_argument("--sizes", type=_argtype(_sizes), default=_sizes("256MB,1GB"))
+    p.add_argument("--world", type=_argtype(_ints), default=[2, 4], help="world sizes (2,4)")
+    p.add_argument("--repeats", type=_argtype(_positive_int), default=3, help="median of (3)")
+    p.add_argument("--cases", type=_names, help="glob patterns of case names, e.g. 'gs.*'")
+    p.add_argument("--payloads", type=_argtype(_payloads), default=list(KINDS))
+    p.add_argument("--redis", help="redis:// URL ($GATHERSTORE_TEST_REDIS_URL)")
+    p.add_argument("--s3", metavar="ENDPOINT", help="S3 endpoint ($GATHERSTORE_TEST_S3_ENDPOINT)")
+    p.add_argument("--services", action="store_true", help="start redis and S3 locally")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="JSON lines (stdout)")
+    p.add_argument("--plot", metavar="PATH", help="PNG chart (needs matplotlib)")
+    p.add_argument("--ceiling-size", type=_argtype(parse_size), default=1 << 30)
+    p.add_argument("--timeout", type=_argtype(_seconds), default=900.0, help="per collective")
+    p.set_defaults(handler=_bench)
+
+    p = sub.add_parser("check", help="check that a store works for every rank")
+    p.add_argument("--store", type=store, required=True, help="store URL")
+    p.add_argument("--nproc", type=_argtype(_positive_int), default=1, help="local processes")
+    p.add_argument("--timeout", type=_argtype(_seconds), default=60.0, help="per step (60 s)")
+    p.set_defaults(handler=_check)
+
+    p = sub.add_parser("gc", help="remove job areas that crashed jobs left behind")
+    p.add_argument("--store", type=store, required=True, help="store URL")
+    p.add_argument("--older-than", type=_argtype(parse_duration), required=True, help="e.g. 1h, 2d")
+    p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    p.set_defaults(handler=_gc)
+
+    p = sub.add_parser("describe", help="topology and configuration as JSON")
+    p.set_defaults(handler=_describe)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an error, the remote one for errors of other ranks."""
+    if isinstance(exc, RemoteRankError):
+        text = exc.remote_message
+    elif isinstance(exc, CheckFailed):
+        text = str(exc)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``gatherstore`` command; the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the boundary: one line a user can act on
+        print(f"gatherstore {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""``gatherstore bench`` and its parts: payloads, baselines, measurements, report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gatherstore as gs
+from gatherstore.bench import baselines, payloads, report, runner
+from gatherstore.bench.cases import BASELINE, Case, select
+from gatherstore.bench.measure import PeakMemory
+
+GS_CASES = ["gs.collective", "gs.tmpdir-shm", "gs.iter-tmpdir-shm", "gs.tmpdir-disk", "gs.file"]
+ALL_CASES = [BASELINE, "torch.gather_object", "mmengine.collect_results_cpu", *GS_CASES]
+
+
+def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gatherstore.cli", "bench", "--sizes", "4MB", "--world", "2"]
+    command += ["--repeats", "1", "--ceiling-size", "16MB", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+# --- payloads ----------------------------------------------------------------------------------
+def test_detections_follow_a_distributed_sampler_split() -> None:
+    n, world = 7, 3
+    parts = [payloads.detections(n, rank, world) for rank in range(world)]
+    assert [len(p) for p in parts] == [3, 3, 3]  # padded to 9
+    assert [img["image_id"] for img in parts[1]] == [1, 4, 0]  # position 7 wraps to image 0
+    image = parts[0][0]
+    assert image["boxes"].shape == (100, 4) and image["boxes"].dtype == np.float32
+    assert image["scores"].shape == (100,) and image["scores"].dtype == np.float32
+    assert image["labels"].shape == (100,) and image["labels"].dtype == np.int64
+    assert isinstance(image["file_name"], str)
+    assert (image["boxes"][:, 2:] > image["boxes"][:, :2]).all()
+    assert (np.diff(image["scores"]) <= 0).all()
+    again = payloads.detections(n, 0, world)
+    assert [payloads.digest(a) for a in again] == [payloads.digest(b) for b in parts[0]]
+    assert payloads.digest(parts[0][0]) != payloads.digest(parts[0][1])
+    assert payloads.image_count(4 << 20) == (4 << 20) // payloads.IMAGE_BYTES
+
+
+def test_tensors_payload() -> None:
+    data = payloads.make("tensors", 8 << 20, 1, 2)
+    assert len(data) == 4
+    assert all(t.dtype == torch.float32 for t in data.values())
+    assert sum(t.numel() * 4 for t in data.values()) == 4 << 20
+    assert torch.equal(payloads.make("tensors", 8 << 20, 1, 2)["tensor0"], data["tensor0"])
+    with pytest.raises(ValueError, match="unknown payload 'images'"):
+        payloads.make("images", 1, 0, 1)
+
+
+def test_peak_memory_sees_a_large_allocation() -> None:
+    with PeakMemory() as mem:
+        block = np.ones(64 << 20, dtype=np.uint8)
+        del block
+    if not mem.reset:
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    assert mem.growth >= 60 << 20
+
+
+# --- baselines ---------------------------------------------------------------------------------
+def baseline_outputs() -> dict[str, Any]:
+    rank, world = gs.get_rank(), gs.get_world_size()
+    part = [f"item {i}" for i in range(rank, 5, world)]  # 5 items: rank 0 has one more
+    if rank == 1:
+        part.append("padding")
+    return {
+        "mmengine": baselines.collect_results_cpu(part, 5),
+        "all_gather": baselines.torch_all_gather_object(rank),
+        "gather": baselines.torch_gather_object(rank),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_baselines_in_two_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the children inherit it: .dist_test goes here
+    first, second = gs.launch(baseline_outputs, nproc_per_node=2, backend="gloo")
+    assert first["mmengine"] == [f"item {i}" for i in range(5)]
+    assert second["mmengine"] is None
+    assert first["all_gather"] == second["all_gather"] == [0, 1]
+    assert first["gather"] == [0, 1] and second["gather"] is None
+    assert list((tmp_path / ".dist_test").iterdir()) == []  # rank 0 removed its tmpdir
+
+
+# --- cases, runner, report -----------------------------------------------------------------------
+def test_select_cases() -> None:
+    cases = [Case(name, "gather_object") for name in ALL_CASES]
+    assert select(cases, None) == cases
+    assert [c.name for c in select(cases, ["gs.tmpdir*", BASELINE])] == [
+        BASELINE,
+        "gs.tmpdir-shm",
+        "gs.tmpdir-disk",
+    ]
+    with pytest.raises(ValueError, match="'nope' matches no case"):
+        select(cases, ["nope"])
+
+
+def record(case: str, seconds: float, peak: int, error: str | None = None) -> dict[str, Any]:
+    base = {"case": case, "payload": "detections", "size": "4MB", "world": 2, "error": error}
+    if error is None:
+        base.update(seconds=seconds, gbps=0.1, dst_peak=peak, other_peak=peak // 2)
+    return base
+
+
+def test_ratios_and_table() -> None:
+    records = [
+        record(BASELINE, 2.0, 400),
+        record("gs.tmpdir-shm", 0.5, 100),
+        record("gs.redis", 0, 0, error="StoreUnavailableError: no server"),
+    ]
+    runner._ratios(records)
+    assert records[0]["time_ratio"] == 1.0 and records[0]["mem_ratio"] == 1.0
+    assert records[1]["time_ratio"] == 0.25 and records[1]["mem_ratio"] == 0.25
+    assert records[2]["time_ratio"] is None
+    ceilings = {"memcpy_gbps": 1.0, "shm_gbps": None, "pickle_dumps_gbps": 0.2}
+    for r in records[:2]:
+        runner._fractions(r, ceilings)
+    assert records[1]["of_memcpy"] == pytest.approx(0.1)
+    assert records[1]["of_shm"] is None
+    limits = {**ceilings, "shm_write_gbps": None, "shm_read_gbps": None, "pickle_loads_gbps": 0.3}
+    text = report.table(records, limits, ["gs.s3 skipped: no endpoint"])
+    assert "failed: StoreUnavailableError: no server" in text
+    assert "0.25" in text and "gs.s3 skipped" in text
+    lines = report.json_lines(records, limits).splitlines()
+    assert json.loads(lines[0])["kind"] == "ceilings" and len(lines) == 4
+
+
+def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'gatherstore\[bench\]'"):
+        report.check_plot()
+
+
+# --- the command ----------------------------------------------------------------------------------
+@pytest.mark.timeout(600)
+def test_bench_every_case_as_json_lines() -> None:
+    result = run_bench("--payloads", "detections", "--json", timeout=590)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    ceilings, cases = lines[0], lines[1:]
+    assert ceilings["kind"] == "ceilings"
+    assert ceilings["memcpy_gbps"] > 0 and ceilings["pickle_dumps_gbps"] > 0
+    assert [c["case"] for c in cases] == ALL_CASES
+    for case in cases:
+        assert case["error"] is None, case
+        assert case["payload"] == "detections" and case["world"] == 2
+        assert case["seconds"] > 0 and case["gbps"] > 0
+        assert case["dst_peak"] >= 0 and case["other_peak"] >= 0
+        assert case["time_ratio"] > 0 and case["mem_ratio"] is not None
+    assert cases[0]["time_ratio"] == 1.0
+    mmengine = cases[ALL_CASES.index("mmengine.collect_results_cpu")]["impl"]
+    assert mmengine == "re-implementation" or mmengine.startswith("mmengine ")
+
+
+@pytest.mark.timeout(300)
+def test_bench_table_json_file_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    jsonl, png = tmp_path / "bench.jsonl", tmp_path / "bench.png"
+    chosen = f"{BASELINE},gs.iter-*"
+    args = ["--payloads", "tensors", "--cases", chosen, "--json", str(jsonl), "--plot", str(png)]
+    result = run_bench(*args, timeout=290)
+    assert result.returncode == 0, result.stderr
+    assert "ceilings: memcpy" in result.stdout
+    assert BASELINE in result.stdout and "gs.iter-tmpdir-shm" in result.stdout
+    cases = [json.loads(line) for line in jsonl.read_text().splitlines()][1:]
+    assert [c["case"] for c in cases] == [BASELINE, "gs.iter-tmpdir-shm"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(60)
+def test_bench_unknown_case_pattern() -> None:
+    result = run_bench("--cases", "nope", timeout=50)
+    assert result.returncode == 1
+    assert "--cases 'nope' matches no case" in result.stderr

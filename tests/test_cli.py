@@ -1,0 +1,258 @@
+"""The ``gatherstore`` command: each subcommand at small sizes, and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gatherstore as gs
+from gatherstore import cli
+from gatherstore.bench.measure import format_bytes, parse_size
+from gatherstore.gc import parse_duration
+from gatherstore.launch import free_port
+from gatherstore.objects import AUTO_THRESHOLD
+from gatherstore.session import MARKER
+from gatherstore.stores.tmpdir import FileStore
+
+OLD = 7200.0  # seconds: older than the --older-than 1h used below
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gatherstore.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+# --- argument parsing -----------------------------------------------------------------------
+def test_sizes_and_durations() -> None:
+    assert parse_size("4MB") == 4 << 20
+    assert parse_size("1gb") == 1 << 30
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("512K") == 512 << 10
+    assert parse_size("4096") == 4096
+    for bad in ("banana", "", "0MB", "-1GB", "1XB"):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(bad)
+    assert [parse_duration(t) for t in ("30s", "15m", "1h", "2d", "1.5h")] == [
+        30,
+        900,
+        3600,
+        172800,
+        5400,
+    ]
+    for bad in ("soon", "1", "h", "-1h"):
+        with pytest.raises(ValueError, match="is not a duration"):
+            parse_duration(bad)
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 << 29) == "1.5 GiB"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["frob"], "invalid choice: 'frob'"),
+        (["demo", "--size", "banana"], "'banana' is not a size"),
+        (["demo", "--nproc", "0"], "'0' is not a positive integer"),
+        (["gc", "--store", "tmpdir", "--older-than", "soon"], "'soon' is not a duration"),
+        (["check", "--store", "foo://x"], "unknown store scheme 'foo'"),
+        (["bench", "--world", "2,x"], "'x' is not a positive integer"),
+        (["gc", "--store", "tmpdir"], "--older-than"),
+    ],
+)
+def test_bad_arguments(args: list[str], expected: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "usage: gatherstore" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_python_m_gatherstore_help() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gatherstore", "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    for command in ("demo", "bench", "check", "gc", "describe"):
+        assert command in result.stdout
+
+
+# --- demo -------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_demo_small() -> None:
+    result = run_cli("demo", "--size", "4MB", "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    assert "2 ranks (gloo), store tmpdir" in result.stdout
+    assert "gathered 1,497 predictions" in result.stdout  # odd: the sampler pads rank 1
+    assert "verified: count, order" in result.stdout
+    assert "rank 0 +" in result.stdout and "rank 1 +" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_demo_streamed_through_a_file_store(tmp_path: Path) -> None:
+    result = run_cli(
+        "demo", "--size", "1MB", "--nproc", "3", "--stream", "--store", f"file://{tmp_path}"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "with gather_iter" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # the job area is gone
+
+
+@pytest.mark.timeout(120)
+def test_demo_fails_in_one_line_on_a_store_ranks_do_not_share() -> None:
+    result = run_cli("demo", "--size", "1MB", "--nproc", "2", "--store", "memory://demo")
+    assert result.returncode == 1
+    line = one_line_error(result)
+    assert line.startswith("gatherstore demo: StoreNotSharedError:")
+    assert "not visible from ranks [1]" in line
+
+
+# --- check -------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spec", ["tmpdir", "memory://check"])
+def test_check_one_process(spec: str) -> None:
+    result = run_cli("check", "--store", spec)
+    assert result.returncode == 0, result.stderr
+    assert "reachable" in result.stdout and "put/get/delete" in result.stdout
+    assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.timeout(120)
+def test_check_tmpdir_in_two_processes() -> None:
+    result = run_cli("check", "--store", "tmpdir", "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    assert "(mode 700)" in result.stdout
+    assert "2 ranks on" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_check_memory_in_two_processes_is_not_shared() -> None:
+    result = run_cli("check", "--store", "memory://check", "--nproc", "2")
+    assert result.returncode == 1
+    line = one_line_error(result)
+    assert "StoreNotSharedError" in line and "memory://" in line
+    assert result.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_check_unusable_base_directory(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    result = run_cli("check", "--store", f"file://{tmp_path}/a-file/dir")
+    assert result.returncode == 1
+    line = one_line_error(result)
+    assert line.startswith("gatherstore check: StoreUnavailableError:")
+    assert "cannot create a job area" in line
+
+
+@pytest.mark.timeout(120)
+def test_check_on_every_rank_under_torchrun() -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(free_port())]
+    result = subprocess.run(
+        [*torchrun, "-m", "gatherstore.cli", "check", "--store", "tmpdir"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("ok") == 1  # rank 0 reports
+    assert "2 ranks on" in result.stdout
+
+
+# --- gc -----------------------------------------------------------------------------------------
+def make_job_dir(base: Path, job: str, age: float, marker_age: float | None) -> Path:
+    """A job directory as a session makes it, with a marker ``marker_age`` seconds old."""
+    path = base / f"gatherstore-{job}-x1y2z3"
+    path.mkdir(mode=0o700)
+    if marker_age is not None:
+        body = {"job": job, "created": time.time() - marker_age, "host": "test"}
+        FileStore(path).put(MARKER, json.dumps(body).encode())
+    (path / "call-1").mkdir()
+    (path / "call-1" / "1").write_bytes(b"part")
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_gc_removes_only_old_gatherstore_job_dirs(tmp_path: Path) -> None:
+    old = make_job_dir(tmp_path, "0123456789abcdef", OLD, OLD)
+    old_unmarked = make_job_dir(tmp_path, "fedcba9876543210", OLD, None)
+    old_by_marker = make_job_dir(tmp_path, "aabbccddeeff0011", 60, OLD)
+    young = make_job_dir(tmp_path, "00112233445566aa", 60, 60)
+    young_by_marker = make_job_dir(tmp_path, "99887766554433bb", OLD, 60)
+    foreign = [tmp_path / "other", tmp_path / "gatherstore-notours", tmp_path / "gatherstore-x"]
+    for path in foreign:
+        path.mkdir()
+        os.utime(path, (time.time() - OLD, time.time() - OLD))
+    everything = sorted(tmp_path.iterdir())
+
+    dry = run_cli("gc", "--store", f"tmpdir://{tmp_path}", "--older-than", "1h", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert sorted(tmp_path.iterdir()) == everything
+    for path in (old, old_unmarked, old_by_marker):
+        assert f"would remove {path} " in dry.stdout
+    assert "would remove 3 job area(s)" in dry.stdout
+
+    real = run_cli("gc", "--store", f"file://{tmp_path}", "--older-than", "1h")
+    assert real.returncode == 0, real.stderr
+    assert "removed 3 job area(s)" in real.stdout
+    assert sorted(tmp_path.iterdir()) == sorted([young, young_by_marker, *foreign])
+
+
+def test_gc_on_a_key_store(capsys: pytest.CaptureFixture[str]) -> None:
+    store = gs.open_store("memory://gc-keys")
+    now = time.time()
+    for job, age in (("0123456789abcdef", OLD), ("fedcba9876543210", 60)):
+        marker = {"job": job, "created": now - age}
+        store.put(f"gatherstore/{job}/{MARKER}", json.dumps(marker).encode())
+        store.put(f"gatherstore/{job}/call-1/1", b"part")
+    store.put(
+        "gatherstore/not-a-job/marker", json.dumps({"job": "not-a-job", "created": 0}).encode()
+    )
+    store.put("gatherstore-0123456789abcdef", b"a key beside the prefix")
+    store.put("other/key", b"x")
+    before = store.list()
+
+    assert cli.main(["gc", "--store", "memory://gc-keys", "--older-than", "1h", "--dry-run"]) == 0
+    assert "would remove 1 job area(s)" in capsys.readouterr().out
+    assert store.list() == before
+
+    assert cli.main(["gc", "--store", "memory://gc-keys", "--older-than", "30m"]) == 0
+    out = capsys.readouterr().out
+    assert "removed memory:///gc-keys/gatherstore/0123456789abcdef/" in out
+    assert store.list() == [k for k in before if "0123456789abcdef/" not in k]
+    store.delete("")
+
+
+def test_gc_refuses_a_route(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["gc", "--store", "auto", "--older-than", "1h"]) == 1
+    assert "gc needs a store URL" in capsys.readouterr().err
+
+
+# --- describe -------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_describe_is_json() -> None:
+    result = run_cli("describe")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["world_size"] == 1 and info["rank"] == 0
+    assert info["default_store"] == os.environ.get("GATHERSTORE_STORE", "auto")
+    assert info["auto_threshold"] == AUTO_THRESHOLD
+    assert os.path.isdir(info["tmpdir_base"])
+    assert info["versions"]["gatherstore"] == gs.__version__
+    assert info["versions"]["torch"]
