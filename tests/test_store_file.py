@@ -16,9 +16,7 @@ from gatherstore.testing import StoreTests
 
 
 def _files(root: Path) -> list[str]:
-    return sorted(
-        str(Path(d, f).relative_to(root)) for d, _, files in os.walk(root) for f in files
-    )
+    return sorted(str(Path(d, f).relative_to(root)) for d, _, files in os.walk(root) for f in files)
 
 
 class TestFileStore(StoreTests):
