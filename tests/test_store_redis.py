@@ -23,7 +23,7 @@ import gatherstore as gs
 from gatherstore import services
 from gatherstore.stores.base import Store
 from gatherstore.stores.redis import RedisStore
-from gatherstore.testing import StoreTests
+from gatherstore.testing import StoreTests, check_object_collectives, object_collectives_job
 
 PASSWORD = "s3cr3t-redis-pw"
 
@@ -235,46 +235,14 @@ def test_part_over_512_mb_round_trips(redis_url: str, prefix: str) -> None:
 # --- object collectives over redis:// in real gloo groups ----------------------------------
 
 
-def _objects_job(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    store = gs.open_store(url, **options)
-    rank, world = gs.get_rank(), gs.get_world_size()
-    obj = {"rank": rank, "array": np.full(100_000 * (rank + 1), rank, dtype=np.int32)}
-    out: dict[str, Any] = {}
-    everyone = gs.all_gather_object(obj, store=store, timeout=60)
-    out["all"] = [(o["rank"], int(o["array"].sum()), len(o["array"])) for o in everyone]
-    gathered = gs.gather_object(obj, dst=world - 1, store=store, timeout=60)
-    out["gather"] = None if gathered is None else [o["rank"] for o in gathered]
-    out["iter"] = [o["rank"] for o in gs.gather_iter(obj, store=store, timeout=60)]
-    out["bcast"] = gs.broadcast_object({"from": 1} if rank == 1 else None, src=1, store=store)
-    results = [f"item-{i}" for i in range(rank, 10, world)]
-    out["collect"] = gs.collect_results(results, size=10, store=store, timeout=60)
-    try:
-        gs.all_gather_object(
-            (x for x in range(3)) if rank == world - 1 else rank, store=store, timeout=60
-        )
-        out["failure"] = None
-    except Exception as exc:
-        out["failure"] = type(exc).__name__
-    out["after_failure"] = gs.all_gather_object(rank, store=store, timeout=60)
-    return out
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_object_collectives_over_redis(redis_url: str, prefix: str, nproc: int) -> None:
     options = {"key_prefix": prefix, "chunk_size": 256 << 10}  # parts of ~400 KB are chunked
     results = gs.launch(
-        _objects_job, nproc_per_node=nproc, backend="gloo", args=(redis_url, options)
+        object_collectives_job, nproc_per_node=nproc, backend="gloo", args=(redis_url, options)
     )
-    expected_all = [(r, 100_000 * (r + 1) * r, 100_000 * (r + 1)) for r in range(nproc)]
-    for rank, out in enumerate(results):
-        assert out["all"] == expected_all
-        assert out["gather"] == (list(range(nproc)) if rank == nproc - 1 else None)
-        assert out["iter"] == (list(range(nproc)) if rank == 0 else [])
-        assert out["bcast"] == {"from": 1}
-        assert out["collect"] == ([f"item-{i}" for i in range(10)] if rank == 0 else None)
-        assert out["failure"] == ("TypeError" if rank == nproc - 1 else "RemoteRankError")
-        assert out["after_failure"] == list(range(nproc))
+    check_object_collectives(results)
     assert _raw_keys(redis_url, prefix) == []  # shutdown removed the job area
 
 

@@ -15,7 +15,7 @@ import gatherstore as gs
 from gatherstore.pytest_plugin import S3Endpoint
 from gatherstore.stores.base import Store
 from gatherstore.stores.fsspec import FsspecStore
-from gatherstore.testing import StoreTests
+from gatherstore.testing import StoreTests, check_object_collectives, object_collectives_job
 
 s3fs = pytest.importorskip("s3fs")
 botocore_session = pytest.importorskip("botocore.session")
@@ -174,47 +174,17 @@ def test_multipart_part_round_trips_and_is_never_partial(
 # --- object collectives over s3:// in real gloo groups --------------------------------------
 
 
-def _objects_job(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    store = gs.open_store(url, **options)
-    rank, world = gs.get_rank(), gs.get_world_size()
-    obj = {"rank": rank, "array": np.full(50_000 * (rank + 1), rank, dtype=np.int64)}
-    out: dict[str, Any] = {}
-    everyone = gs.all_gather_object(obj, store=store, timeout=60)
-    out["all"] = [(o["rank"], int(o["array"].sum()), len(o["array"])) for o in everyone]
-    gathered = gs.gather_object(obj, dst=world - 1, store=store, timeout=60)
-    out["gather"] = None if gathered is None else [o["rank"] for o in gathered]
-    out["iter"] = [o["rank"] for o in gs.gather_iter(obj, store=store, timeout=60)]
-    out["bcast"] = gs.broadcast_object({"from": 1} if rank == 1 else None, src=1, store=store)
-    results = [f"item-{i}" for i in range(rank, 10, world)]
-    out["collect"] = gs.collect_results(results, size=10, store=store, timeout=60)
-    try:
-        gs.gather_object(threading.Lock() if rank == 1 else rank, store=store, timeout=60)
-        out["failure"] = None
-    except Exception as exc:
-        out["failure"] = type(exc).__name__
-    out["after_failure"] = gs.all_gather_object(rank, store=store, timeout=60)
-    return out
-
-
 @pytest.mark.timeout(240)
 def test_object_collectives_over_s3(s3: tuple[S3Endpoint, str, Any], prefix: str) -> None:
     endpoint, bucket, client = s3
     nproc = 3
     results = gs.launch(
-        _objects_job,
+        object_collectives_job,
         nproc_per_node=nproc,
         backend="gloo",
         args=(f"s3://{bucket}/{prefix}", endpoint.storage_options),
     )
-    expected_all = [(r, 50_000 * (r + 1) * r, 50_000 * (r + 1)) for r in range(nproc)]
-    for rank, out in enumerate(results):
-        assert out["all"] == expected_all
-        assert out["gather"] == (list(range(nproc)) if rank == nproc - 1 else None)
-        assert out["iter"] == (list(range(nproc)) if rank == 0 else [])
-        assert out["bcast"] == {"from": 1}
-        assert out["collect"] == ([f"item-{i}" for i in range(10)] if rank == 0 else None)
-        assert out["failure"] == ("TypeError" if rank == 1 else "RemoteRankError")
-        assert out["after_failure"] == list(range(nproc))
+    check_object_collectives(results)
     assert _raw_objects(client, bucket, f"{prefix}/") == []  # shutdown removed the job area
     assert _pending_uploads(client, bucket, f"{prefix}/") == []
 
