@@ -159,7 +159,8 @@ class _Call:
 
     # --- the collective route ---------------------------------------------------
     def _packed(self, size: int) -> torch.Tensor:
-        out = torch.zeros(size, dtype=torch.uint8)
+        """This rank's sealed frame in a ``size``-byte tensor (the padding is never read)."""
+        out = torch.empty(size, dtype=torch.uint8)
         if self.frame is not None:
             self.frame.seal(None).copy_into(out.numpy().data)
         return out
