@@ -15,7 +15,6 @@ import gatherstore as gs
 from gatherstore import cli
 from gatherstore.bench.measure import format_bytes, parse_size
 from gatherstore.gc import parse_duration
-from gatherstore.launch import free_port
 from gatherstore.objects import AUTO_THRESHOLD
 from gatherstore.session import MARKER
 from gatherstore.stores.tmpdir import FileStore
@@ -33,9 +32,12 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    """The command's one error line: the last on stderr, and the only one it wrote
+    (a stopped child process may still print a warning of its own above it)."""
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
+    ours = [line for line in lines if line.startswith("gatherstore ")]
+    assert len(ours) == 1 and lines[-1] == ours[0], result.stderr
+    return ours[0]
 
 
 # --- argument parsing -----------------------------------------------------------------------
@@ -62,7 +64,7 @@ def test_sizes_and_durations() -> None:
     assert format_bytes(3 << 29) == "1.5 GiB"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -82,7 +84,7 @@ def test_bad_arguments(args: list[str], expected: str) -> None:
     assert "usage: gatherstore" in result.stderr
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_python_m_gatherstore_help() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "gatherstore", "--help"], capture_output=True, text=True
@@ -123,7 +125,7 @@ def test_demo_fails_in_one_line_on_a_store_ranks_do_not_share() -> None:
 
 
 # --- check -------------------------------------------------------------------------------------
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("spec", ["tmpdir", "memory://check"])
 def test_check_one_process(spec: str) -> None:
     result = run_cli("check", "--store", spec)
@@ -149,7 +151,7 @@ def test_check_memory_in_two_processes_is_not_shared() -> None:
     assert result.stdout == ""
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_check_unusable_base_directory(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     result = run_cli("check", "--store", f"file://{tmp_path}/a-file/dir")
@@ -161,16 +163,17 @@ def test_check_unusable_base_directory(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_check_on_every_rank_under_torchrun() -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    torchrun += ["--master-port", str(free_port())]
+    # --standalone: torchrun binds a free port itself
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     result = subprocess.run(
-        [*torchrun, "-m", "gatherstore.cli", "check", "--store", "tmpdir"],
+        [*torchrun, "2", "-m", "gatherstore.cli", "check", "--store", "tmpdir"],
         capture_output=True,
         text=True,
         timeout=110,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("ok") == 1  # rank 0 reports
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "ok" and lines.count("ok") == 1  # rank 0 reports
     assert "2 ranks on" in result.stdout
 
 
@@ -245,7 +248,7 @@ def test_gc_refuses_a_route(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # --- describe -------------------------------------------------------------------------------------
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_describe_is_json() -> None:
     result = run_cli("describe")
     assert result.returncode == 0, result.stderr

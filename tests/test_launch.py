@@ -53,7 +53,7 @@ def _identify(tag: str, *, scale: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
     results = gs.launch(
         _identify, nproc_per_node=3, backend="gloo", args=("x",), kwargs={"scale": 10}
@@ -66,7 +66,7 @@ def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
     assert not gs.is_distributed()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_lambdas_and_closures_are_shipped_with_cloudpickle() -> None:
     offset = 100
     data = {"label": "closure"}
@@ -81,7 +81,7 @@ def test_lambdas_and_closures_are_shipped_with_cloudpickle() -> None:
     assert gs.launch(lambda: gs.get_world_size() * 7, backend="gloo") == [7]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_single_process_job() -> None:
     (described,) = gs.launch(gs.describe, nproc_per_node=1, backend="gloo")
     assert described["world_size"] == 1
@@ -123,11 +123,11 @@ def _rank_one_raises(pid_dir: str) -> None:
     if rank == 1:
         raise ValueError("boom")
     if rank == 0:
-        time.sleep(60)
+        time.sleep(600)
     gs.barrier()  # the others wait here for rank 1, who never comes
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_a_child_exception_is_raised_in_the_parent_and_the_others_are_stopped(
     tmp_path: Path,
 ) -> None:
@@ -135,7 +135,7 @@ def test_a_child_exception_is_raised_in_the_parent_and_the_others_are_stopped(
     with pytest.raises(gs.RemoteRankError) as caught:
         gs.launch(_rank_one_raises, nproc_per_node=3, backend="gloo", args=(str(tmp_path),))
     error = caught.value
-    assert time.monotonic() - start < 45  # nobody waited for the sleeper
+    assert time.monotonic() - start < 150  # nobody waited for the sleeper
     assert error.rank == 1
     assert error.ranks == [1]
     assert "boom" in str(error)
@@ -164,7 +164,7 @@ def test_a_child_that_dies_is_named_with_its_exit_code(tmp_path: Path) -> None:
     assert_children_gone(tmp_path, 2)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_an_unpicklable_result_is_a_remote_error() -> None:
     with pytest.raises(gs.RemoteRankError, match="lock") as caught:
         gs.launch(threading.Lock, backend="gloo")
@@ -175,7 +175,7 @@ def _exit_cleanly_with_system_exit() -> None:
     raise SystemExit(5)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_system_exit_in_a_child_is_reported() -> None:
     with pytest.raises(gs.RemoteRankError, match="SystemExit: 5"):
         gs.launch(_exit_cleanly_with_system_exit, backend="gloo")

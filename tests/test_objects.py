@@ -129,22 +129,26 @@ def test_remote_rank_error_on_every_rank(name: str, tmp_path: Path) -> None:
         assert _leftovers(tmp_path) == []
 
 
-def _late_rank(spec: str) -> tuple[str, list[int]]:
-    if gs.get_rank() == 1:
-        time.sleep(4)
+def _late_rank(spec: str, signals: str) -> tuple[str, list[int]]:
+    gs.barrier()  # start together, so that only rank 1 can be late
+    deadline = time.monotonic() + 100
+    while gs.get_rank() == 1 and time.monotonic() < deadline:  # arrive once the others gave up
+        if Path(signals, "0").exists() and Path(signals, "2").exists():
+            break
+        time.sleep(0.05)
     try:
-        gs.gather_object(gs.get_rank(), store=spec, timeout=1.5)
+        gs.gather_object(gs.get_rank(), store=spec, timeout=4)
     except gs.GatherTimeout as exc:
-        if gs.get_rank() != 1:
-            time.sleep(4)  # keep rank 0's rendezvous store up until the late rank arrives
         return "GatherTimeout", exc.ranks
+    finally:
+        Path(signals, str(gs.get_rank())).touch()
     return "no error", []
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["auto", "tmpdir"])
-def test_gather_timeout_names_late_ranks(name: str) -> None:
-    results = gs.launch(_late_rank, nproc_per_node=3, backend="gloo", args=(name,))
+def test_gather_timeout_names_late_ranks(name: str, tmp_path: Path) -> None:
+    results = gs.launch(_late_rank, nproc_per_node=3, backend="gloo", args=(name, str(tmp_path)))
     assert results == [("GatherTimeout", [1])] * 3
 
 

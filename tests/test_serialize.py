@@ -120,7 +120,7 @@ def test_round_trip_of_random_record_lists(items: list[Any]) -> None:
     assert_same(round_trip({"nested": (items, [items])}), {"nested": (items, [items])})
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(FIELDS, max_size=6))
 def test_round_trip_of_random_fields(values: list[Any]) -> None:
     assert_same(round_trip(values), values)

@@ -46,7 +46,7 @@ def _has_weed() -> bool:
     return True
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_redis_set_get_then_stop(tmp_path: Path) -> None:
     _require(_has_redis(), "redis-server is not installed")
     service = services.start_redis(workdir=str(tmp_path))
@@ -72,7 +72,7 @@ def test_redis_set_get_then_stop(tmp_path: Path) -> None:
     assert not service.directory.exists()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_redis_on_a_given_port() -> None:
     _require(_has_redis(), "redis-server is not installed")
     with socket.socket() as sock:
@@ -133,7 +133,7 @@ def test_s3_exit_at_startup_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_main_prints_the_url_and_stops_on_sigterm() -> None:
     _require(_has_redis(), "redis-server is not installed")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
@@ -177,7 +177,7 @@ def _compose(compose_file: Path, *args: str) -> subprocess.CompletedProcess[str]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_docker_compose_file_is_valid() -> None:
     assert _compose(ROOT / "docker-compose.yml", "config", "-q").returncode == 0
     result = _compose(ROOT / "docker-compose.yml", "config", "--format", "json")
@@ -193,7 +193,7 @@ def test_docker_compose_file_is_valid() -> None:
     assert identity == services._identity_config(services.S3_KEY, services.S3_SECRET)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_broken_compose_file_is_rejected(tmp_path: Path) -> None:
     broken = tmp_path / "docker-compose.yml"
     broken.write_text("services:\n  redis:\n    image: redis:7.4-alpine\n    bogus: 1\n")
@@ -214,7 +214,7 @@ def test_s3(gatherstore_s3):
 """
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_plugin_uses_running_services(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,7 +227,7 @@ def test_plugin_uses_running_services(
     pytester.runpytest_inprocess("-p", "no:gatherstore").assert_outcomes(passed=2)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("ci", ["", "true"])
 def test_plugin_skips_unavailable_service_but_fails_in_ci(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str

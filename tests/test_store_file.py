@@ -25,7 +25,11 @@ class TestFileStore(StoreTests):
         return FileStore(tmp_path)
 
     def raw_keys(self, store: Store) -> list[str]:
-        return _files(store.root)  # type: ignore[attr-defined]
+        root = store.root  # type: ignore[attr-defined]
+        empty_dirs = [
+            f"{Path(d).relative_to(root)}/" for d, dirs, files in os.walk(root) if not dirs + files
+        ]
+        return _files(root) + [d for d in empty_dirs if d != "./"]  # deletes prune directories
 
 
 class TestTmpdirStore(TestFileStore):

@@ -88,7 +88,7 @@ def test_every_key_has_a_ttl(redis_url: str, prefix: str) -> None:
     store.put("big", os.urandom(20_000))  # 5 chunks and a manifest
     client = _raw(redis_url)
     try:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
+        keys = set(client.scan_iter(match=f"{prefix}*"))  # SCAN may repeat a key
         assert len(keys) == 7
         ttls = [client.pttl(k) for k in keys]
         assert all(0 < t <= 120_000 for t in ttls), ttls
@@ -244,6 +244,38 @@ def test_object_collectives_over_redis(redis_url: str, prefix: str, nproc: int) 
     )
     check_object_collectives(results)
     assert _raw_keys(redis_url, prefix) == []  # shutdown removed the job area
+
+
+def _scan_count(url: str) -> int:
+    client = _raw(url)
+    try:
+        return int(client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+    finally:
+        client.close()
+
+
+def _gathers_job(url: str, options: dict[str, Any]) -> int:
+    store = gs.open_store(url, **options)
+    gs.broadcast_object("open the job area", store=store)
+    before = _scan_count(url) if gs.get_rank() == 0 else 0
+    gs.barrier()
+    part = np.full(100_000, gs.get_rank())  # 800 KB: chunked
+    for _ in range(3):
+        gs.all_gather_object(part, store=store)
+        gs.gather_object(part, store=store)
+        list(gs.gather_iter(part, store=store))
+        gs.broadcast_object(part, src=1, store=store)
+    gs.barrier()
+    return _scan_count(url) - before
+
+
+@pytest.mark.timeout(120)
+def test_gathers_never_scan_the_keyspace(redis_url: str, prefix: str) -> None:
+    """Parts are deleted by name: a shared Redis with millions of keys costs nothing more."""
+    options = {"key_prefix": prefix, "chunk_size": 256 << 10}
+    scans = gs.launch(_gathers_job, nproc_per_node=2, backend="gloo", args=(redis_url, options))
+    assert scans[0] == 0
+    assert _raw_keys(redis_url, prefix) == []  # shutdown swept the job area
 
 
 def _stopped_server_job(url: str, pid: int) -> tuple[str, str, float]:

@@ -94,9 +94,14 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
         if decided:
             _raise_late(what, decided, timeout)
         labelled: list[bytes] = store.multi_get(keys)
-        if store.add(prefix + "read", 1) == world:
+        done = prefix + "done"
+        if store.add(prefix + "read", 1) == world:  # the last reader tidies up
             for key in [*keys, verdict, prefix + "read"]:
                 store.delete_key(key)
+            if dist.get_rank() != 0:
+                store.set(done, b"")
+        elif dist.get_rank() == 0:
+            _outlive_readers(store, done, timeout)
         return _unlabel(labelled, what)
     except GatherError:
         raise
@@ -106,6 +111,17 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
             f"the job's rendezvous store (hosted by rank 0 or its launcher) is unreachable: {exc}",
             context=what,
         ) from exc
+
+
+def _outlive_readers(store: Any, done: str, timeout: float) -> None:
+    """Return only once every rank has read: rank 0 often hosts the store, and a
+    rank 0 that exits right after the job's last exchange would take the store
+    away from ranks still reading it."""
+    try:
+        store.wait([done], _dt.timedelta(seconds=timeout))
+    except RuntimeError:  # a rank died mid-read: its failure surfaces in the next call
+        return
+    store.delete_key(done)
 
 
 def _unlabel(labelled: list[bytes], what: str) -> list[bytes]:

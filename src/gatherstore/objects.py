@@ -206,7 +206,7 @@ class _Call:
             _agree(mine, timeout=self.timeout, what=self.what, error=error)
         except BaseException:
             if wrote:
-                session.store.delete(self.key(prefix, self.rank))
+                session.store.discard(self.key(prefix, self.rank))
             raise
         return session, prefix
 
@@ -263,7 +263,7 @@ def all_gather_object(
     try:
         _agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
     finally:
-        session.store.delete(call.key(prefix, call.rank))
+        session.store.discard(call.key(prefix, call.rank))
     return out
 
 
@@ -385,7 +385,7 @@ class _Parts(Iterator[Any]):
             raise
         finally:
             if self.delete:
-                self.session.store.delete(self.call.key(self.prefix, rank))
+                self.session.store.discard(self.call.key(self.prefix, rank))
 
     def close(self) -> None:
         """Stop reading ahead; with ``delete``, delete the parts not read yet."""
@@ -396,7 +396,8 @@ class _Parts(Iterator[Any]):
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.ahead.clear()
         if self.delete:
-            self.session.store.delete(self.prefix)
+            for rank in self.todo:
+                self.session.store.discard(self.call.key(self.prefix, rank))
 
     def __del__(self) -> None:
         try:
@@ -432,5 +433,5 @@ def broadcast_object(
         _agree(mine, timeout=call.timeout, what="broadcast_object (read)", error=error)
     finally:
         if call.rank == src:
-            session.store.delete(prefix)
+            session.store.discard(call.key(prefix, src))
     return out

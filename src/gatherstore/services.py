@@ -34,7 +34,7 @@ __all__ = ["S3_KEY", "S3_SECRET", "RedisService", "S3Service", "start_redis", "s
 HOST = "127.0.0.1"
 S3_KEY = "gatherstore"
 S3_SECRET = "gatherstore-secret"
-STARTUP_TIMEOUT = 60.0
+STARTUP_TIMEOUT = 120.0
 _ATTEMPTS = 3  # starts with fresh ports when a server exits at startup
 _WEED_PORTS = [
     f"{server}.port{kind}"

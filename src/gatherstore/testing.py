@@ -133,6 +133,24 @@ class StoreTests:
         chunked.delete("ab")
         assert chunked.list() == ["abc", "b/a"]
 
+    def test_discard_deletes_one_value_by_name(self, chunked: Store, monkeypatch: Any) -> None:
+        for key in ["a", "a-b", "ab", "b/a", "small"]:
+            chunked.put(key, b"v" * (5000 if key != "small" else 10))
+
+        def no_listing(*_: Any) -> None:
+            raise AssertionError("discard must not list keys")
+
+        monkeypatch.setattr(chunked, "_list", no_listing)
+        monkeypatch.setattr(chunked, "_delete_prefix", no_listing)
+        chunked.discard("a")  # chunked: the manifest names its chunks
+        chunked.discard("small")
+        chunked.discard("never-written")
+        monkeypatch.undo()
+        assert chunked.list() == ["a-b", "ab", "b/a"]
+        for key in ["a-b", "ab", "b/a"]:
+            chunked.discard(key)
+        assert self.raw_keys(chunked) == []
+
     def test_list(self, store: Store) -> None:
         for key in ["p/1", "p/2", "q/1"]:
             store.put(key, b"v")

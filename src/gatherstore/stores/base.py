@@ -2,7 +2,7 @@
 
 A backend implements an all-or-nothing create-only write, a read that returns
 None when the key is absent, exists, list and delete.  Chunking, manifests,
-``wait``, exact prefix deletes, scoped views, error mapping, pickling and the
+``wait``, exact prefix deletes, deletes by name, scoped views, error mapping, pickling and the
 password-free ``str`` live here.
 
 Every stored value starts with a 64-byte header: an inline value carries its
@@ -81,7 +81,8 @@ class Store(ABC):
     """A key-value place for bytes that every rank of a job can reach.
 
     Keys are ``/``-separated paths.  Subclasses implement ``_write``, ``_read``,
-    ``_exists``, ``_list`` and ``_delete`` (and may override ``_delete_prefix``).
+    ``_exists``, ``_list`` and ``_delete`` (and may override ``_delete_prefix`` and
+    ``_read_head`` where the backend does them faster).
     """
 
     #: Largest value written in one piece; larger values are chunked.
@@ -122,6 +123,14 @@ class Store(ABC):
         keys = list(self._list(prefix))
         if keys:
             self._delete(keys)
+
+    def _read_head(self, key: str, size: int) -> Buffer | None:
+        """At least the first ``size`` bytes at ``key`` (more is fine), or None when absent.
+
+        Backends that can read a range override it, so that ``discard`` never
+        fetches a whole value to learn whether it is chunked.
+        """
+        return self._read(key)
 
     @property
     @abstractmethod
@@ -351,6 +360,27 @@ class Store(ABC):
             time.sleep(delay)
             delay = min(delay * 2, self.poll_interval * 20)
 
+    def discard(self, key: str) -> None:
+        """Delete the value at ``key`` and its chunks, by name.
+
+        Unlike :meth:`delete` it lists nothing, so it costs the same in a store
+        that holds millions of other keys (a Redis ``SCAN`` walks them all).
+        Keys under ``key/`` are left alone.  An absent key is not an error.
+        """
+        self._check_key(key)
+        with self._mapped(f"delete {key!r}"):
+            head = self._read_head(key, HEADER_SIZE)
+            if head is None:
+                return
+            chunks: list[str] = []
+            if bytes(memoryview(head).cast("B")[:9]) == _MAGIC + bytes([_CHUNKED]):
+                try:
+                    _, _, count, body = self._parse(key, self._read(key) or b"")
+                    chunks = [chunk for chunk, _ in self._chunk_layout(key, count, body)]
+                except (GatherError, struct.error, UnicodeDecodeError):  # a damaged manifest
+                    self._delete_prefix(f"{key}{CHUNKS}/")
+            self._delete([key, *chunks])  # the manifest first: readers see all or nothing
+
     def delete(self, prefix: str) -> None:
         """Delete the key ``prefix`` (with its chunks) and every key under ``prefix/``.
 
@@ -420,6 +450,9 @@ class ScopedStore(Store):
 
     def _delete_prefix(self, prefix: str) -> None:
         self.parent._delete_prefix(self.prefix + prefix)
+
+    def _read_head(self, key: str, size: int) -> Buffer | None:
+        return self.parent._read_head(self.prefix + key, size)
 
     @property
     def url(self) -> str:

@@ -123,6 +123,13 @@ class FsspecStore(Store):
             return None
         return out if pos == len(out) else out[:pos]
 
+    def _read_head(self, key: str, size: int) -> Buffer | None:
+        try:
+            head: bytes = self.fs.cat_file(self._path(key), start=0, end=size)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return head
+
     def _exists(self, key: str) -> bool:
         path = self._path(key)
         self.fs.invalidate_cache(path)

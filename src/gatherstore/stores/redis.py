@@ -195,6 +195,10 @@ class RedisStore(Store):
             return value
         return bytearray(value)  # writable: arrays and tensors are rebuilt without copies
 
+    def _read_head(self, key: str, size: int) -> Buffer | None:
+        head: bytes = self._client.getrange(self._key(key), 0, size - 1)  # type: ignore[assignment]
+        return head or None  # b"" for an absent key; stored values are never empty
+
     def _exists(self, key: str) -> bool:
         return bool(self._client.exists(self._key(key)))
 

@@ -91,9 +91,15 @@ class FileStore(Store):
         path = self._path(key)
         if path.exists():
             return False
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        for attempt in range(3):
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileNotFoundError:  # a delete pruned the empty directory in between
+                if attempt == 2:
+                    raise
         try:
             try:
                 write_all(fd, buffers)
@@ -123,6 +129,13 @@ class FileStore(Store):
         finally:
             os.close(fd)
 
+    def _read_head(self, key: str, size: int) -> Buffer | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read(size)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
     def _exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
@@ -136,8 +149,19 @@ class FileStore(Store):
 
     def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
+            path = self._path(key)
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                os.unlink(self._path(key))
+                os.unlink(path)
+            self._prune(path.parent)
+
+    def _prune(self, directory: Path) -> None:
+        """Remove ``directory`` and its parents below the root while they are empty."""
+        while directory != self.root and self.root in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (or already gone): the parents are not empty either
+                return
+            directory = directory.parent
 
     def _delete_prefix(self, prefix: str) -> None:
         top = self._path(prefix) if prefix else self.root
@@ -151,6 +175,7 @@ class FileStore(Store):
                     child.unlink(missing_ok=True)
         else:
             shutil.rmtree(top, ignore_errors=True)
+            self._prune(top.parent)
 
     def prepare_job(self, job_id: str) -> str:
         with self._mapped("create a job directory"):
