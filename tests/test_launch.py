@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -179,3 +181,21 @@ def _exit_cleanly_with_system_exit() -> None:
 def test_system_exit_in_a_child_is_reported() -> None:
     with pytest.raises(gs.RemoteRankError, match="SystemExit: 5"):
         gs.launch(_exit_cleanly_with_system_exit, backend="gloo")
+
+
+UNGUARDED_SCRIPT = """
+import gatherstore as gs
+print(gs.launch(lambda: 1, nproc_per_node=2, backend="gloo"))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
+    assert done.returncode == 1
+    assert "RemoteRankError" in done.stderr and "its stderr says why" in done.stderr
+    assert 'call launch() under `if __name__ == "__main__":`' in done.stderr  # from the ranks

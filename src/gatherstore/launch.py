@@ -85,7 +85,14 @@ def launch(
         RemoteRankError: a child raised or died; names its rank and carries its
             traceback text.  The other children are stopped first.
         ValueError: bad arguments (e.g. no ``master_port`` for several nodes).
+        RuntimeError: called while a new rank imports the main script, i.e. the
+            script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
     """
+    if getattr(mp.current_process(), "_inheriting", False):  # set while spawn imports __main__
+        raise RuntimeError(
+            "gatherstore.launch() ran again while a launched rank was importing the main "
+            'script: call launch() under `if __name__ == "__main__":` in that script'
+        )
     if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(
             f"nproc_per_node={nproc_per_node}, nnodes={nnodes}, node_rank={node_rank}: "
@@ -167,14 +174,14 @@ def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list
                     results[i] = cloudpickle.loads(value)
                     continue
                 procs[i].join(timeout=_KILL_GRACE)
-                message = value or f"exited with code {procs[i].exitcode} before returning"
+                message = value or _died(procs[i].exitcode)
                 raise RemoteRankError(rank, message, remote_traceback=tb, context="launch")
             if procs[i].sentinel in ready and not conn.poll():
                 procs[i].join()
                 del pending[i]
                 raise RemoteRankError(
                     rank,
-                    f"process exited with code {procs[i].exitcode} before returning",
+                    _died(procs[i].exitcode),
                     context="launch",
                 )
     return results
@@ -190,6 +197,10 @@ def _stop(procs: list[Any]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+def _died(exitcode: int | None) -> str:
+    return f"exited with code {exitcode} before returning (its stderr says why)"
 
 
 def _child(
