@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -149,20 +150,26 @@ def test_a_child_exception_is_raised_in_the_parent_and_the_others_are_stopped(
     assert_children_gone(tmp_path, 3)
 
 
-def _rank_one_exits(pid_dir: str) -> None:
+def _rank_one_exits(pid_dir: str, how: str) -> None:
     rank = _record_pid(pid_dir)
     gs.barrier()
     if rank == 1:
-        os._exit(3)
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does
     time.sleep(60)
 
 
-@pytest.mark.timeout(90)
-def test_a_child_that_dies_is_named_with_its_exit_code(tmp_path: Path) -> None:
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [("exit", "exited with code 3"), ("kill", "was killed by SIGKILL")],
+)
+def test_a_child_that_dies_is_named_with_how(tmp_path: Path, how: str, said: str) -> None:
     with pytest.raises(gs.RemoteRankError) as caught:
-        gs.launch(_rank_one_exits, nproc_per_node=2, backend="gloo", args=(str(tmp_path),))
+        gs.launch(_rank_one_exits, nproc_per_node=2, backend="gloo", args=(str(tmp_path), how))
     assert caught.value.rank == 1
-    assert "exited with code 3" in str(caught.value)
+    assert said in str(caught.value)
     assert_children_gone(tmp_path, 2)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -56,3 +57,26 @@ class TestFsspecMemory(StoreTests):
         fs = fsspec.filesystem("memory")
         root = store.root  # type: ignore[attr-defined]
         return sorted(p[len(root) + 1 :] for p in fs.find(root))
+
+
+def test_writes_race_deletes_that_prune_directories(tmp_path: Path) -> None:
+    """A delete removes the directories it empties; a write racing it recreates them."""
+    store = FileStore(tmp_path)
+    errors: list[BaseException] = []
+
+    def churn(n: int) -> None:
+        try:
+            for i in range(300):
+                key = f"call-1/{n}" if i % 2 else f"call-1/deep/{n}/part"
+                store.put(key, b"v" * 100)
+                store.discard(key)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert list(tmp_path.iterdir()) == []

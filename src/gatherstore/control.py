@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -94,13 +95,13 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
         if decided:
             _raise_late(what, decided, timeout)
         labelled: list[bytes] = store.multi_get(keys)
-        done = prefix + "done"
+        done = prefix + "done" if _rank0_hosts_store() else ""
         if store.add(prefix + "read", 1) == world:  # the last reader tidies up
             for key in [*keys, verdict, prefix + "read"]:
                 store.delete_key(key)
-            if dist.get_rank() != 0:
+            if done and dist.get_rank() != 0:
                 store.set(done, b"")
-        elif dist.get_rank() == 0:
+        elif done and dist.get_rank() == 0:
             _outlive_readers(store, done, timeout)
         return _unlabel(labelled, what)
     except GatherError:
@@ -111,6 +112,12 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
             f"the job's rendezvous store (hosted by rank 0 or its launcher) is unreachable: {exc}",
             context=what,
         ) from exc
+
+
+def _rank0_hosts_store() -> bool:
+    """Whether rank 0's process hosts the job's store (no torchrun agent or
+    ``launch`` parent does), so that rank 0 must not leave before the others."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
 def _outlive_readers(store: Any, done: str, timeout: float) -> None:

@@ -7,6 +7,7 @@ import datetime as _dt
 import multiprocessing as mp
 import os
 import re
+import signal
 import socket
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -200,6 +201,12 @@ def _stop(procs: list[Any]) -> None:
 
 
 def _died(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} before returning"
     return f"exited with code {exitcode} before returning (its stderr says why)"
 
 

@@ -257,10 +257,10 @@ def all_gather_object(
     out: list[Any] = []
     mine = _status(True)
     try:
-        out = list(_Parts(call, session, prefix, call.rank, obj, delete=False))
-    except Exception as exc:
-        error, mine = exc, _failure(exc)
-    try:
+        try:
+            out = list(_Parts(call, session, prefix, call.rank, obj, delete=False))
+        except Exception as exc:
+            error, mine = exc, _failure(exc)
         _agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
     finally:
         session.store.discard(call.key(prefix, call.rank))

@@ -374,8 +374,11 @@ class Store(ABC):
                 return
             chunks: list[str] = []
             if bytes(memoryview(head).cast("B")[:9]) == _MAGIC + bytes([_CHUNKED]):
+                raw = self._read(key)
+                if raw is None:  # gone meanwhile (e.g. its TTL ran out)
+                    return
                 try:
-                    _, _, count, body = self._parse(key, self._read(key) or b"")
+                    _, _, count, body = self._parse(key, raw)
                     chunks = [chunk for chunk, _ in self._chunk_layout(key, count, body)]
                 except (GatherError, struct.error, UnicodeDecodeError):  # a damaged manifest
                     self._delete_prefix(f"{key}{CHUNKS}/")

@@ -20,6 +20,7 @@ __all__ = ["FsspecStore"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
 _CREATE_ONLY = {"s3", "s3a"}
+_STEP = 16 << 20  # bytes per write/ranged read of a large value
 
 
 def _precondition_failed(exc: BaseException) -> bool:
@@ -80,9 +81,13 @@ class FsspecStore(Store):
             self.fs.makedirs(self.fs._parent(path), exist_ok=True)
         # s3fs's "xb" sends If-None-Match: * (PUT or multipart completion): create-only
         f = self.fs.open(target, "xb" if self.protocol in _CREATE_ONLY else "wb")
+        # block by block: a buffered file copies what it is given, all of it at once
+        step = getattr(f, "blocksize", 0) or _STEP
         try:
             for buf in buffers:
-                f.write(memoryview(buf).cast("B"))
+                view = memoryview(buf).cast("B")
+                for start in range(0, len(view), step):
+                    f.write(view[start : start + step])
             f.close()  # an object becomes visible only here, whole
         except BaseException as exc:
             with contextlib.suppress(Exception):
@@ -106,8 +111,8 @@ class FsspecStore(Store):
         """The value in one writable buffer, so arrays and tensors decode without copies."""
         path = self._path(key)
         try:
-            if self._object_store:  # one GET; readinto would add a HEAD and still copy
-                return bytearray(self.fs.cat_file(path))
+            if self._object_store:
+                return self._read_ranges(path)
             with self.fs.open(path, "rb") as f:
                 size = getattr(f, "size", None)
                 if not isinstance(size, int):
@@ -122,6 +127,24 @@ class FsspecStore(Store):
         except (FileNotFoundError, IsADirectoryError):
             return None
         return out if pos == len(out) else out[:pos]
+
+    def _read_ranges(self, path: str) -> bytearray:
+        """An object in one preallocated buffer, by ranged GETs of ``_STEP`` bytes.
+
+        A whole-object GET holds the body two or three times over while it is
+        joined and copied; this holds one buffer plus one range.  A small object
+        still costs one request.
+        """
+        first = self.fs.cat_file(path, start=0, end=_STEP)
+        if len(first) < _STEP:
+            return bytearray(first)
+        out = bytearray(self.fs.size(path))
+        out[:_STEP] = first
+        del first
+        for start in range(_STEP, len(out), _STEP):
+            piece = self.fs.cat_file(path, start=start, end=min(start + _STEP, len(out)))
+            out[start : start + len(piece)] = piece
+        return out
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         try:

@@ -23,6 +23,7 @@ from .base import Buffer, Store
 __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 
 _TMP = ".tmp-"
+_ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
 _MMAP_MIN = 1 << 20
 _IOV_MAX = 1024
 _SHM_MIN_FREE = 4 << 30
@@ -92,13 +93,15 @@ class FileStore(Store):
         if path.exists():
             return False
         tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
-        for attempt in range(3):
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for attempt in range(_ATTEMPTS):
             try:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 break
-            except FileNotFoundError:  # a delete pruned the empty directory in between
-                if attempt == 2:
+            except (FileNotFoundError, FileExistsError):
+                # a concurrent delete pruned a directory that was empty a moment ago;
+                # each prune needs an empty directory, so retrying makes progress
+                if attempt == _ATTEMPTS - 1:
                     raise
         try:
             try:
