@@ -300,17 +300,29 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_demo)
 
     p = sub.add_parser("bench", help="gatherstore's stores against the usual tools")
-    p.add_argument("--sizes", type=_argtype(_sizes), default=_sizes("256MB,1GB"))
+    p.add_argument(
+        "--sizes", type=_argtype(_sizes), default=_sizes("256MB,1GB"), help="totals (256MB,1GB)"
+    )
     p.add_argument("--world", type=_argtype(_ints), default=[2, 4], help="world sizes (2,4)")
     p.add_argument("--repeats", type=_argtype(_positive_int), default=3, help="median of (3)")
     p.add_argument("--cases", type=_names, help="glob patterns of case names, e.g. 'gs.*'")
-    p.add_argument("--payloads", type=_argtype(_payloads), default=list(KINDS))
+    p.add_argument(
+        "--payloads",
+        type=_argtype(_payloads),
+        default=list(KINDS),
+        help=f"payload kinds ({','.join(KINDS)})",
+    )
     p.add_argument("--redis", help="redis:// URL ($GATHERSTORE_TEST_REDIS_URL)")
     p.add_argument("--s3", metavar="ENDPOINT", help="S3 endpoint ($GATHERSTORE_TEST_S3_ENDPOINT)")
     p.add_argument("--services", action="store_true", help="start redis and S3 locally")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="JSON lines (stdout)")
     p.add_argument("--plot", metavar="PATH", help="PNG chart (needs matplotlib)")
-    p.add_argument("--ceiling-size", type=_argtype(parse_size), default=1 << 30)
+    p.add_argument(
+        "--ceiling-size",
+        type=_argtype(parse_size),
+        default=1 << 30,
+        help="bytes moved to measure memcpy and /dev/shm (1GB)",
+    )
     p.add_argument("--timeout", type=_argtype(_seconds), default=900.0, help="per collective")
     p.set_defaults(handler=_bench)
 
