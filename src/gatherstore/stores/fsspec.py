@@ -20,6 +20,7 @@ __all__ = ["FsspecStore"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
 _CREATE_ONLY = {"s3", "s3a"}
+_ABSENT = (FileNotFoundError, IsADirectoryError)  # no value at a key
 _STEP = 16 << 20  # bytes per write/ranged read of a large value
 
 
@@ -124,7 +125,7 @@ class FsspecStore(Store):
                     if not n:
                         break
                     pos += n
-        except (FileNotFoundError, IsADirectoryError):
+        except _ABSENT:
             return None
         return out if pos == len(out) else out[:pos]
 
@@ -149,7 +150,7 @@ class FsspecStore(Store):
     def _read_head(self, key: str, size: int) -> Buffer | None:
         try:
             head: bytes = self.fs.cat_file(self._path(key), start=0, end=size)
-        except (FileNotFoundError, IsADirectoryError):
+        except _ABSENT:
             return None
         return head
 

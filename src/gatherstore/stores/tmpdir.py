@@ -23,6 +23,7 @@ from .base import Buffer, Store
 __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 
 _TMP = ".tmp-"
+_ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
 _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
 _MMAP_MIN = 1 << 20
 _IOV_MAX = 1024
@@ -119,7 +120,7 @@ class FileStore(Store):
     def _read(self, key: str) -> Buffer | None:
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        except _ABSENT:
             return None
         try:
             size = os.fstat(fd).st_size
@@ -136,7 +137,7 @@ class FileStore(Store):
         try:
             with open(self._path(key), "rb") as f:
                 return f.read(size)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        except _ABSENT:
             return None
 
     def _exists(self, key: str) -> bool:
