@@ -14,16 +14,16 @@ import pytest
 import torch
 
 import gatherstore as gs
-from gatherstore.bench import baselines, payloads, report, runner
-from gatherstore.bench.cases import BASELINE, Case, select
-from gatherstore.bench.measure import PeakMemory
+from gatherstore._bench import baselines, payloads, report, runner
+from gatherstore._bench.cases import BASELINE, Case, select
+from gatherstore._bench.measure import PeakMemory
 
 GS_CASES = ["gs.collective", "gs.tmpdir-shm", "gs.iter-tmpdir-shm", "gs.tmpdir-disk", "gs.file"]
 ALL_CASES = [BASELINE, "torch.gather_object", "mmengine.collect_results_cpu", *GS_CASES]
 
 
 def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "gatherstore.cli", "bench", "--sizes", "4MB", "--world", "2"]
+    command = [sys.executable, "-m", "gatherstore._cli", "bench", "--sizes", "4MB", "--world", "2"]
     command += ["--repeats", "1", "--ceiling-size", "16MB", *args]
     # no services: the expected cases are those that need none
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATHERSTORE_")}

@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 
 import gatherstore as gs
-from gatherstore import cli
-from gatherstore.bench.measure import format_bytes, parse_size
-from gatherstore.gc import parse_duration
-from gatherstore.objects import AUTO_THRESHOLD
-from gatherstore.session import MARKER
-from gatherstore.stores.tmpdir import FileStore
+from gatherstore import _cli as cli
+from gatherstore._bench.measure import format_bytes, parse_size
+from gatherstore._cleanup import parse_duration
+from gatherstore._objects import AUTO_THRESHOLD
+from gatherstore._session import MARKER
+from gatherstore.stores.file import FileStore
 
 OLD = 7200.0  # seconds: older than the --older-than 1h used below
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gatherstore.cli", *args],
+        [sys.executable, "-m", "gatherstore._cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -166,7 +166,7 @@ def test_check_on_every_rank_under_torchrun() -> None:
     # --standalone: torchrun binds a free port itself
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     result = subprocess.run(
-        [*torchrun, "2", "-m", "gatherstore.cli", "check", "--store", "tmpdir"],
+        [*torchrun, "2", "-m", "gatherstore._cli", "check", "--store", "tmpdir"],
         capture_output=True,
         text=True,
         timeout=110,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gatherstore as gs
-from gatherstore import objects
+from gatherstore import _objects as objects
 
 SPECS = ["auto", "collective", "tmpdir", "file"]
 
@@ -256,8 +256,8 @@ def test_peak_memory_of_a_4_by_100mb_gather() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_single_part_over_4_gib(tmp_path: Path) -> None:
-    from gatherstore import serialize
-    from gatherstore.stores.tmpdir import FileStore
+    from gatherstore import _serialize as serialize
+    from gatherstore.stores.file import FileStore
 
     n = (4 << 30) // 8 + 1024
     big = np.arange(n, dtype=np.int64)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
 import gatherstore as gs
 
 PUBLIC = {
@@ -65,6 +70,41 @@ def test_all_is_pinned() -> None:
 def test_every_name_resolves() -> None:
     for name in gs.__all__:
         assert getattr(gs, name) is not None
+
+
+#: Public subpackages, imported by path (``gatherstore.stores.file``, ...).
+SUBPACKAGES = {"stores", "testing", "compat"}
+
+
+def test_no_stray_public_name() -> None:
+    for name in gs.__all__:
+        getattr(gs, name)  # load every lazy name first
+    public = {name for name in vars(gs) if not name.startswith("_")}
+    assert public - SUBPACKAGES == set(gs.__all__) - {"__version__"}
+    assert set(dir(gs)) >= set(gs.__all__)
+
+
+def test_exported_classes_report_the_package() -> None:
+    for name in gs.__all__:
+        value = getattr(gs, name)
+        if isinstance(value, type):
+            assert value.__module__ == "gatherstore", name
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, gatherstore; "
+        "heavy = [m for m in ('torch', 'tqdm', 'matplotlib', 'gatherstore._cli', "
+        "'gatherstore._bench', 'gatherstore.testing', 'redis', 'fsspec') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        gs.no_such_thing  # noqa: B018
 
 
 def test_errors_subclass_the_root_and_a_builtin() -> None:

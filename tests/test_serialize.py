@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
-from gatherstore import serialize
-from gatherstore.records import MIN_RUN
-from gatherstore.stores.tmpdir import FileStore
+from gatherstore import _serialize as serialize
+from gatherstore._records import MIN_RUN
+from gatherstore.stores.file import FileStore
 
 
 def round_trip(obj: Any, key: bytes | None = None) -> Any:

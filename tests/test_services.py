@@ -1,4 +1,4 @@
-"""The real services of gatherstore.services, the pytest plugin and docker-compose.yml."""
+"""The real services of gatherstore.testing.services, the pytest plugin and docker-compose.yml."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gatherstore import services
+from gatherstore.testing import services
 
 pytest_plugins = ["pytester"]
 
@@ -138,7 +138,7 @@ def test_main_prints_the_url_and_stops_on_sigterm() -> None:
     _require(_has_redis(), "redis-server is not installed")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
     with subprocess.Popen(
-        [sys.executable, "-m", "gatherstore.services", "redis"],
+        [sys.executable, "-m", "gatherstore.testing.services", "redis"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -222,7 +222,7 @@ def test_plugin_uses_running_services(
     monkeypatch.setenv("GATHERSTORE_TEST_S3_ENDPOINT", "http://example.invalid:8333")
     monkeypatch.setenv("GATHERSTORE_TEST_S3_SECRET", "s3cret")
     monkeypatch.delenv("GATHERSTORE_TEST_S3_KEY", raising=False)
-    pytester.makeconftest("from gatherstore.pytest_plugin import *")
+    pytester.makeconftest("from gatherstore.testing.plugin import *")
     pytester.makepyfile(_PLUGIN_TESTS)
     pytester.runpytest_inprocess("-p", "no:gatherstore").assert_outcomes(passed=2)
 
@@ -235,7 +235,7 @@ def test_plugin_skips_unavailable_service_but_fails_in_ci(
     monkeypatch.delenv("GATHERSTORE_TEST_REDIS_URL", raising=False)
     monkeypatch.setenv("CI", ci)
     monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
-    pytester.makeconftest("from gatherstore.pytest_plugin import *")
+    pytester.makeconftest("from gatherstore.testing.plugin import *")
     pytester.makepyfile("def test_redis(gatherstore_redis_url):\n    pass\n")
     result = pytester.runpytest_inprocess("-p", "no:gatherstore", "-rs")
     if ci:
@@ -248,7 +248,7 @@ def test_plugin_skips_unavailable_service_but_fails_in_ci(
 
 @pytest.mark.timeout(120)
 def test_plugin_runs_gloo_processes(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest("from gatherstore.pytest_plugin import *")
+    pytester.makeconftest("from gatherstore.testing.plugin import *")
     pytester.makepyfile(
         """
         import gatherstore

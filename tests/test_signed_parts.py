@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import gatherstore as gs
-from gatherstore import serialize
+from gatherstore import _serialize as serialize
 from gatherstore.stores.base import Buffer, Store
+from gatherstore.stores.file import FileStore
 from gatherstore.stores.redis import RedisStore
-from gatherstore.stores.tmpdir import FileStore
 
 KEY = os.urandom(32)
 _unpickled: list[str] = []

@@ -11,8 +11,8 @@ import fsspec
 import pytest
 
 from gatherstore.stores.base import Store
+from gatherstore.stores.file import FileStore, TmpdirStore
 from gatherstore.stores.fsspec import FsspecStore
-from gatherstore.stores.tmpdir import FileStore, TmpdirStore
 from gatherstore.testing import StoreTests
 
 

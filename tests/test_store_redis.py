@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from _jobs import check_object_collectives, object_collectives_job
 
 import gatherstore as gs
-from gatherstore import services
 from gatherstore.stores.base import Store
 from gatherstore.stores.redis import RedisStore
-from gatherstore.testing import StoreTests, check_object_collectives, object_collectives_job
+from gatherstore.testing import StoreTests, services
 
 PASSWORD = "s3cr3t-redis-pw"
 

@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _jobs import check_object_collectives, object_collectives_job
 
 import gatherstore as gs
-from gatherstore.bench.measure import PeakMemory
-from gatherstore.pytest_plugin import S3Endpoint
+from gatherstore._bench.measure import PeakMemory
 from gatherstore.stores.base import Store
 from gatherstore.stores.fsspec import FsspecStore
-from gatherstore.testing import StoreTests, check_object_collectives, object_collectives_job
+from gatherstore.testing import StoreTests
+from gatherstore.testing.plugin import S3Endpoint
 
 s3fs = pytest.importorskip("s3fs")
 botocore_session = pytest.importorskip("botocore.session")

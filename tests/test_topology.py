@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 import gatherstore as gs
-from gatherstore.launch import expand_nodelist, free_port
+from gatherstore._launch import expand_nodelist, free_port
 
 DESCRIBE_KEYS = {
     "rank",
@@ -387,7 +387,7 @@ def test_init_from_env_under_slurm(tmp_path: Path) -> None:
 
 
 def test_slurm_local_size_from_tasks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gatherstore.topology import _slurm_local_size
+    from gatherstore._topology import _slurm_local_size
 
     monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),1")

@@ -1,17 +1,19 @@
-"""gatherstore: gather large Python objects across PyTorch ranks through a pluggable store."""
+"""gatherstore: gather large Python objects across PyTorch ranks through a pluggable store.
 
-from .collectives import (
-    all_gather_tensor,
-    all_reduce,
-    all_reduce_dict,
-    barrier,
-    broadcast_tensor,
-    one_rank_only,
-    rank_zero_only,
-    reduce_dict,
-    shared_random_seed,
-)
-from .errors import (
+The public API lives here and only here; the implementation modules are
+private (``_objects``, ``_launch``, ...).  Names load on first use, so that
+``import gatherstore`` costs milliseconds and does not import torch until a
+function needs it.  ``gatherstore.stores`` (the Store base class and registry),
+``gatherstore.testing`` (the conformance suite and pytest plugin, with the
+``testing`` extra) and ``gatherstore.compat`` (drop-in modules) are public
+subpackages.
+"""
+
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
+from ._errors import (
     GatherError,
     GatherTimeout,
     InsufficientMemoryError,
@@ -21,26 +23,81 @@ from .errors import (
     StoreNotSharedError,
     StoreUnavailableError,
 )
-from .launch import init_from_env, launch, shutdown
-from .objects import all_gather_object, broadcast_object, gather_iter, gather_object
-from .results import collect_results
-from .stores import Store, open_store, register_store, set_default_store
-from .topology import (
-    backend,
-    describe,
-    device,
-    get_local_rank,
-    get_local_size,
-    get_nnodes,
-    get_node_rank,
-    get_rank,
-    get_world_size,
-    gpu_mem_usage,
-    is_distributed,
-    is_main_process,
-)
+from .stores.base import Store
+
+if _TYPE_CHECKING:
+    from ._collectives import (
+        all_gather_tensor,
+        all_reduce,
+        all_reduce_dict,
+        barrier,
+        broadcast_tensor,
+        one_rank_only,
+        rank_zero_only,
+        reduce_dict,
+        shared_random_seed,
+    )
+    from ._launch import init_from_env, launch, shutdown
+    from ._objects import all_gather_object, broadcast_object, gather_iter, gather_object
+    from ._results import collect_results
+    from ._topology import (
+        backend,
+        describe,
+        device,
+        get_local_rank,
+        get_local_size,
+        get_nnodes,
+        get_node_rank,
+        get_rank,
+        get_world_size,
+        gpu_mem_usage,
+        is_distributed,
+        is_main_process,
+    )
+    from .stores.registry import open_store, register_store, set_default_store
 
 __version__ = "0.1.0"
+
+#: Where each lazily loaded public name is defined.
+_LAZY = {
+    **dict.fromkeys(
+        [
+            "all_gather_tensor",
+            "all_reduce",
+            "all_reduce_dict",
+            "barrier",
+            "broadcast_tensor",
+            "one_rank_only",
+            "rank_zero_only",
+            "reduce_dict",
+            "shared_random_seed",
+        ],
+        "._collectives",
+    ),
+    **dict.fromkeys(["init_from_env", "launch", "shutdown"], "._launch"),
+    **dict.fromkeys(
+        ["all_gather_object", "broadcast_object", "gather_iter", "gather_object"], "._objects"
+    ),
+    "collect_results": "._results",
+    **dict.fromkeys(
+        [
+            "backend",
+            "describe",
+            "device",
+            "get_local_rank",
+            "get_local_size",
+            "get_nnodes",
+            "get_node_rank",
+            "get_rank",
+            "get_world_size",
+            "gpu_mem_usage",
+            "is_distributed",
+            "is_main_process",
+        ],
+        "._topology",
+    ),
+    **dict.fromkeys(["open_store", "register_store", "set_default_store"], ".stores.registry"),
+}
 
 __all__ = [
     "GatherError",
@@ -49,8 +106,8 @@ __all__ = [
     "IntegrityError",
     "MismatchError",
     "RemoteRankError",
-    "StoreNotSharedError",
     "Store",
+    "StoreNotSharedError",
     "StoreUnavailableError",
     "__version__",
     "all_gather_object",
@@ -86,3 +143,30 @@ __all__ = [
     "shared_random_seed",
     "shutdown",
 ]
+
+for _cls in (
+    GatherError,
+    GatherTimeout,
+    InsufficientMemoryError,
+    IntegrityError,
+    MismatchError,
+    RemoteRankError,
+    Store,
+    StoreNotSharedError,
+    StoreUnavailableError,
+):
+    _cls.__module__ = __name__
+del _cls
+
+
+def __getattr__(name: str) -> _Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gatherstore' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

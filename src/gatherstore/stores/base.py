@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from ..errors import GatherError, GatherTimeout, StoreUnavailableError
+from .._errors import GatherError, GatherTimeout, StoreUnavailableError
 
 __all__ = ["Buffer", "KeyExistsError", "Store", "hide_password"]
 
@@ -167,7 +167,7 @@ class Store(ABC):
     def sign_parts(self, value: bool) -> None:
         self.__dict__["_sign"] = value
 
-    # --- job hooks (see gatherstore.session) ----------------------------------------
+    # --- job hooks (see gatherstore._session) ----------------------------------------
     def prepare_job(self, job_id: str) -> str:
         """On rank 0, at a job's first use: create what the job needs; return a locator."""
         return f"gatherstore/{job_id}/"
@@ -271,7 +271,7 @@ class Store(ABC):
         return kind, total, count, body
 
     def _corrupt(self, key: str, why: str) -> GatherError:
-        from ..errors import IntegrityError
+        from .._errors import IntegrityError
 
         return IntegrityError(f"value {key!r} in store {self} is {why}", key=key)
 

@@ -27,8 +27,8 @@ __all__ = [
 ROUTES = ("auto", "collective")
 
 _registry: dict[str, str | type[Store]] = {
-    "tmpdir": "gatherstore.stores.tmpdir:TmpdirStore",
-    "file": "gatherstore.stores.tmpdir:FileStore",
+    "tmpdir": "gatherstore.stores.file:TmpdirStore",
+    "file": "gatherstore.stores.file:FileStore",
     "redis": "gatherstore.stores.redis:RedisStore",
     "rediss": "gatherstore.stores.redis:RedisStore",
     "unix": "gatherstore.stores.redis:RedisStore",

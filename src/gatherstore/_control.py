@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .config import DEFAULT_TIMEOUT
-from .errors import GatherError, GatherTimeout, MismatchError, RemoteRankError
+from ._config import DEFAULT_TIMEOUT
+from ._errors import GatherError, GatherTimeout, MismatchError, RemoteRankError
 
 __all__ = ["control_group", "exchange", "is_initialized", "reset"]
 

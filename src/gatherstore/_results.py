@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from .config import Timeout
-from .objects import gather_prepared
+from ._config import Timeout
+from ._objects import gather_prepared
+from ._topology import is_distributed
 from .stores.base import Store
-from .topology import is_distributed
 
 __all__ = ["collect_results"]
 

@@ -1,6 +1,6 @@
 """Real Redis and S3 (SeaweedFS) servers on free loopback ports, for tests, CI and users.
 
-``python -m gatherstore.services redis|s3`` starts one, prints its URL on one line and
+``python -m gatherstore.testing.services redis|s3`` starts one, prints its URL on one line and
 runs until SIGTERM or SIGINT.
 """
 
@@ -323,10 +323,10 @@ def start_s3(*, workdir: str | None = None) -> S3Service:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gatherstore.services redis|s3``."""
+    """``python -m gatherstore.testing.services redis|s3``."""
     args = sys.argv[1:] if argv is None else argv
     if args not in (["redis"], ["s3"]):
-        print("usage: python -m gatherstore.services redis|s3", file=sys.stderr)
+        print("usage: python -m gatherstore.testing.services redis|s3", file=sys.stderr)
         return 2
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

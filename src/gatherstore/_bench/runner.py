@@ -14,9 +14,10 @@ from typing import Any
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import objects, topology
-from ..errors import GatherError, RemoteRankError
-from ..launch import launch
+from .. import _objects as objects
+from .. import _topology as topology
+from .._errors import GatherError, RemoteRankError
+from .._launch import launch
 from ..stores.registry import ROUTES, open_store
 from . import baselines, payloads
 from .cases import BASELINE, Case

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import control
-from .config import DEFAULT_TIMEOUT
+from . import _control as control
+from ._config import DEFAULT_TIMEOUT
 
 __all__ = [
     "backend",

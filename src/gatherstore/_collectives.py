@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import control, topology
-from .config import Timeout, to_seconds
-from .errors import MismatchError, RemoteRankError
+from . import _control as control
+from . import _topology as topology
+from ._config import Timeout, to_seconds
+from ._errors import MismatchError, RemoteRankError
 
 __all__ = [
     "all_gather_tensor",

@@ -58,7 +58,7 @@ def _local(workdir: Path) -> list[Case]:
 
 
 def _s3_options(endpoint: str) -> dict[str, Any]:
-    from ..services import S3_KEY, S3_SECRET
+    from ..testing.services import S3_KEY, S3_SECRET
 
     return {
         "key": os.environ.get("GATHERSTORE_TEST_S3_KEY", S3_KEY),
@@ -97,7 +97,7 @@ def _remote(
 
 def _start_services(stack: contextlib.ExitStack, notes: list[str]) -> tuple[str | None, str | None]:
     """Start redis-server and SeaweedFS on loopback (stopped when ``stack`` closes)."""
-    from ..services import start_redis, start_s3
+    from ..testing.services import start_redis, start_s3
 
     urls: list[str | None] = []
     for name, start in (("redis", start_redis), ("s3", start_s3)):

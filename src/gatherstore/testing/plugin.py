@@ -6,7 +6,7 @@ installed; it imports nothing heavy until a fixture runs. Disable it with
 
 Fixtures:
     gatherstore_redis_url (session): ``GATHERSTORE_TEST_REDIS_URL``, else a throwaway
-        ``redis-server`` (``gatherstore.services.start_redis``).
+        ``redis-server`` (``gatherstore.testing.services.start_redis``).
     gatherstore_s3 (session): an :class:`S3Endpoint` for ``GATHERSTORE_TEST_S3_ENDPOINT``
         (``GATHERSTORE_TEST_S3_KEY`` / ``_SECRET``), else a throwaway SeaweedFS.
     gatherstore_run (function): ``run(fn, nproc=2, *args, timeout=60, **kwargs)`` runs
@@ -60,7 +60,7 @@ def gatherstore_redis_url() -> Iterator[str]:
     if url:
         yield url
         return
-    from gatherstore.services import start_redis
+    from gatherstore.testing.services import start_redis
 
     try:
         service = start_redis()
@@ -73,7 +73,7 @@ def gatherstore_redis_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def gatherstore_s3() -> Iterator[S3Endpoint]:
     """A real S3-compatible endpoint (SigV4 credentials included) for the whole session."""
-    from gatherstore.services import S3_KEY, S3_SECRET, start_s3
+    from gatherstore.testing.services import S3_KEY, S3_SECRET, start_s3
 
     endpoint = os.environ.get("GATHERSTORE_TEST_S3_ENDPOINT")
     if endpoint:

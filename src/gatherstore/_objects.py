@@ -25,15 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import control, serialize, topology
-from .config import Timeout, to_seconds
-from .errors import (
+from . import _control as control
+from . import _serialize as serialize
+from . import _topology as topology
+from ._config import Timeout, to_seconds
+from ._errors import (
     GatherError,
     InsufficientMemoryError,
     RemoteRankError,
     StoreUnavailableError,
 )
-from .session import JobSession, session_for
+from ._session import JobSession, session_for
 from .stores.base import Store
 from .stores.registry import default_store, open_store
 

@@ -2,7 +2,7 @@
 
 A part is ``header | digest | region table | pickle stream | regions``.  The
 regions are pickle's out-of-band buffers (numpy arrays, CPU tensors) and the
-columns of record batches (see :mod:`gatherstore.records`): written straight
+columns of record batches (see :mod:`gatherstore._records`): written straight
 from their memory with vectored writes, and on read rebuilt as views of the
 part's buffer (a memory map for files).  CUDA tensors are copied to CPU memory
 first, so objects never grow GPU memory; tensors that require grad are
@@ -27,8 +27,8 @@ import cloudpickle
 import numpy as np
 import torch
 
-from . import records
-from .errors import IntegrityError
+from . import _records as records
+from ._errors import IntegrityError
 
 __all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "encode", "load", "verify"]
 

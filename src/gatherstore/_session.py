@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import control
-from .errors import RemoteRankError, StoreNotSharedError, StoreUnavailableError
+from . import _control as control
+from ._errors import RemoteRankError, StoreNotSharedError, StoreUnavailableError
 from .stores.base import Store
 
 __all__ = ["MARKER", "JobSession", "end_sessions", "has_sessions", "session_for"]

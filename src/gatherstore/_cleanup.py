@@ -1,6 +1,6 @@
 """``gatherstore gc``: remove the job areas that crashed jobs left in a store.
 
-A job area is what :mod:`gatherstore.session` creates at a store's first use:
+A job area is what :mod:`gatherstore._session` creates at a store's first use:
 on tmpdir/file stores a directory ``gatherstore-<job>-*`` under the base
 directory, on key stores the prefix ``gatherstore/<job>/``; each holds a
 ``marker`` value, JSON with the job id and its creation time.  Only areas
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .session import MARKER
+from ._session import MARKER
 from .stores.base import Store
-from .stores.tmpdir import FileStore
+from .stores.file import FileStore
 
 __all__ = ["Leftover", "collect", "find", "parse_duration"]
 

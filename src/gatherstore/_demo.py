@@ -2,7 +2,7 @@
 
 Each of N local processes holds the detector-like predictions of a
 DistributedSampler split (rank r: images r, r+N, ...; see
-:mod:`gatherstore.bench.payloads`) and sends a CRC-32 per prediction ahead
+:mod:`gatherstore._bench.payloads`) and sends a CRC-32 per prediction ahead
 over the process group.  Rank 0 gathers everything in dataset order with
 :func:`gatherstore.collect_results` (or, with ``stream``, part by part with
 :func:`gatherstore.gather_iter` behind a progress bar) and verifies the count,
@@ -20,14 +20,16 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from . import objects, results, topology
-from .bench import payloads
-from .bench.measure import PeakMemory, format_bytes
-from .collectives import barrier
-from .errors import IntegrityError
-from .launch import launch
+from . import _objects as objects
+from . import _results as results
+from . import _topology as topology
+from ._bench import payloads
+from ._bench.measure import PeakMemory, format_bytes
+from ._collectives import barrier
+from ._errors import IntegrityError
+from ._launch import launch
+from .stores.file import FileStore
 from .stores.registry import ROUTES, open_store
-from .stores.tmpdir import FileStore
 
 __all__ = ["DemoConfig", "describe_store", "run"]
 

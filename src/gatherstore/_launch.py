@@ -18,9 +18,11 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import control, session, topology
-from .config import Timeout, to_seconds
-from .errors import GatherError, RemoteRankError
+from . import _control as control
+from . import _session as session
+from . import _topology as topology
+from ._config import Timeout, to_seconds
+from ._errors import GatherError, RemoteRankError
 
 __all__ = ["free_port", "init_from_env", "launch", "shutdown"]
 

@@ -20,15 +20,18 @@ from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from typing import Any
 
-from . import bench, demo, objects, topology
-from .bench.measure import format_bytes, parse_size
-from .bench.payloads import KINDS
-from .errors import GatherError, IntegrityError, RemoteRankError, StoreUnavailableError
-from .gc import collect, parse_duration
-from .launch import init_from_env, launch, shutdown
-from .session import MARKER
+from . import _bench as bench
+from . import _demo as demo
+from . import _objects as objects
+from . import _topology as topology
+from ._bench.measure import format_bytes, parse_size
+from ._bench.payloads import KINDS
+from ._cleanup import collect, parse_duration
+from ._errors import GatherError, IntegrityError, RemoteRankError, StoreUnavailableError
+from ._launch import init_from_env, launch, shutdown
+from ._session import MARKER
+from .stores.file import FileStore, default_tmpdir_base
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
-from .stores.tmpdir import FileStore, default_tmpdir_base
 
 __all__ = ["main"]
 
