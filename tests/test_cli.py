@@ -105,6 +105,14 @@ def test_demo_small() -> None:
     assert "rank 0 +" in result.stdout and "rank 1 +" in result.stdout
 
 
+@pytest.mark.timeout(180)
+def test_demo_compare_runs_all_gather_object_on_the_same_payload() -> None:
+    result = run_cli("demo", "--size", "4MB", "--nproc", "2", "--compare")
+    assert result.returncode == 0, result.stderr
+    assert "torch.distributed.all_gather_object, same predictions, same run:" in result.stdout
+    assert "its peak memory growth: rank 0 +" in result.stdout
+
+
 @pytest.mark.timeout(120)
 def test_demo_streamed_through_a_file_store(tmp_path: Path) -> None:
     result = run_cli(

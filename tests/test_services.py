@@ -98,10 +98,11 @@ def test_s3_bucket_roundtrip_then_stop(tmp_path: Path) -> None:
     service = services.start_s3(workdir=str(tmp_path))
     with service:
         assert service.storage_options == {
-            "key": "gatherstore",
-            "secret": "gatherstore-secret",
+            "key": service.key,
+            "secret": service.secret,
             "client_kwargs": {"endpoint_url": service.endpoint_url},
         }
+        assert len(service.secret) >= 24, "fresh random credentials, none hard-coded"
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **service.storage_options)
         fs.mkdir("gatherstore-test")
         payload = os.urandom(3 << 20)
@@ -178,7 +179,12 @@ def _compose(compose_file: Path, *args: str) -> subprocess.CompletedProcess[str]
 
 
 @pytest.mark.timeout(120)
-def test_docker_compose_file_is_valid() -> None:
+def test_docker_compose_file_is_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GATHERSTORE_S3_SECRET", raising=False)
+    monkeypatch.setenv("GATHERSTORE_S3_KEY", "me")
+    unset = _compose(ROOT / "docker-compose.yml", "config", "-q")
+    assert unset.returncode != 0 and "GATHERSTORE_S3_SECRET" in unset.stderr
+    monkeypatch.setenv("GATHERSTORE_S3_SECRET", "a-secret-of-mine")
     assert _compose(ROOT / "docker-compose.yml", "config", "-q").returncode == 0
     result = _compose(ROOT / "docker-compose.yml", "config", "--format", "json")
     assert result.returncode == 0, result.stderr
@@ -188,9 +194,8 @@ def test_docker_compose_file_is_valid() -> None:
         "s3": [8333],
     }
     assert all(compose[s]["healthcheck"]["test"] for s in compose)
-    (mount,) = compose["s3"]["volumes"]
-    identity = json.loads(Path(mount["source"]).read_text())
-    assert identity == services._identity_config(services.S3_KEY, services.S3_SECRET)
+    environment = compose["s3"]["environment"]
+    assert (environment["S3_KEY"], environment["S3_SECRET"]) == ("me", "a-secret-of-mine")
 
 
 @pytest.mark.timeout(120)
@@ -202,13 +207,16 @@ def test_broken_compose_file_is_rejected(tmp_path: Path) -> None:
     assert "bogus" in result.stderr
 
 
+#: The README's opt-in line for a user's conftest.py.
+OPT_IN = 'pytest_plugins = ["gatherstore.testing.plugin"]'
+
 _PLUGIN_TESTS = """
 def test_redis(gatherstore_redis_url):
     assert gatherstore_redis_url == "redis://example.invalid:6379/0"
 
 def test_s3(gatherstore_s3):
     assert gatherstore_s3.storage_options == {
-        "key": "gatherstore", "secret": "s3cret",
+        "key": "me", "secret": "s3cret",
         "client_kwargs": {"endpoint_url": "http://example.invalid:8333"},
     }
 """
@@ -221,10 +229,10 @@ def test_plugin_uses_running_services(
     monkeypatch.setenv("GATHERSTORE_TEST_REDIS_URL", "redis://example.invalid:6379/0")
     monkeypatch.setenv("GATHERSTORE_TEST_S3_ENDPOINT", "http://example.invalid:8333")
     monkeypatch.setenv("GATHERSTORE_TEST_S3_SECRET", "s3cret")
-    monkeypatch.delenv("GATHERSTORE_TEST_S3_KEY", raising=False)
-    pytester.makeconftest("from gatherstore.testing.plugin import *")
+    monkeypatch.setenv("GATHERSTORE_TEST_S3_KEY", "me")
+    pytester.makeconftest(OPT_IN)
     pytester.makepyfile(_PLUGIN_TESTS)
-    pytester.runpytest_inprocess("-p", "no:gatherstore").assert_outcomes(passed=2)
+    pytester.runpytest_inprocess().assert_outcomes(passed=2)
 
 
 @pytest.mark.timeout(120)
@@ -235,9 +243,9 @@ def test_plugin_skips_unavailable_service_but_fails_in_ci(
     monkeypatch.delenv("GATHERSTORE_TEST_REDIS_URL", raising=False)
     monkeypatch.setenv("CI", ci)
     monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
-    pytester.makeconftest("from gatherstore.testing.plugin import *")
+    pytester.makeconftest(OPT_IN)
     pytester.makepyfile("def test_redis(gatherstore_redis_url):\n    pass\n")
-    result = pytester.runpytest_inprocess("-p", "no:gatherstore", "-rs")
+    result = pytester.runpytest_inprocess("-rs")
     if ci:
         result.assert_outcomes(errors=1)
         result.stdout.fnmatch_lines(["*redis-server could not start*", "*CI is set*"])
@@ -248,7 +256,7 @@ def test_plugin_skips_unavailable_service_but_fails_in_ci(
 
 @pytest.mark.timeout(120)
 def test_plugin_runs_gloo_processes(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest("from gatherstore.testing.plugin import *")
+    pytester.makeconftest(OPT_IN)
     pytester.makepyfile(
         """
         import gatherstore
@@ -261,4 +269,32 @@ def test_plugin_runs_gloo_processes(pytester: pytest.Pytester) -> None:
             assert results == [20, 22]
         """
     )
-    pytester.runpytest_inprocess("-p", "no:gatherstore").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```python block after ``heading`` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index(heading) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```", start)]
+
+
+@pytest.mark.timeout(180)
+def test_readme_redis_example_runs_verbatim_with_the_opt_in_line(
+    pytester: pytest.Pytester,
+) -> None:
+    _require(_has_redis(), "redis-server is not installed")
+    readme = (ROOT / "README.md").read_text()
+    assert OPT_IN in readme, "the README gives the opt-in line"
+    pytester.makeconftest(OPT_IN)
+    pytester.makepyfile(test_readme_example=_readme_block("## Testing your evaluation"))
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+@pytest.mark.timeout(60)
+def test_the_plugin_is_not_loaded_without_the_opt_in(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_needs_the_plugin(gatherstore_run):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*fixture 'gatherstore_run' not found*"])

@@ -106,7 +106,7 @@ def _payloads(text: str) -> list[str]:
 
 # --- demo ------------------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
-    cfg = demo.DemoConfig(args.nproc, args.size, args.store, args.stream)
+    cfg = demo.DemoConfig(args.nproc, args.size, args.store, args.stream, compare=args.compare)
     demo.run(cfg)
     return 0
 
@@ -299,7 +299,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_argtype(_positive_int), default=4, help="processes (4)")
     p.add_argument("--size", type=_argtype(parse_size), default=64 << 20, help="total (64MB)")
     p.add_argument("--store", type=store, default="tmpdir", help="store URL (tmpdir)")
-    p.add_argument("--stream", action="store_true", help="gather_iter with a progress bar")
+    p.add_argument("--stream", action="store_true", help="gather_iter, verified part by part")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run torch.distributed.all_gather_object on the same predictions",
+    )
     p.set_defaults(handler=_demo)
 
     p = sub.add_parser("bench", help="gatherstore's stores against the usual tools")

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import numpy as np
-from tqdm import tqdm
 
 from . import _objects as objects
 from . import _results as results
 from . import _topology as topology
 from ._bench import payloads
+from ._bench.baselines import torch_all_gather_object
 from ._bench.measure import PeakMemory, format_bytes
 from ._collectives import barrier
 from ._errors import IntegrityError
@@ -43,6 +43,7 @@ class DemoConfig:
     store: str = "tmpdir"
     stream: bool = False
     seed: int = 0
+    compare: bool = False
 
 
 def describe_store(spec: str) -> str:
@@ -77,14 +78,13 @@ def _verify(gathered: list[Any], digests: list[np.ndarray], n_images: int) -> No
 
 
 def _stream(preds: list[Any], cfg: DemoConfig, n_images: int, digests: list[Any] | None) -> None:
-    """gather_iter with a progress bar on rank 0, verifying each part as it arrives."""
+    """gather_iter (progress on rank 0's terminal), verifying each part as it arrives."""
     parts = objects.gather_iter(preds, store=cfg.store)
     if digests is None:
         return
     world = len(digests)
-    bar = tqdm(parts, total=world, desc="gather", unit="part", disable=not sys.stdout.isatty())
     count = 0
-    for rank, part in enumerate(bar):
+    for rank, part in enumerate(parts):
         for k, image in enumerate(part):
             position = rank + k * world
             if position < n_images:  # beyond: the sampler's padding
@@ -112,7 +112,24 @@ def _rank_main(cfg: DemoConfig, n_images: int) -> dict[str, Any]:
     if digests is not None and not cfg.stream:
         assert gathered is not None
         _verify(gathered, digests, n_images)
-    return {"rank": rank, "seconds": seconds, "peak": mem.growth, "images": len(preds)}
+        del gathered
+    out: dict[str, Any] = {"rank": rank, "seconds": seconds, "peak": mem.growth}
+    out["images"] = len(preds)
+    if cfg.compare:
+        out["torch"] = _torch_all_gather_object(preds)
+    return out
+
+
+def _torch_all_gather_object(preds: list[Any]) -> dict[str, float]:
+    """The same predictions through ``torch.distributed.all_gather_object``: seconds, peak."""
+    gc.collect()
+    barrier()
+    with PeakMemory() as mem:
+        start = time.perf_counter()
+        everyone = torch_all_gather_object(preds)
+        seconds = time.perf_counter() - start
+    del everyone
+    return {"seconds": seconds, "peak": mem.growth}
 
 
 def run(cfg: DemoConfig, out: TextIO = sys.stdout) -> None:
@@ -137,3 +154,13 @@ def run(cfg: DemoConfig, out: TextIO = sys.stdout) -> None:
         "verified: count, order (image_id == position), CRC-32 of every prediction\n"
         f"peak memory growth: {peaks}\n"
     )
+    if cfg.compare:
+        theirs = ranks[0]["torch"]["seconds"]
+        torch_peaks = ", ".join(
+            f"rank {r['rank']} +{format_bytes(r['torch']['peak'])}" for r in ranks
+        )
+        out.write(
+            f"torch.distributed.all_gather_object, same predictions, same run: {theirs:.3f} s "
+            f"({theirs / seconds:.1f}x gatherstore's time)\n"
+            f"its peak memory growth: {torch_peaks}\n"
+        )

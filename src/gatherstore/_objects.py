@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,7 @@ from ._errors import (
     RemoteRankError,
     StoreUnavailableError,
 )
+from ._progress import Progress, log_call, wanted
 from ._session import JobSession, session_for
 from .stores.base import Store
 from .stores.registry import default_store, open_store
@@ -114,8 +116,12 @@ def _agree(mine: bytes, *, timeout: float, what: str, error: BaseException | Non
 class _Call:
     """One object collective on this rank: encode, agree, route, move, clean up."""
 
-    def __init__(self, what: str, store: str | Store | None, timeout: Timeout) -> None:
+    def __init__(
+        self, what: str, store: str | Store | None, timeout: Timeout, progress: bool | None = None
+    ) -> None:
+        self.started = time.perf_counter()
         self.what = what
+        self.progress = progress
         self.timeout = to_seconds(timeout)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -144,6 +150,7 @@ class _Call:
             error, mine = exc, _failure(exc)
         statuses = _agree(mine, timeout=self.timeout, what=self.what, error=error)
         sizes = [int(s["size"]) for s in statuses]
+        self.sizes = sizes
         self.total = sum(sizes)
         if self.target == "auto":
             small = self.total <= AUTO_THRESHOLD
@@ -158,6 +165,11 @@ class _Call:
                     "(one part in memory at a time) or gather less per call"
                 )
         return sizes
+
+    def finish(self) -> None:
+        """Log this call's one DEBUG line: route, bytes, seconds."""
+        route = self.target if isinstance(self.target, str) else str(self.target)
+        log_call(self.what, route, self.total, self.started)
 
     # --- the collective route ---------------------------------------------------
     def _packed(self, size: int) -> torch.Tensor:
@@ -232,12 +244,19 @@ def _serial_check(dst: int, what: str) -> None:
 
 
 def all_gather_object(
-    obj: Any, *, store: str | Store | None = None, timeout: Timeout = None
+    obj: Any,
+    *,
+    store: str | Store | None = None,
+    timeout: Timeout = None,
+    progress: bool | None = None,
 ) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank.
 
     This rank's own entry is ``obj`` itself; the others are decoded copies
-    (arrays as views into the part they were read from).
+    (arrays as views into the part they were read from).  ``progress`` shows
+    parts and bytes as they arrive (None: when stderr is a terminal and the
+    gather is long, or as ``GATHERSTORE_PROGRESS=0/1`` says); see also the
+    ``gatherstore`` logger.
 
     Raises:
         RemoteRankError: another rank failed (e.g. its object cannot be pickled).
@@ -246,11 +265,12 @@ def all_gather_object(
     """
     if not topology.is_distributed():
         return [obj]
-    call = _Call("all_gather_object", store, timeout)
+    call = _Call("all_gather_object", store, timeout, progress)
     everyone = list(range(call.world))
     sizes = call.agree(lambda: obj, everyone)
     if call.target == "collective":
         slots = call.collective_all(sizes)
+        call.finish()
         return [
             obj if r == call.rank else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)
         ]
@@ -270,9 +290,16 @@ def all_gather_object(
 
 
 def gather_object(
-    obj: Any, dst: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
+    obj: Any,
+    dst: int = 0,
+    *,
+    store: str | Store | None = None,
+    timeout: Timeout = None,
+    progress: bool | None = None,
 ) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on ``dst``; None on the other ranks.
+
+    ``progress``: as in :func:`all_gather_object`, shown on ``dst``.
 
     Raises:
         InsufficientMemoryError: the parts would not fit in ``dst``'s available
@@ -282,12 +309,17 @@ def gather_object(
     _serial_check(dst, "gather_object")
     if not topology.is_distributed():
         return [obj]
-    parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_object")
+    parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_object", progress=progress)
     return None if parts is None else list(parts)
 
 
 def gather_iter(
-    obj: Any, dst: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
+    obj: Any,
+    dst: int = 0,
+    *,
+    store: str | Store | None = None,
+    timeout: Timeout = None,
+    progress: bool | None = None,
 ) -> Iterator[Any]:
     """Every rank's ``obj`` on ``dst`` as an iterator in rank order, one part in memory at a time.
 
@@ -298,7 +330,9 @@ def gather_iter(
     _serial_check(dst, "gather_iter")
     if not topology.is_distributed():
         return iter([obj])
-    parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_iter", stream=True)
+    parts = gather_prepared(
+        lambda: obj, dst, store, timeout, "gather_iter", stream=True, progress=progress
+    )
     return iter(()) if parts is None else parts
 
 
@@ -309,15 +343,17 @@ def gather_prepared(
     timeout: Timeout,
     what: str,
     stream: bool = False,
+    progress: bool | None = None,
 ) -> Iterator[Any] | None:
     """The gather behind the public calls: ``prepare()`` builds each rank's object,
     and its exceptions are reported to every rank instead of raised alone."""
-    call = _Call(what, store, timeout)
+    call = _Call(what, store, timeout, progress)
     others = [r for r in range(call.world) if r != dst]
     sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst)
     obj = call.own
     if call.target == "collective":
         slots = call.collective_to(dst, sizes)
+        call.finish()
         if slots is None:
             return None
         return iter(
@@ -325,6 +361,7 @@ def gather_prepared(
         )
     session, prefix = call.write(others)
     if call.rank != dst:
+        call.finish()
         return None
     parts = _Parts(call, session, prefix, dst, obj)
     return parts if stream else iter(list(parts))
@@ -356,6 +393,14 @@ class _Parts(Iterator[Any]):
         self.closed = False
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="gatherstore-read")
         self.ahead: dict[int, Future[serialize.Verified]] = {}
+        incoming = sum(call.sizes) - call.sizes[own_rank]
+        self.progress = Progress(
+            call.what,
+            len(self.todo),
+            incoming,
+            # all_gather_object reads on every rank: one bar, on rank 0
+            enabled=(delete or call.rank == 0) and wanted(call.progress, incoming),
+        )
         self._prefetch()
 
     def _prefetch(self) -> None:
@@ -381,7 +426,9 @@ class _Parts(Iterator[Any]):
             future = self.ahead.pop(rank)
             self.todo.remove(rank)
             self._prefetch()
-            return serialize.load(future.result())
+            value = serialize.load(future.result())
+            self.progress.update(self.call.sizes[rank])
+            return value
         except BaseException:
             self.close()
             raise
@@ -395,6 +442,8 @@ class _Parts(Iterator[Any]):
             return
         self.closed = True
         self.next_rank = self.call.world
+        self.progress.close()
+        self.call.finish()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.ahead.clear()
         if self.delete:
@@ -421,6 +470,7 @@ def broadcast_object(
     if call.target == "collective":
         buf = call._packed(sizes[src])
         dist.broadcast(buf, src=src, group=control.control_group())
+        call.finish()
         return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
     session, prefix = call.write([src])
     error: BaseException | None = None
@@ -436,4 +486,5 @@ def broadcast_object(
     finally:
         if call.rank == src:
             session.store.discard(call.key(prefix, src))
+    call.finish()
     return out

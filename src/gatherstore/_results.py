@@ -61,6 +61,7 @@ def collect_results(
     dst: int = 0,
     store: str | Store | None = None,
     timeout: Timeout = None,
+    progress: bool | None = None,
 ) -> list[Any] | None:
     """Gather every rank's ``results`` on ``dst`` in dataset order; None elsewhere.
 
@@ -68,7 +69,9 @@ def collect_results(
     items r, r+W, ...); ``"contiguous"`` concatenates shards in rank order.
     With ``indices`` (one dataset index per result) the results are placed by
     index, duplicates dropped.  ``size`` drops the sampler's padding beyond it.
-    Results that are None are kept.
+    Results that are None are kept.  ``progress`` shows parts and bytes as they
+    arrive on ``dst`` (None: when stderr is a terminal and the gather is long, or
+    as ``GATHERSTORE_PROGRESS=0/1`` says).
 
     Raises:
         ValueError: bad arguments (on every rank), or, with ``indices``, a
@@ -82,7 +85,9 @@ def collect_results(
     if not is_distributed():
         parts = [payload()]
     else:
-        gathered = gather_prepared(payload, dst, store, timeout, "collect_results")
+        gathered = gather_prepared(
+            payload, dst, store, timeout, "collect_results", progress=progress
+        )
         if gathered is None:
             return None
         parts = list(gathered)

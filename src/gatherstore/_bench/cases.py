@@ -7,7 +7,7 @@ import fnmatch
 import os
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,11 +58,14 @@ def _local(workdir: Path) -> list[Case]:
 
 
 def _s3_options(endpoint: str) -> dict[str, Any]:
-    from ..testing.services import S3_KEY, S3_SECRET
+    """s3fs options for ``endpoint``, credentials from ``GATHERSTORE_TEST_S3_KEY``/``_SECRET``.
 
+    Raises:
+        KeyError: the credentials are not set.
+    """
     return {
-        "key": os.environ.get("GATHERSTORE_TEST_S3_KEY", S3_KEY),
-        "secret": os.environ.get("GATHERSTORE_TEST_S3_SECRET", S3_SECRET),
+        "key": os.environ["GATHERSTORE_TEST_S3_KEY"],
+        "secret": os.environ["GATHERSTORE_TEST_S3_SECRET"],
         "client_kwargs": {"endpoint_url": endpoint},
     }
 
@@ -97,13 +100,21 @@ def _remote(
 
 def _start_services(stack: contextlib.ExitStack, notes: list[str]) -> tuple[str | None, str | None]:
     """Start redis-server and SeaweedFS on loopback (stopped when ``stack`` closes)."""
-    from ..testing.services import start_redis, start_s3
+    from ..testing.services import RedisService, S3Service, start_redis, start_s3
 
     urls: list[str | None] = []
-    for name, start in (("redis", start_redis), ("s3", start_s3)):
+    starts: list[tuple[str, Callable[[], RedisService | S3Service]]] = [
+        ("redis", start_redis),
+        ("s3", start_s3),
+    ]
+    for name, start in starts:
         try:
-            service = stack.enter_context(start())
+            service = start()
+            stack.callback(service.stop)
             urls.append(service.url)
+            for variable, value in service.environ.items():  # e.g. the S3 credentials
+                stack.callback(os.environ.pop, variable, None)
+                os.environ[variable] = value
         except (RuntimeError, OSError) as exc:
             notes.append(f"{name} service not started: {str(exc).splitlines()[0]}")
             urls.append(None)

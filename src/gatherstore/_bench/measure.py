@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .._progress import format_bytes
+
 __all__ = ["PeakMemory", "format_bytes", "parse_size"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -21,16 +23,6 @@ def parse_size(text: str) -> int:
     if nbytes <= 0:
         raise ValueError(f"{text!r} is not a size; use e.g. 64MB, 1GB or 4096 (bytes)")
     return nbytes
-
-
-def format_bytes(nbytes: float) -> str:
-    """``nbytes`` with a binary unit, e.g. ``1.5 GiB`` (negative values keep their sign)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def _status(field: str) -> int:

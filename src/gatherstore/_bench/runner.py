@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from tqdm import tqdm
 
 from .. import _objects as objects
 from .. import _topology as topology
@@ -161,6 +160,10 @@ def run_cases(
 
     A case that fails is recorded with its one-line ``error``; the others still run.
     """
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:
+        raise ImportError("gatherstore bench needs tqdm: pip install 'gatherstore[bench]'") from exc
     jobs = list(_jobs(plan, cases))
     records = []
     bar = tqdm(jobs, desc="bench", unit="case", disable=not progress)

@@ -1,12 +1,12 @@
 """gatherstore's pytest plugin: real Redis and S3 services, and a multi-process runner.
 
-Registered under the ``pytest11`` entry point, so it loads wherever gatherstore is
-installed; it imports nothing heavy until a fixture runs. Disable it with
-``-p no:gatherstore``.
+Opt-in (``pip install 'gatherstore[testing]'``): load it with
+``-p gatherstore.testing.plugin`` or ``pytest_plugins = ["gatherstore.testing.plugin"]``
+in a conftest.py.  It imports nothing heavy until a fixture runs.
 
 Fixtures:
     gatherstore_redis_url (session): ``GATHERSTORE_TEST_REDIS_URL``, else a throwaway
-        ``redis-server`` (``gatherstore.testing.services.start_redis``).
+        ``redis-server`` under pytest-redis's executor (``gatherstore.testing.services``).
     gatherstore_s3 (session): an :class:`S3Endpoint` for ``GATHERSTORE_TEST_S3_ENDPOINT``
         (``GATHERSTORE_TEST_S3_KEY`` / ``_SECRET``), else a throwaway SeaweedFS.
     gatherstore_run (function): ``run(fn, nproc=2, *args, timeout=60, **kwargs)`` runs
@@ -73,12 +73,18 @@ def gatherstore_redis_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def gatherstore_s3() -> Iterator[S3Endpoint]:
     """A real S3-compatible endpoint (SigV4 credentials included) for the whole session."""
-    from gatherstore.testing.services import S3_KEY, S3_SECRET, start_s3
+    from gatherstore.testing.services import start_s3
 
     endpoint = os.environ.get("GATHERSTORE_TEST_S3_ENDPOINT")
     if endpoint:
-        key = os.environ.get("GATHERSTORE_TEST_S3_KEY", S3_KEY)
-        yield S3Endpoint(endpoint, key, os.environ.get("GATHERSTORE_TEST_S3_SECRET", S3_SECRET))
+        key, secret = (os.environ.get(f"GATHERSTORE_TEST_S3_{name}") for name in ("KEY", "SECRET"))
+        if not key or not secret:
+            pytest.fail(
+                "GATHERSTORE_TEST_S3_ENDPOINT is set: also export GATHERSTORE_TEST_S3_KEY and "
+                "GATHERSTORE_TEST_S3_SECRET (that endpoint's credentials)",
+                pytrace=False,
+            )
+        yield S3Endpoint(endpoint, key, secret)
         return
     try:
         service = start_s3()

