@@ -272,12 +272,12 @@ def test_plugin_runs_gloo_processes(pytester: pytest.Pytester) -> None:
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
 
 
-def _readme_block(heading: str) -> str:
-    """The first ```python block after ``heading`` in README.md."""
+def _readme_block(heading: str, containing: str) -> str:
+    """The first ```python block after ``heading`` in README.md that holds ``containing``."""
     text = (ROOT / "README.md").read_text()
     after = text[text.index(heading) :]
-    start = after.index("```python\n") + len("```python\n")
-    return after[start : after.index("```", start)]
+    blocks = [block.split("```")[0] for block in after.split("```python\n")[1:]]
+    return next(block for block in blocks if containing in block)
 
 
 @pytest.mark.timeout(180)
@@ -288,7 +288,9 @@ def test_readme_redis_example_runs_verbatim_with_the_opt_in_line(
     readme = (ROOT / "README.md").read_text()
     assert OPT_IN in readme, "the README gives the opt-in line"
     pytester.makeconftest(OPT_IN)
-    pytester.makepyfile(test_readme_example=_readme_block("## Testing your evaluation"))
+    pytester.makepyfile(
+        test_readme_example=_readme_block("## Testing your evaluation", "def test_")
+    )
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 import gatherstore as gs
-from gatherstore._launch import expand_nodelist, free_port
+from gatherstore._launch import expand_nodelist
+from gatherstore.testing.services import free_ports
 
 DESCRIBE_KEYS = {
     "rank",
@@ -190,7 +191,7 @@ def _run_handmade(tmp_path: Path, world: int, env: dict[str, str]) -> list[dict[
     for attempt in range(3):
         try:
             torch_mp.spawn(
-                _handmade_worker, args=(world, free_port(), str(tmp_path), env), nprocs=world
+                _handmade_worker, args=(world, free_ports()[0], str(tmp_path), env), nprocs=world
             )
             break
         except torch_mp.ProcessRaisedException as exc:
@@ -251,7 +252,7 @@ def _run_with_a_free_port(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``command(port)`` until it succeeds or fails for another reason than the port."""
     for attempt in range(3):
-        port = free_port()
+        port = free_ports()[0]
         if port_variable:
             env = {**env, port_variable: str(port)}
         done = subprocess.run(

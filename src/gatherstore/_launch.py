@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import socket
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
@@ -24,16 +23,9 @@ from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
 
-__all__ = ["free_port", "init_from_env", "launch", "shutdown"]
+__all__ = ["init_from_env", "launch", "shutdown"]
 
 _KILL_GRACE = 5.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _pick_backend(requested: str, nproc_per_node: int) -> str:
