@@ -20,7 +20,12 @@ import threading
 import urllib.parse
 from typing import Any
 
-import pytest
+try:
+    import pytest
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "gatherstore.testing needs pytest: pip install 'gatherstore[testing]'"
+    ) from exc
 
 from .._errors import GatherTimeout, IntegrityError
 from ..stores.base import HEADER_SIZE, KeyExistsError, Store
