@@ -337,8 +337,9 @@ def broadcast(
         gs.broadcast_object(_kind(tensor) if is_src else None, src) if safe_mode else _kind(tensor)
     )
     if kind == "tensor":
-        if safe_mode and not is_src:
-            return gs.broadcast_tensor(None, src).to(device())
+        if safe_mode:  # other ranks learn the shape and dtype from src
+            mine = tensor if is_src and isinstance(tensor, torch.Tensor) else None
+            return gs.broadcast_tensor(mine, src).to(device() if mine is None else mine.device)
         assert isinstance(tensor, torch.Tensor)
         on_device = tensor.to(device())
         dist.broadcast(on_device, src=src)
