@@ -1,0 +1,210 @@
+"""``vis4d.common.distributed`` with objects gathered through gatherstore.
+
+Same names, signatures and answers as vis4d's; ``all_gather_object_cpu``,
+``all_gather_object_gpu`` and ``broadcast`` go through gatherstore's routes
+and stores (never GPU memory).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+import gatherstore as gs
+
+from ._common import dir_store
+from ._patching import Patch, patch_module
+
+__all__ = [
+    "all_gather_object_cpu",
+    "all_gather_object_gpu",
+    "all_reduce_dict",
+    "broadcast",
+    "create_tmpdir",
+    "distributed_available",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "is_module_wrapper",
+    "obj2tensor",
+    "pad_to_largest_tensor",
+    "patch",
+    "rank_zero_only",
+    "reduce_mean",
+    "serialize_to_tensor",
+    "synchronize",
+    "tensor2obj",
+]
+
+_CUDA = torch.device("cuda")
+GenericFunc = TypeVar("GenericFunc", bound=Callable[..., Any])
+
+
+def distributed_available() -> bool:
+    """Whether a torch.distributed process group is initialised."""
+    return gs.is_distributed()
+
+
+def get_world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    return gs.get_world_size()
+
+
+def get_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return gs.get_rank()
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (0 without a process group)."""
+    return gs.get_local_rank()
+
+
+def synchronize() -> None:
+    """Barrier among all processes (nothing in a single process)."""
+    gs.barrier()
+
+
+def rank_zero_only(func: GenericFunc) -> GenericFunc:
+    """Run ``func`` on global rank 0 only (None elsewhere)."""
+    return gs.rank_zero_only(func)
+
+
+def is_module_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is wrapped in DataParallel or DistributedDataParallel."""
+    return isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """``src``'s object on every rank, through gatherstore."""
+    return gs.broadcast_object(obj, src)
+
+
+def obj2tensor(pyobj: Any, device: torch.device = _CUDA) -> torch.Tensor:
+    """``pyobj`` pickled into a uint8 tensor on ``device`` (CPU where CUDA is absent)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        device = torch.device("cpu")
+    return torch.frombuffer(bytearray(pickle.dumps(pyobj)), dtype=torch.uint8).to(device)
+
+
+def tensor2obj(tensor: torch.Tensor) -> Any:
+    """The object a uint8 tensor from :func:`obj2tensor` holds."""
+    return pickle.loads(tensor.cpu().numpy().tobytes())
+
+
+def serialize_to_tensor(data: Any) -> torch.Tensor:
+    """``data`` pickled into a uint8 tensor on the process group's device.
+
+    Raises:
+        AssertionError: the backend is neither gloo nor nccl.
+    """
+    name = gs.backend()
+    assert name in (None, "gloo", "nccl"), f"backend {name} is not supported: use gloo or nccl"
+    return obj2tensor(data, torch.device("cuda" if name == "nccl" else "cpu"))
+
+
+def pad_to_largest_tensor(tensor: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Every rank's element count, and ``tensor`` zero-padded to the largest."""
+    local = tensor.numel()
+    sizes = [int(n) for n in gs.all_gather_tensor(torch.tensor([local])).tolist()]
+    largest = max(sizes)
+    if local != largest:
+        padding = torch.zeros(largest - local, dtype=tensor.dtype, device=tensor.device)
+        tensor = torch.cat((tensor, padding), dim=0)
+    return sizes, tensor
+
+
+def create_tmpdir(rank: int, tmpdir: str | None = None, use_system_tmp: bool = True) -> str:
+    """A folder every rank shares: ``tmpdir`` (created), else one rank 0 makes and sends."""
+    if tmpdir is not None:
+        os.makedirs(tmpdir, exist_ok=True)
+        return tmpdir
+    made = None
+    if rank == 0:
+        if use_system_tmp:
+            made = tempfile.mkdtemp()
+        else:
+            os.makedirs(".dist_tmp", exist_ok=True)
+            made = tempfile.mkdtemp(dir=".dist_tmp")
+    return str(gs.broadcast_object(made, 0))
+
+
+def _gather(data: Any, store: str | None, rank_zero_return_only: bool) -> list[Any] | None:
+    if get_world_size() == 1:
+        return [data]
+    if rank_zero_return_only:
+        return gs.gather_object(data, 0, store=store)
+    return gs.all_gather_object(data, store=store)
+
+
+def all_gather_object_cpu(
+    data: Any,
+    tmpdir: str | None = None,
+    rank_zero_return_only: bool = True,
+    use_system_tmp: bool = False,
+) -> list[Any] | None:
+    """Every rank's ``data`` (None off rank 0 with ``rank_zero_return_only``) via a filesystem.
+
+    ``tmpdir`` becomes a ``file://`` store (only gatherstore's own job folder
+    inside it is removed); ``use_system_tmp`` a node-local ``tmpdir`` store;
+    otherwise the default store.
+    """
+    store = dir_store(tmpdir) if tmpdir is not None else ("tmpdir" if use_system_tmp else None)
+    return _gather(data, store, rank_zero_return_only)
+
+
+def all_gather_object_gpu(data: Any, rank_zero_return_only: bool = True) -> list[Any] | None:
+    """Every rank's ``data`` (None off rank 0 with ``rank_zero_return_only``), never via GPU."""
+    return _gather(data, None, rank_zero_return_only)
+
+
+def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of ``tensor`` over ranks, as a new tensor.
+
+    Raises:
+        RuntimeError: an integer tensor (its mean cannot keep the dtype).
+    """
+    if not gs.is_distributed():
+        return tensor
+    if not tensor.is_floating_point():
+        raise RuntimeError(f"reduce_mean of a {tensor.dtype} tensor: use a float tensor")
+    return gs.all_reduce(tensor, "mean")  # type: ignore[no-any-return]
+
+
+def all_reduce_dict(
+    py_dict: dict[str, Any], reduce_op: str = "sum", to_float: bool = True
+) -> dict[str, Any]:
+    """Sum or average every tensor of ``py_dict`` in one collective, in rank 0's key order.
+
+    The key order travels through gatherstore's control plane, not a CUDA
+    tensor, so this works on gloo too.  Tensors keep their shapes and devices.
+    """
+    world = get_world_size()
+    if world == 1:
+        return py_dict
+    keys = gs.broadcast_object(list(py_dict), 0)
+    values = [py_dict[k] for k in keys]
+    flat = torch.cat([v.flatten().float() if to_float else v.flatten() for v in values])
+    flat = gs.all_reduce(flat, "sum")
+    if reduce_op == "mean":
+        flat /= world
+    pieces = torch.split(flat, [v.numel() for v in values])
+    return {
+        k: p.reshape(v.shape).to(v.device) for k, p, v in zip(keys, pieces, values, strict=True)
+    }
+
+
+def patch() -> Patch:
+    """Make the installed ``vis4d.common.distributed`` gather objects through gatherstore.
+
+    Raises:
+        ImportError: vis4d is not installed.
+    """
+    names = ("all_gather_object_cpu", "all_gather_object_gpu", "broadcast")
+    return patch_module("vis4d.common.distributed", "vis4d", {n: globals()[n] for n in names})

@@ -1,0 +1,67 @@
+"""What "the same" means when a compat module is compared with the real library."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def same(a: Any, b: Any, where: str = "value") -> list[str]:
+    """Differences between ``a`` (original) and ``b`` (compat): types, values, key order,
+    tensors' dtype, shape, device and values."""
+    if type(a) is not type(b):
+        return [f"{where}: type {type(a).__name__} != {type(b).__name__}"]
+    if isinstance(a, torch.Tensor):
+        if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+            return [
+                f"{where}: {a.dtype}/{tuple(a.shape)}/{a.device} != {b.dtype}/{b.shape}/{b.device}"
+            ]
+        return [] if torch.equal(a, b) else [f"{where}: {a} != {b}"]
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f"{where}: keys {list(a)} != {list(b)}"]
+        return [d for k in a for d in same(a[k], b[k], f"{where}[{k!r}]")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in same(x, y, f"{where}[{i}]")
+        ]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def outcome(fn: Callable[[], Any]) -> Any:
+    """``fn()``'s value, or ("raised", exception class) when it raises."""
+    try:
+        return fn()
+    except Exception as exc:
+        return ("raised", type(exc))
+
+
+def same_outcome(a: Any, b: Any, where: str) -> list[str]:
+    """As :func:`same`, where a compat exception may subclass the original's."""
+    if isinstance(a, tuple) and a[:1] == ("raised",):
+        if isinstance(b, tuple) and b[:1] == ("raised",) and issubclass(b[1], a[1]):
+            return []
+        return [f"{where}: original raised {a[1].__name__}, compat gave {b!r}"]
+    return same(a, b, where)
+
+
+def signature_differences(original: Any, compat: Any, name: str) -> list[str]:
+    """Parameters' names, kinds, order and defaults; compat may add defaulted ones at the end."""
+    ours = list(inspect.signature(compat).parameters.values())
+    theirs = list(inspect.signature(original).parameters.values())
+    problems = []
+    for i, p in enumerate(theirs):
+        q = ours[i] if i < len(ours) else None
+        if q is None or (p.name, p.kind, p.default) != (q.name, q.kind, q.default):
+            problems.append(f"{name}: parameter {i} {p} != {q}")
+    for q in ours[len(theirs) :]:
+        if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD):
+            problems.append(f"{name}: extra parameter {q} has no default")
+    return problems
