@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from ._session import MARKER
-from .stores.base import Store
+from .stores.base import JOB_AREA, Store, job_directory
 from .stores.file import FileStore
 
 __all__ = ["Leftover", "collect", "find", "parse_duration"]
 
-_JOB_DIR = re.compile(r"gatherstore-([0-9a-f]{16})-.+")
+_JOB_DIR = re.compile(re.escape(job_directory()) + r"([0-9a-f]{16})-.+")
 _JOB_ID = re.compile(r"[0-9a-f]{16}")
-_KEY_ROOT = "gatherstore"
+
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -72,25 +72,25 @@ def _directories(store: FileStore) -> Iterator[Leftover]:
     except FileNotFoundError:
         return
     for path in sorted(children):
-        if not path.name.startswith("gatherstore-") or path.is_symlink() or not path.is_dir():
+        if not path.name.startswith(job_directory()) or path.is_symlink() or not path.is_dir():
             continue
         if path.stat().st_uid != os.getuid():
             continue
         marker = _marker(FileStore(path), MARKER)
         named = _JOB_DIR.fullmatch(path.name)
-        if marker is not None and path.name.startswith(f"gatherstore-{marker.get('job')}-"):
+        if marker is not None and path.name.startswith(job_directory(str(marker.get("job")))):
             yield Leftover(str(path), str(marker["job"]), float(marker["created"]), "marker")
         elif named is not None:
             yield Leftover(str(path), named.group(1), path.stat().st_mtime, "mtime")
 
 
 def _prefixes(store: Store) -> Iterator[Leftover]:
-    jobs = sorted({key.split("/")[1] for key in store.list(f"{_KEY_ROOT}/") if key.count("/") >= 2})
+    jobs = sorted({key.split("/")[1] for key in store.list(f"{JOB_AREA}/") if key.count("/") >= 2})
     for job in jobs:
-        marker = _marker(store, f"{_KEY_ROOT}/{job}/{MARKER}")
+        marker = _marker(store, f"{JOB_AREA}/{job}/{MARKER}")
         if _JOB_ID.fullmatch(job) and marker is not None and marker.get("job") == job:
             yield Leftover(
-                f"{store.url}/{_KEY_ROOT}/{job}/", job, float(marker["created"]), "marker"
+                f"{store.url}/{JOB_AREA}/{job}/", job, float(marker["created"]), "marker"
             )
 
 
@@ -105,8 +105,8 @@ def _remove(store: Store, item: Leftover) -> bool:
     if isinstance(store, FileStore):
         store.end_job(item.where)
         return not Path(item.where).exists()
-    store.delete(f"{_KEY_ROOT}/{item.job}")
-    return not store.list(f"{_KEY_ROOT}/{item.job}/")
+    store.delete(f"{JOB_AREA}/{item.job}")
+    return not store.list(f"{JOB_AREA}/{item.job}/")
 
 
 def collect(

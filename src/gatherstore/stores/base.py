@@ -24,7 +24,15 @@ from typing import Any, ClassVar
 
 from .._errors import GatherError, GatherTimeout, StoreUnavailableError
 
-__all__ = ["Buffer", "KeyExistsError", "Store", "hide_password"]
+__all__ = [
+    "JOB_AREA",
+    "Buffer",
+    "KeyExistsError",
+    "Store",
+    "hide_password",
+    "job_directory",
+    "job_keys",
+]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -33,6 +41,21 @@ _HEADER = struct.Struct("<8sBxxxxxxxQQ")  # magic, kind, total payload, chunk co
 HEADER_SIZE = 64
 _INLINE, _CHUNKED = 0, 1
 CHUNKS = ".chunks"
+
+
+#: Every job area is named after this: ``gatherstore/<job>/`` keys in key-value and
+#: object stores, ``gatherstore-<job>-*`` directories in filesystem stores.
+JOB_AREA = "gatherstore"
+
+
+def job_keys(job_id: str) -> str:
+    """The key prefix of a job's area in a key-value or object store."""
+    return f"{JOB_AREA}/{job_id}/"
+
+
+def job_directory(job_id: str | None = None) -> str:
+    """The name prefix of a job's directory in a filesystem store (of any job's: None)."""
+    return f"{JOB_AREA}-" if job_id is None else f"{JOB_AREA}-{job_id}-"
 
 
 class KeyExistsError(GatherError, FileExistsError):
@@ -170,7 +193,7 @@ class Store(ABC):
     # --- job hooks (see gatherstore._session) ----------------------------------------
     def prepare_job(self, job_id: str) -> str:
         """On rank 0, at a job's first use: create what the job needs; return a locator."""
-        return f"gatherstore/{job_id}/"
+        return job_keys(job_id)
 
     def join_job(self, locator: str) -> Store:
         """On every rank: the store the job uses, given rank 0's locator."""

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .base import Buffer, Store
+from .base import Buffer, Store, job_directory
 
 __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 
@@ -184,7 +184,7 @@ class FileStore(Store):
     def prepare_job(self, job_id: str) -> str:
         with self._mapped("create a job directory"):
             self.root.mkdir(parents=True, exist_ok=True)
-            return tempfile.mkdtemp(prefix=f"gatherstore-{job_id}-", dir=self.root)
+            return tempfile.mkdtemp(prefix=job_directory(job_id), dir=self.root)
 
     def join_job(self, locator: str) -> Store:
         store = FileStore(locator)
@@ -193,7 +193,7 @@ class FileStore(Store):
 
     def end_job(self, locator: str) -> None:
         path = Path(locator)
-        if path.parent == self.root and path.name.startswith("gatherstore-"):
+        if path.parent == self.root and path.name.startswith(job_directory()):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .plugin import S3Endpoint
+
 try:
     import redis
     from mirakuru.exceptions import AlreadyRunning
@@ -312,11 +314,7 @@ class S3Service(_Service):
     @property
     def storage_options(self) -> dict[str, Any]:
         """Keyword arguments for ``s3fs.S3FileSystem`` (fsspec storage options)."""
-        return {
-            "key": self.key,
-            "secret": self.secret,
-            "client_kwargs": {"endpoint_url": self.endpoint_url},
-        }
+        return S3Endpoint(self.endpoint_url, self.key, self.secret).storage_options
 
     @property
     def environ(self) -> dict[str, str]:
