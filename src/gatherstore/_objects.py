@@ -15,6 +15,7 @@ The shape of every call (see DESIGN.md, "How an object gather works"):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import traceback
@@ -32,11 +33,12 @@ from ._config import Timeout, to_seconds
 from ._errors import (
     GatherError,
     InsufficientMemoryError,
+    IntegrityError,
     RemoteRankError,
     StoreUnavailableError,
 )
 from ._session import JobSession, session_for
-from .stores.base import Store
+from .stores.base import Store, deadline
 from .stores.registry import default_store, open_store
 
 __all__ = [
@@ -197,9 +199,9 @@ class _Call:
         wrote = False
         try:
             if self.rank in writers and self.frame is not None:
-                session.store.put(
-                    self.key(prefix, self.rank), self.frame.seal(session.key).segments
-                )
+                with self.deadline():
+                    sealed = self.frame.seal(session.key, self.bind(session, prefix, self.rank))
+                    session.store.put(self.key(prefix, self.rank), sealed.segments)
                 wrote = True
         except Exception as exc:
             error, mine = exc, _failure(exc)
@@ -208,21 +210,47 @@ class _Call:
             _agree(mine, timeout=self.timeout, what=self.what, error=error)
         except BaseException:
             if wrote:
-                session.store.discard(self.key(prefix, self.rank))
+                with self.deadline():
+                    session.store.discard(self.key(prefix, self.rank))
             raise
         return session, prefix
+
+    def deadline(self) -> contextlib.AbstractContextManager[None]:
+        """Bound the store operations inside to this call's timeout."""
+        return deadline(self.timeout)
 
     @staticmethod
     def key(prefix: str, rank: int) -> str:
         return f"{prefix}/{rank}"
 
+    @staticmethod
+    def bind(session: JobSession, prefix: str, rank: int) -> bytes:
+        """What a part is signed together with: its job area, call and rank."""
+        return f"{session.locator}\0{prefix}\0{rank}".encode()
+
     def fetch(self, session: JobSession, prefix: str, rank: int) -> serialize.Verified:
-        """Read and verify one part (checksums release the GIL: this runs ahead in a thread)."""
+        """Read and verify one part (checksums release the GIL: this runs ahead in a thread).
+
+        Raises:
+            IntegrityError: the part is damaged, planted or replayed; names ``rank``.
+            GatherError: the part is gone (deleted, or its TTL ran out).
+        """
         key = self.key(prefix, rank)
-        raw = session.store.get(key)
+        where = f"{session.store} {key}"
+        try:
+            with self.deadline():
+                raw = session.store.get(key)
+        except IntegrityError as exc:
+            raise IntegrityError(
+                f"{self.what}: part of rank {rank}: {exc}", rank=rank, key=where
+            ) from None
         if raw is None:
-            raise GatherError(f"{self.what}: the part of rank {rank} vanished from {session.store}")
-        return serialize.verify(raw, key=session.key, rank=rank, where=f"{session.store} {key}")
+            raise GatherError(
+                f"{self.what}: the part of rank {rank} is gone from {session.store} (deleted, "
+                "or it expired: raise the store's ttl)"
+            )
+        bind = self.bind(session, prefix, rank)
+        return serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where)
 
 
 def _serial_check(dst: int, what: str) -> None:
@@ -265,7 +293,8 @@ def all_gather_object(
             error, mine = exc, _failure(exc)
         _agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
     finally:
-        session.store.discard(call.key(prefix, call.rank))
+        with call.deadline():
+            session.store.discard(call.key(prefix, call.rank))
     return out
 
 
@@ -377,17 +406,18 @@ class _Parts(Iterator[Any]):
         self.next_rank += 1
         if rank == self.own_rank:
             return self.own
-        try:
-            future = self.ahead.pop(rank)
-            self.todo.remove(rank)
-            self._prefetch()
-            return serialize.load(future.result())
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            if self.delete:
-                self.session.store.discard(self.call.key(self.prefix, rank))
+        with self.call.deadline():
+            try:
+                future = self.ahead.pop(rank)
+                self.todo.remove(rank)
+                self._prefetch()
+                return serialize.load(future.result())
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                if self.delete:
+                    self.session.store.discard(self.call.key(self.prefix, rank))
 
     def close(self) -> None:
         """Stop reading ahead; with ``delete``, delete the parts not read yet."""
@@ -398,8 +428,9 @@ class _Parts(Iterator[Any]):
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.ahead.clear()
         if self.delete:
-            for rank in self.todo:
-                self.session.store.discard(self.call.key(self.prefix, rank))
+            with self.call.deadline():
+                for rank in self.todo:
+                    self.session.store.discard(self.call.key(self.prefix, rank))
 
     def __del__(self) -> None:
         try:
@@ -435,5 +466,6 @@ def broadcast_object(
         _agree(mine, timeout=call.timeout, what="broadcast_object (read)", error=error)
     finally:
         if call.rank == src:
-            session.store.discard(call.key(prefix, src))
+            with call.deadline():
+                session.store.discard(call.key(prefix, src))
     return out

@@ -1,15 +1,16 @@
 """Local and shared filesystems: ``tmpdir`` (a private job directory) and ``file://``.
 
 Values are files; a write goes to a temp file with vectored writes and is
-published with ``link`` (atomic and create-only, on NFS too).  Large values
-are read back memory-mapped (copy-on-write), so arrays decoded from them point
-into the mapping without a copy and stay valid after the file is deleted.
+published with ``link`` (atomic and create-only, on NFS too).  Values are read
+into private memory (one copy, no memory map): a file another process
+truncates or rewrites after it was read cannot change what was verified, nor
+kill the reader with SIGBUS, and arrays decoded from it stay valid after the
+file is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 _TMP = ".tmp-"
 _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
 _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
-_MMAP_MIN = 1 << 20
+_READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
 _IOV_MAX = 1024
 _SHM_MIN_FREE = 4 << 30
 
@@ -123,13 +124,14 @@ class FileStore(Store):
         except _ABSENT:
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size < _MMAP_MIN:
-                buf = bytearray(size)
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    f.readinto(buf)
-                return buf
-            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+            buf = bytearray(os.fstat(fd).st_size)
+            view, pos = memoryview(buf), 0
+            while pos < len(buf):
+                n = os.readv(fd, [view[pos : pos + _READ_STEP]])
+                if not n:  # truncated meanwhile: the store layer reports it
+                    return buf[:pos]
+                pos += n
+            return buf
         finally:
             os.close(fd)
 

@@ -28,9 +28,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import redis
+import redis.backoff
 import redis.connection
+import redis.retry
 
-from .base import CHUNKS, Buffer, Store, hide_password
+from .base import CHUNKS, Buffer, Store, hide_password, time_left
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_TTL", "MAX_CHUNK_SIZE", "RedisStore"]
 
@@ -44,7 +46,12 @@ DEFAULT_TTL = 3600.0
 
 _SCHEMES = ("redis", "rediss", "unix")
 _OWN_PARSERS: dict[str, Any] = {"ttl": float, "chunk_size": int, "key_prefix": str}
-_CONNECTION_DEFAULTS: dict[str, Any] = {"socket_connect_timeout": 10.0, "socket_timeout": 60.0}
+_CONNECTION_DEFAULTS: dict[str, Any] = {
+    "socket_connect_timeout": 10.0,
+    "socket_timeout": 60.0,
+    # a few quick retries of a dropped connection; the call's deadline bounds them all
+    "retry": redis.retry.Retry(redis.backoff.ExponentialWithJitterBackoff(0.01, 0.5), 3),
+}
 _SECRETS = ("password",)
 _BATCH = 1000  # keys per SCAN step and per UNLINK
 _GLOB_SPECIALS = "\\*?[]"
@@ -116,6 +123,51 @@ def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any])
             )
 
 
+class _DeadlineConnection:
+    """Mixin for a redis-py connection class: every socket wait ends by the deadline.
+
+    The configured timeouts stay the ceiling; inside :func:`~.base.deadline`
+    connects, sends and reads wait at most the time the call has left.
+    """
+
+    _socket_timeout: float | None
+    _socket_connect_timeout: float | None
+    _sock: Any
+
+    @property
+    def socket_timeout(self) -> float | None:
+        return time_left(self._socket_timeout)
+
+    @socket_timeout.setter
+    def socket_timeout(self, value: float | None) -> None:
+        self._socket_timeout = value
+
+    @property
+    def socket_connect_timeout(self) -> float | None:
+        return time_left(self._socket_connect_timeout)
+
+    @socket_connect_timeout.setter
+    def socket_connect_timeout(self, value: float | None) -> None:
+        self._socket_connect_timeout = value
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._bound()
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        self._bound()
+        return super().read_response(*args, **kwargs)  # type: ignore[misc]
+
+    def _bound(self) -> None:
+        if self._sock is not None:
+            self.update_current_socket_timeout(self.socket_timeout)  # type: ignore[attr-defined]
+
+
+def _bounded_class(cls: type[Any]) -> type[Any]:
+    """``cls`` (a redis-py connection class) with :class:`_DeadlineConnection` mixed in."""
+    return type(f"Deadline{cls.__name__}", (_DeadlineConnection, cls), {})
+
+
 class RedisStore(Store):
     """Values as Redis strings, each with a TTL; see the module docstring for the options.
 
@@ -158,6 +210,7 @@ class RedisStore(Store):
         self._pool = redis.ConnectionPool.from_url(
             self._url, **{**_CONNECTION_DEFAULTS, **_python_packer(), **connection}
         )
+        self._pool.connection_class = _bounded_class(self._pool.connection_class)
         try:  # unknown options fail here, not at the first command
             self._pool.connection_class(**self._pool.connection_kwargs)
         except TypeError as exc:
