@@ -18,15 +18,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import tempfile
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _memory as memory
 from . import _serialize as serialize
 from . import _topology as topology
 from ._config import Timeout, to_seconds
@@ -39,6 +43,7 @@ from ._errors import (
 )
 from ._session import JobSession, session_for
 from .stores.base import Store, deadline
+from .stores.file import TmpdirStore
 from .stores.registry import default_store, open_store
 
 __all__ = [
@@ -56,18 +61,6 @@ __all__ = [
 AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)))
 
 _opened: dict[str, Store] = {}
-
-
-def _available_memory() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (huge when unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
 
 
 def _resolve(store: str | Store | None) -> str | Store:
@@ -140,7 +133,9 @@ class _Call:
             mine = _status(
                 True,
                 size=self.frame.nbytes if self.frame else 0,
-                avail=_available_memory() if self.rank in receivers else 0,
+                avail=memory.headroom(),
+                shm=memory.shm_free(),
+                node=socket.gethostname(),
             )
         except Exception as exc:
             error, mine = exc, _failure(exc)
@@ -151,15 +146,71 @@ class _Call:
             small = self.total <= AUTO_THRESHOLD
             # tmpdir is node-local: across nodes "auto" stays on the process group
             self.target = "collective" if small or topology.get_nnodes() > 1 else _resolve("tmpdir")
-        for r in receivers:
-            incoming = self.total - sizes[r]
-            if incoming > statuses[r]["avail"]:
-                raise InsufficientMemoryError(
-                    f"{self.what}: rank {r} would receive {incoming / 2**30:.2f} GiB but has "
-                    f"{statuses[r]['avail'] / 2**30:.2f} GiB available; use gs.gather_iter "
-                    "(one part in memory at a time) or gather less per call"
-                )
+        nodes: dict[str, list[int]] = {}
+        for r, status in enumerate(statuses):
+            nodes.setdefault(status["node"], []).append(r)
+        if (
+            isinstance(self.target, TmpdirStore)
+            and self.target.url == "tmpdir"  # the base is gatherstore's choice: /dev/shm if it fits
+            and not os.environ.get("GATHERSTORE_TMPDIR")
+            and self._in_ram(self.target)
+            and self._shortfalls("shm", statuses, sizes, receivers, nodes)
+        ):
+            self.target = _resolve(f"tmpdir://{tempfile.gettempdir()}")
+        self._check_memory(statuses, sizes, receivers, nodes)
         return sizes
+
+    @staticmethod
+    def _in_ram(store: Store) -> bool:
+        """Whether ``store`` keeps its values in this node's RAM (a tmpdir on /dev/shm)."""
+        shm = Path(memory.SHM)
+        return isinstance(store, TmpdirStore) and (store.root == shm or shm in store.root.parents)
+
+    def _route(self) -> str:
+        if self.target == "collective":
+            return "collective"
+        assert isinstance(self.target, Store)
+        return "shm" if self._in_ram(self.target) else "store"
+
+    def _shortfalls(
+        self,
+        route: str,
+        statuses: list[Any],
+        sizes: list[int],
+        receivers: Sequence[int],
+        nodes: dict[str, list[int]],
+    ) -> list[str]:
+        """Per node that lacks room: what ``route`` needs there and what it has."""
+        out = []
+        for node, ranks in nodes.items():
+            need = memory.route_need(route, sizes, receivers, ranks, all_receive=len(receivers) > 1)
+            room = min(int(statuses[r]["avail"]) for r in ranks)
+            shm = min(int(statuses[r]["shm"]) for r in ranks)
+            if need.ram > room or need.shm > shm:
+                out.append(
+                    f"ranks {ranks} on {node} need {need.ram / 2**30:.2f} GiB of memory"
+                    + (f" ({need.shm / 2**30:.2f} GiB in {memory.SHM})" if need.shm else "")
+                    + f" and have {room / 2**30:.2f} GiB"
+                    + (f" ({shm / 2**30:.2f} GiB free in {memory.SHM})" if need.shm else "")
+                )
+        return out
+
+    def _check_memory(
+        self,
+        statuses: list[Any],
+        sizes: list[int],
+        receivers: Sequence[int],
+        nodes: dict[str, list[int]],
+    ) -> None:
+        """Raise on every rank alike when the route would outgrow a node's memory."""
+        short = self._shortfalls(self._route(), statuses, sizes, receivers, nodes)
+        if short:
+            raise InsufficientMemoryError(
+                f"{self.what} of {self.total / 2**30:.2f} GiB over {self._route()} would not "
+                f"fit: {'; '.join(short)} (free memory, capped by the memory cgroup). Use "
+                "gs.gather_iter (one part in memory at a time), gather less per call, or "
+                "raise the job's memory limit"
+            )
 
     # --- the collective route ---------------------------------------------------
     def _packed(self, size: int) -> torch.Tensor:

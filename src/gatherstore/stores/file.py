@@ -28,19 +28,21 @@ _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value
 _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
 _READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
 _IOV_MAX = 1024
-_SHM_MIN_FREE = 4 << 30
+_SHM = "/dev/shm"
 
 
 def default_tmpdir_base() -> str:
-    """$GATHERSTORE_TMPDIR, else /dev/shm when writable with >= 4 GiB free, else the temp dir."""
+    """$GATHERSTORE_TMPDIR, else /dev/shm when writable, else the temp dir.
+
+    Whether a gather fits in /dev/shm (its free space, and the RAM and memory
+    cgroup its files are charged to) is decided per call, from every rank's
+    sizes: one that does not fit goes to the temp dir instead.
+    """
     explicit = os.environ.get("GATHERSTORE_TMPDIR")
     if explicit:
         return explicit
-    shm = "/dev/shm"
-    with contextlib.suppress(OSError):
-        stat = os.statvfs(shm)
-        if os.access(shm, os.W_OK) and stat.f_bavail * stat.f_frsize >= _SHM_MIN_FREE:
-            return shm
+    if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK):
+        return _SHM
     return tempfile.gettempdir()
 
 
