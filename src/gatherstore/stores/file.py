@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -78,16 +79,25 @@ class FileStore(Store):
 
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
+        """``<scheme>:///abs/path`` (percent-encoded: ``file:///my%20dir`` is ``/my dir``).
+
+        Raises:
+            ValueError: options given, a host other than localhost, a query, or a
+                relative path.
+        """
+        example = f"{cls.scheme}:///shared/dir"
         if options:
             raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
-        path = url.removeprefix(f"{cls.scheme}://")
-        if not path.startswith("/"):
-            raise ValueError(f"{url!r}: give an absolute path, e.g. {cls.scheme}:///shared/dir")
-        return cls(path)
+        parts = urllib.parse.urlsplit(url)
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"{url!r}: give an absolute path, e.g. {example}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: a {cls.scheme} URL takes no '?' or '#'; e.g. {example}")
+        return cls(urllib.parse.unquote(parts.path))
 
     @property
     def url(self) -> str:
-        return f"file://{self.root}"
+        return f"file://{urllib.parse.quote(str(self.root))}"
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -226,4 +236,4 @@ class TmpdirStore(FileStore):
 
     @property
     def url(self) -> str:
-        return f"tmpdir://{self.root}" if self.explicit_base else "tmpdir"
+        return f"tmpdir://{urllib.parse.quote(str(self.root))}" if self.explicit_base else "tmpdir"

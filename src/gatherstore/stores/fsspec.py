@@ -72,8 +72,13 @@ class FsspecStore(Store):
     def __init__(self, url: str, **storage_options: Any) -> None:
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
         defaults = {"config_kwargs": _S3_CONFIG} if self.protocol in _CREATE_ONLY else {}
-        self.fs, root = fsspec.core.url_to_fs(url, **{**defaults, **storage_options})
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **{**defaults, **storage_options})
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"store URL {url!r} or its options are not valid: {exc}") from None
         self.root = root.rstrip("/")
+        if self.protocol in _OBJECT_STORES and not self.root:
+            raise ValueError(f"store URL {url!r} names no bucket; use e.g. s3://bucket/prefix")
         self.storage_options = storage_options
         self.unavailable_errors = _backend_errors()  # type: ignore[misc]
         self.reachable_by_others = self.protocol != "memory"  # type: ignore[misc]

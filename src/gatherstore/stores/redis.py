@@ -60,7 +60,12 @@ _connection: Any = redis.connection  # redis-py's helpers, untyped
 
 def _shown(url: str) -> str:
     """``url`` for messages: no password, no query (which may carry one)."""
-    return hide_password(url.split("#", 1)[0].split("?", 1)[0])
+    bare = url.split("#", 1)[0].split("?", 1)[0]
+    try:
+        return hide_password(bare)
+    except ValueError:  # too malformed to parse: drop everything before the host
+        scheme, _, rest = bare.partition("://")
+        return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
 
 
 def _to_bool(value: str) -> bool:
@@ -110,6 +115,31 @@ def _parse_query(url: str, query: str) -> tuple[dict[str, Any], bool | None]:
                 f"option {name}={shown} in the URL {_shown(url)} is not valid"
             ) from None
     return options, sign
+
+
+def _check_address(url: str, parts: urllib.parse.SplitResult) -> None:
+    """Refuse a port that is not a number in 1..65535 and a database that is not a number."""
+    example = "redis://host:6379/0"
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 0 < port < 65536:
+        text = parts.netloc.rsplit("@", 1)[-1].rsplit(":", 1)[-1]
+        raise ValueError(
+            f"the port {text!r} in the Redis URL {_shown(url)} is not a number between 1 "
+            f"and 65535; use e.g. {example}"
+        )
+    db = parts.path.strip("/")
+    if parts.scheme != "unix" and db and not db.isdigit():
+        raise ValueError(
+            f"the database {db!r} in the Redis URL {_shown(url)} is not a number; use e.g. "
+            f"{example}"
+        )
+    if parts.scheme == "unix" and not parts.path.strip("/"):
+        raise ValueError(
+            f"the Redis URL {_shown(url)} names no socket; use unix:///path/to/redis.sock"
+        )
 
 
 def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any]) -> None:
@@ -180,14 +210,21 @@ class RedisStore(Store):
     reachable_by_others: ClassVar[bool] = True
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
-        parts = urllib.parse.urlsplit(url)
+        usage = (
+            "use redis://host:port/db, rediss://host:port/db (TLS) or unix:///path/to/redis.sock"
+        )
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError as exc:
+            raise ValueError(f"{_shown(url)} is not a valid Redis URL ({exc}); {usage}") from None
         if parts.scheme not in _SCHEMES:
-            raise ValueError(
-                f"{_shown(url)} is not a Redis URL: use redis://host:port/db, "
-                "rediss://host:port/db (TLS) or unix:///path/to/redis.sock"
-            )
+            raise ValueError(f"{_shown(url)} is not a Redis URL: {usage}")
+        _check_address(url, parts)
         self._url = url.split("#", 1)[0].split("?", 1)[0]  # unix:///… keeps its slashes
-        parsed = _connection.parse_url(self._url).items()
+        try:
+            parsed = _connection.parse_url(self._url).items()
+        except ValueError as exc:
+            raise ValueError(f"{_shown(url)} is not a valid Redis URL ({exc}); {usage}") from None
         in_url = {k: v for k, v in parsed if k != "connection_class"}
         query, sign = _parse_query(url, parts.query)
         _check_conflicts(url, {**in_url, **query}, options)
