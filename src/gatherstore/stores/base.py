@@ -41,6 +41,8 @@ CHUNKS = ".chunks"
 #: Shortest timeout handed to a backend once the deadline is (nearly) over: a
 #: socket timeout of 0 would mean "non-blocking", not "fail now".
 MIN_TIMEOUT = 0.05
+#: Key stores keep each job's keys under ``<JOB_ROOT>/<job id>/``.
+JOB_ROOT = "gatherstore"
 #: Seconds :meth:`Store.end_job` may take when no deadline is in force.
 END_JOB_TIMEOUT = 10.0
 
@@ -85,9 +87,15 @@ class KeyExistsError(GatherError, FileExistsError):
 
 
 def hide_password(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
+    """``url`` with any password replaced by ``***`` (a URL too malformed to parse loses
+    everything between ``://`` and its last ``@``)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}***@{rest.rsplit('@', 1)[-1]}" if "@" in rest else url
+    if password is None:
         return url
     host = parts.hostname or ""
     if parts.port is not None:
@@ -215,7 +223,7 @@ class Store(ABC):
     # --- job hooks (see gatherstore._session) ----------------------------------------
     def prepare_job(self, job_id: str) -> str:
         """On rank 0, at a job's first use: create what the job needs; return a locator."""
-        return f"gatherstore/{job_id}/"
+        return f"{JOB_ROOT}/{job_id}/"
 
     def join_job(self, locator: str) -> Store:
         """On every rank: the store the job uses, given rank 0's locator."""

@@ -6,6 +6,12 @@ a crashed job leaves nothing behind for good.  Values above ``chunk_size``
 (default 4 MiB; at most 512 MiB, Redis's limit for one value) are chunked by
 the base class, each chunk a key with the same TTL.
 
+A job's keys are also named in an index (a Redis set beside the job's
+prefix, same TTL), so that the job's end deletes exactly those keys instead
+of SCANning the keyspace; while the job reads, the TTL of every indexed key
+is renewed at least every ``ttl / 4`` seconds, so that parts waiting for a
+slow ``gather_iter`` consumer do not expire.
+
 Options come from the URL query or keywords, e.g.
 ``redis://:secret@host:6379/0?ttl=600&chunk_size=33554432&socket_timeout=30``:
 
@@ -23,6 +29,7 @@ but survives pickling, so ranks can reopen the store.
 
 from __future__ import annotations
 
+import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -32,7 +39,16 @@ import redis.backoff
 import redis.connection
 import redis.retry
 
-from .base import CHUNKS, Buffer, Store, hide_password, time_left
+from .base import (
+    CHUNKS,
+    END_JOB_TIMEOUT,
+    JOB_ROOT,
+    Buffer,
+    Store,
+    deadline,
+    hide_password,
+    time_left,
+)
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_TTL", "MAX_CHUNK_SIZE", "RedisStore"]
 
@@ -53,19 +69,15 @@ _CONNECTION_DEFAULTS: dict[str, Any] = {
     "retry": redis.retry.Retry(redis.backoff.ExponentialWithJitterBackoff(0.01, 0.5), 3),
 }
 _SECRETS = ("password",)
-_BATCH = 1000  # keys per SCAN step and per UNLINK
+_BATCH = 1000  # keys per SCAN step, per UNLINK and per SPOP
+_INDEX = ".keys"  # suffix of a job's index: "<prefix>gatherstore/<job>.keys"
 _GLOB_SPECIALS = "\\*?[]"
 _connection: Any = redis.connection  # redis-py's helpers, untyped
 
 
 def _shown(url: str) -> str:
     """``url`` for messages: no password, no query (which may carry one)."""
-    bare = url.split("#", 1)[0].split("?", 1)[0]
-    try:
-        return hide_password(bare)
-    except ValueError:  # too malformed to parse: drop everything before the host
-        scheme, _, rest = bare.partition("://")
-        return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
+    return hide_password(url.split("#", 1)[0].split("?", 1)[0])
 
 
 def _to_bool(value: str) -> bool:
@@ -112,7 +124,8 @@ def _parse_query(url: str, query: str) -> tuple[dict[str, Any], bool | None]:
         except (TypeError, ValueError):
             shown = "***" if name in _SECRETS else repr(value)
             raise ValueError(
-                f"option {name}={shown} in the URL {_shown(url)} is not valid"
+                f"option {name}={shown} in the URL {_shown(url)} is not valid; fix or remove "
+                "it (the options are listed in gatherstore.stores.redis)"
             ) from None
     return options, sign
 
@@ -256,6 +269,7 @@ class RedisStore(Store):
             ) from None
         self._client = redis.Redis(connection_pool=self._pool)
         self._ttl_ms = max(1, round(self.ttl * 1000))
+        self._renewed: dict[str, float] = {}  # job index -> when its TTLs were last reset
 
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
@@ -271,13 +285,54 @@ class RedisStore(Store):
     def _key(self, key: str) -> bytes:
         return (self.key_prefix + key).encode("utf-8", "surrogateescape")
 
+    @staticmethod
+    def _index_of(key: str) -> str | None:
+        """The index of the job area ``key`` lies in (``gatherstore/<job>/…``), if any."""
+        root, _, rest = key.partition("/")
+        job, inside, _ = rest.partition("/")
+        return f"{root}/{job}{_INDEX}" if root == JOB_ROOT and job and inside else None
+
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         # one SET is atomic; a single buffer goes out as is, several are joined once
         value: bytes | memoryview = views[0] if len(views) == 1 else b"".join(views)
-        return bool(self._client.set(self._key(key), value, nx=True, px=self._ttl_ms))
+        index = self._index_of(key)
+        if index is None:
+            return bool(self._client.set(self._key(key), value, nx=True, px=self._ttl_ms))
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(self._key(key), value, nx=True, px=self._ttl_ms)
+        pipe.sadd(self._key(index), self._key(key))
+        pipe.pexpire(self._key(index), self._ttl_ms)
+        return bool(pipe.execute()[0])
+
+    def _renew(self, key: str) -> None:
+        """Every ``ttl / 4`` s of reading a job area: reset the TTL of every key it indexes."""
+        index = self._index_of(key)
+        if index is None:
+            return
+        now = time.monotonic()
+        if now - self._renewed.setdefault(index, now) <= self.ttl / 4:
+            return
+        self._renewed[index] = now
+        members: set[bytes] = self._client.smembers(self._key(index))  # type: ignore[assignment]
+        pipe = self._client.pipeline(transaction=False)
+        for name in [*members, self._key(index)]:
+            pipe.pexpire(name, self._ttl_ms)
+        pipe.execute()
+
+    def end_job(self, locator: str) -> None:
+        """Delete exactly the keys the job's index names, then the index (no SCAN)."""
+        index = self._key(locator.rstrip("/") + _INDEX)
+        with deadline(END_JOB_TIMEOUT), self._mapped(f"delete the job area {locator!r}"):
+            while True:
+                names: list[bytes] = self._client.spop(index, _BATCH)  # type: ignore[assignment]
+                if not names:
+                    break
+                self._client.unlink(*names)
+            self._client.unlink(index)
 
     def _read(self, key: str) -> Buffer | None:
+        self._renew(key)
         value: bytes | None = self._client.get(self._key(key))  # type: ignore[assignment]
         if value is None:
             return None

@@ -128,16 +128,11 @@ def _scheme(spec: str) -> str:
     try:
         scheme = urllib.parse.urlsplit(first).scheme
     except ValueError as exc:
-        raise ValueError(f"store URL {_shown(spec)!r} cannot be parsed: {exc}") from None
+        raise ValueError(
+            f"store URL {hide_password(spec)!r} cannot be parsed ({exc}); use "
+            "scheme://host[:port]/path, e.g. redis://host:6379/0 or s3://bucket/prefix"
+        ) from None
     return scheme or first.split(":", 1)[0]
-
-
-def _shown(spec: str) -> str:
-    """``spec`` without a password (a malformed URL is cut at its '@')."""
-    try:
-        return hide_password(spec)
-    except ValueError:
-        return spec.rsplit("@", 1)[-1]
 
 
 def open_store(spec: str | Store, **options: Any) -> Store:
