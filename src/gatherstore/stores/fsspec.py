@@ -6,9 +6,10 @@ filesystems write a temp file and move it into place.
 
 Inside a store deadline (see :func:`gatherstore.stores.base.deadline`) every
 request of an asynchronous filesystem (s3fs, gcsfs, adlfs) is cancelled when
-the call's time is up; S3 clients also get connect/read timeouts and a retry
-budget of their own (``config_kwargs``, unless given), which bound the
-streamed writes of large parts.  Every exception of the filesystem and its HTTP
+the call's time is up (S3 values up to 16 MiB go up in one PUT for that); S3
+clients also get connect/read timeouts and a retry budget of their own
+(``config_kwargs``, unless given), which bound the streamed writes of larger
+values.  Every exception of the filesystem and its HTTP
 stack (botocore, aiohttp, fsspec's timeouts) becomes StoreUnavailableError.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import fsspec
 
-from .base import Buffer, Store, time_left
+from .base import MIN_TIMEOUT, Buffer, Store, time_left
 
 __all__ = ["FsspecStore"]
 
@@ -101,14 +102,23 @@ class FsspecStore(Store):
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``self.fs.<method>(...)``, cancelled at the deadline on asynchronous filesystems."""
         left = time_left()
-        if left is not None and getattr(self.fs, "async_impl", False):
-            kwargs["timeout"] = left  # fsspec's sync() cancels the request and raises
-        return getattr(self.fs, method)(*args, **kwargs)
+        if left is None or not getattr(self.fs, "async_impl", False):
+            return getattr(self.fs, method)(*args, **kwargs)
+        if left <= MIN_TIMEOUT:
+            raise TimeoutError(f"{method}: the call's timeout is over")
+        # fsspec's sync() cancels the request and raises; a filesystem method that
+        # swallows the cancellation (e.g. answering "no such file") still ends here
+        result = getattr(self.fs, method)(*args, timeout=left, **kwargs)
+        if time_left() == MIN_TIMEOUT:
+            raise TimeoutError(f"{method}: no answer within the call's timeout")
+        return result
 
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
         path = self._path(key)
         if self._exists(key):
             return False
+        if self.protocol in _CREATE_ONLY and sum(memoryview(b).nbytes for b in buffers) <= _STEP:
+            return self._put_object(key, path, buffers)
         target = path if self._object_store else f"{path}.tmp-{uuid.uuid4().hex}"
         if not self._object_store:
             self.fs.makedirs(self.fs._parent(path), exist_ok=True)
@@ -138,6 +148,17 @@ class FsspecStore(Store):
                 self.fs.rm_file(target)
                 return False
             self.fs.mv(target, path)
+        return True
+
+    def _put_object(self, key: str, path: str, buffers: Sequence[Buffer]) -> bool:
+        """A small value in one create-only PUT (If-None-Match: *), cancelled at the deadline."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        try:
+            self._call("pipe_file", path, b"".join(views), mode="create")
+        except Exception as exc:
+            if _precondition_failed(exc) and self._exists(key):
+                return False
+            raise
         return True
 
     def _read(self, key: str) -> Buffer | None:
