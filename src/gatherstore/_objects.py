@@ -209,7 +209,7 @@ class _Call:
         short = self._shortfalls(self._route(), statuses, sizes, receivers, nodes)
         if short:
             raise InsufficientMemoryError(
-                f"{self.what} of {self.total / 2**30:.2f} GiB over {self._route()} would not "
+                f"{self.what} of {self.total / 2**30:.2f} GiB over {self.target} would not "
                 f"fit: {'; '.join(short)} (free memory, capped by the memory cgroup). Use "
                 "gs.gather_iter (one part in memory at a time), gather less per call, or "
                 "raise the job's memory limit"
