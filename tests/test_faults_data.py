@@ -163,11 +163,12 @@ def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
         if rank == 2:
             tamper(f"call-{session_for(store, 30).calls}")
         gs.barrier()
+        start = time.monotonic()
         try:
             got = [(o["rank"], int(np.asarray(o["data"]).sum())) for o in parts]
             out.append((name, got))
         except gs.IntegrityError as exc:
-            out.append((name, ("IntegrityError", exc.rank, str(exc))))
+            out.append((name, ("IntegrityError", exc.rank, str(exc), time.monotonic() - start)))
         gs.barrier()
     after = gs.gather_object(rank, store=store, timeout=30)
     out.append(("after", after))
@@ -179,7 +180,7 @@ def _check_tampering(results: list[Any]) -> None:
     clean = [(r, 100_000 * r) for r in range(3)]
     assert dst["clean"] == clean
     for name in ("replayed", "swapped", "truncated", "planted"):
-        kind, named, message = dst[name]
+        kind, named, message, _ = dst[name]
         assert (kind, named) == ("IntegrityError", 2), (name, dst[name])
         assert "rank 2" in message, message
     assert dst["after"] == [0, 1, 2]

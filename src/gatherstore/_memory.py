@@ -15,8 +15,13 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["SHM", "NodeNeed", "headroom", "route_need", "shm_free"]
+from ._errors import InsufficientMemoryError
+from .stores.base import Store
+from .stores.file import TmpdirStore
+
+__all__ = ["SHM", "NodeNeed", "check", "headroom", "in_ram", "route_need", "shm_free", "shortfalls"]
 
 SHM = "/dev/shm"
 _UNLIMITED = 1 << 62
@@ -148,3 +153,58 @@ def route_need(
         return NodeNeed(reads, 0)
     written = sum(sizes[r] for r in ranks)
     return NodeNeed(written + reads if all_receive else max(written, reads), written)
+
+
+def in_ram(store: Store | str) -> bool:
+    """Whether ``store`` keeps its values in this node's RAM (a tmpdir on /dev/shm)."""
+    shm = Path(SHM)
+    return isinstance(store, TmpdirStore) and (store.root == shm or shm in store.root.parents)
+
+
+def shortfalls(
+    route: str, statuses: Sequence[Any], sizes: Sequence[int], receivers: Sequence[int]
+) -> list[str]:
+    """Per node that lacks room for ``route``: what it needs there and what it has.
+
+    ``statuses`` are every rank's reports (``avail``, ``shm``, ``node``); the
+    ranks of one node share its memory, so their needs add up.
+    """
+    nodes: dict[str, list[int]] = {}
+    for rank, status in enumerate(statuses):
+        nodes.setdefault(status["node"], []).append(rank)
+    out = []
+    for node, ranks in nodes.items():
+        need = route_need(route, sizes, receivers, ranks, all_receive=len(receivers) > 1)
+        room = min(int(statuses[r]["avail"]) for r in ranks)
+        shm = min(int(statuses[r]["shm"]) for r in ranks)
+        if need.ram > room or need.shm > shm:
+            out.append(
+                f"ranks {ranks} on {node} need {need.ram / 2**30:.2f} GiB of memory"
+                + (f" ({need.shm / 2**30:.2f} GiB in {SHM})" if need.shm else "")
+                + f" and have {room / 2**30:.2f} GiB"
+                + (f" ({shm / 2**30:.2f} GiB free in {SHM})" if need.shm else "")
+            )
+    return out
+
+
+def check(
+    what: str,
+    target: Store | str,
+    statuses: Sequence[Any],
+    sizes: Sequence[int],
+    receivers: Sequence[int],
+) -> None:
+    """Raise on every rank alike (same inputs) when ``target`` would outgrow a node's memory.
+
+    Raises:
+        InsufficientMemoryError: names the nodes, what they need and what they have.
+    """
+    route = "collective" if target == "collective" else "shm" if in_ram(target) else "store"
+    short = shortfalls(route, statuses, sizes, receivers)
+    if short:
+        raise InsufficientMemoryError(
+            f"{what} of {sum(sizes) / 2**30:.2f} GiB over {target} would not fit: "
+            f"{'; '.join(short)} (free memory, capped by the memory cgroup). Use "
+            "gs.gather_iter (one part in memory at a time), gather less per call, or raise "
+            "the job's memory limit"
+        )

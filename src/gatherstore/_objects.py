@@ -23,7 +23,6 @@ import tempfile
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +35,6 @@ from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import (
     GatherError,
-    InsufficientMemoryError,
     IntegrityError,
     RemoteRankError,
     StoreUnavailableError,
@@ -149,71 +147,16 @@ class _Call:
             small = self.total <= AUTO_THRESHOLD
             # tmpdir is node-local: across nodes "auto" stays on the process group
             self.target = "collective" if small or topology.get_nnodes() > 1 else _resolve("tmpdir")
-        nodes: dict[str, list[int]] = {}
-        for r, status in enumerate(statuses):
-            nodes.setdefault(status["node"], []).append(r)
         if (
             isinstance(self.target, TmpdirStore)
             and self.target.url == "tmpdir"  # the base is gatherstore's choice: /dev/shm if it fits
             and not os.environ.get("GATHERSTORE_TMPDIR")
-            and self._in_ram(self.target)
-            and self._shortfalls("shm", statuses, sizes, receivers, nodes)
+            and memory.in_ram(self.target)
+            and memory.shortfalls("shm", statuses, sizes, receivers)
         ):
             self.target = _resolve(f"tmpdir://{tempfile.gettempdir()}")
-        self._check_memory(statuses, sizes, receivers, nodes)
+        memory.check(self.what, self.target, statuses, sizes, receivers)
         return sizes
-
-    @staticmethod
-    def _in_ram(store: Store) -> bool:
-        """Whether ``store`` keeps its values in this node's RAM (a tmpdir on /dev/shm)."""
-        shm = Path(memory.SHM)
-        return isinstance(store, TmpdirStore) and (store.root == shm or shm in store.root.parents)
-
-    def _route(self) -> str:
-        if self.target == "collective":
-            return "collective"
-        assert isinstance(self.target, Store)
-        return "shm" if self._in_ram(self.target) else "store"
-
-    def _shortfalls(
-        self,
-        route: str,
-        statuses: list[Any],
-        sizes: list[int],
-        receivers: Sequence[int],
-        nodes: dict[str, list[int]],
-    ) -> list[str]:
-        """Per node that lacks room: what ``route`` needs there and what it has."""
-        out = []
-        for node, ranks in nodes.items():
-            need = memory.route_need(route, sizes, receivers, ranks, all_receive=len(receivers) > 1)
-            room = min(int(statuses[r]["avail"]) for r in ranks)
-            shm = min(int(statuses[r]["shm"]) for r in ranks)
-            if need.ram > room or need.shm > shm:
-                out.append(
-                    f"ranks {ranks} on {node} need {need.ram / 2**30:.2f} GiB of memory"
-                    + (f" ({need.shm / 2**30:.2f} GiB in {memory.SHM})" if need.shm else "")
-                    + f" and have {room / 2**30:.2f} GiB"
-                    + (f" ({shm / 2**30:.2f} GiB free in {memory.SHM})" if need.shm else "")
-                )
-        return out
-
-    def _check_memory(
-        self,
-        statuses: list[Any],
-        sizes: list[int],
-        receivers: Sequence[int],
-        nodes: dict[str, list[int]],
-    ) -> None:
-        """Raise on every rank alike when the route would outgrow a node's memory."""
-        short = self._shortfalls(self._route(), statuses, sizes, receivers, nodes)
-        if short:
-            raise InsufficientMemoryError(
-                f"{self.what} of {self.total / 2**30:.2f} GiB over {self.target} would not "
-                f"fit: {'; '.join(short)} (free memory, capped by the memory cgroup). Use "
-                "gs.gather_iter (one part in memory at a time), gather less per call, or "
-                "raise the job's memory limit"
-            )
 
     # --- the collective route ---------------------------------------------------
     def _packed(self, size: int) -> torch.Tensor:
