@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,16 +28,18 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _gloo as gloo
 from . import _serialize as serialize
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import (
     GatherError,
     InsufficientMemoryError,
+    MismatchError,
     RemoteRankError,
     StoreUnavailableError,
 )
-from ._session import JobSession, session_for
+from ._session import JobSession, after_failure, note_timeout, session_for
 from .stores.base import Store
 from .stores.registry import default_store, open_store
 
@@ -94,7 +98,12 @@ def _failure(exc: BaseException) -> bytes:
 
 def _agree(mine: bytes, *, timeout: float, what: str, error: BaseException | None) -> list[Any]:
     """Exchange statuses; if any rank failed, raise on every rank."""
-    statuses = [json.loads(s) for s in control.exchange(mine, timeout=timeout, what=what)]
+    try:
+        raw = control.exchange(mine, timeout=timeout, what=what)
+    except GatherError as exc:
+        after_failure(exc)
+        raise
+    statuses = [json.loads(s) for s in raw]
     failed = [r for r, s in enumerate(statuses) if not s["ok"]]
     if not failed:
         return statuses
@@ -114,12 +123,18 @@ def _agree(mine: bytes, *, timeout: float, what: str, error: BaseException | Non
 class _Call:
     """One object collective on this rank: encode, agree, route, move, clean up."""
 
-    def __init__(self, what: str, store: str | Store | None, timeout: Timeout) -> None:
+    def __init__(
+        self, what: str, store: str | Store | None, timeout: Timeout, root: int | None = None
+    ) -> None:
         self.what = what
         self.timeout = to_seconds(timeout)
+        self.deadline = time.monotonic() + self.timeout
+        note_timeout(self.timeout)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.target = _resolve(store)
+        # what every rank must agree on before any data moves: the route and the dst/src
+        self.shape = {"route": str(self.target), "root": root}
 
     def agree(
         self, prepare: Callable[[], Any], receivers: Sequence[int], *, send: bool = True
@@ -139,16 +154,22 @@ class _Call:
                 True,
                 size=self.frame.nbytes if self.frame else 0,
                 avail=_available_memory() if self.rank in receivers else 0,
+                call=self.shape,
+                broken=gloo.broken(),
             )
         except Exception as exc:
             error, mine = exc, _failure(exc)
         statuses = _agree(mine, timeout=self.timeout, what=self.what, error=error)
+        self._same_call(statuses)
         sizes = [int(s["size"]) for s in statuses]
         self.total = sum(sizes)
+        broken = next((s["broken"] for s in statuses if s["broken"]), "")
         if self.target == "auto":
-            small = self.total <= AUTO_THRESHOLD
+            small = self.total <= AUTO_THRESHOLD and not broken
             # tmpdir is node-local: across nodes "auto" stays on the process group
             self.target = "collective" if small or topology.get_nnodes() > 1 else _resolve("tmpdir")
+        if self.target == "collective" and broken:
+            raise gloo.refuse(self.what, broken)
         for r in receivers:
             incoming = self.total - sizes[r]
             if incoming > statuses[r]["avail"]:
@@ -159,7 +180,25 @@ class _Call:
                 )
         return sizes
 
+    def _same_call(self, statuses: list[Any]) -> None:
+        """Raise MismatchError on every rank when ranks disagree on the route or dst/src."""
+        shapes = [s["call"] for s in statuses]
+        if any(shape != shapes[0] for shape in shapes):
+            details = {
+                r: f"store={shape['route']!r}, dst/src={shape['root']}"
+                for r, shape in enumerate(shapes)
+            }
+            raise MismatchError(
+                f"{self.what}: ranks disagree on the store or the dst/src rank — {details}; "
+                "every rank must pass the same store and dst/src",
+                details=details,
+            )
+
     # --- the collective route ---------------------------------------------------
+    def transfer(self, start: Callable[[Any], Any]) -> None:
+        """Run one gloo op on gatherstore's group within this call's timeout."""
+        gloo.transfer(start, what=self.what, deadline=self.deadline, timeout=self.timeout)
+
     def _packed(self, size: int) -> torch.Tensor:
         """This rank's sealed frame in a ``size``-byte tensor (the padding is never read)."""
         out = torch.empty(size, dtype=torch.uint8)
@@ -170,17 +209,18 @@ class _Call:
     def collective_all(self, sizes: list[int]) -> list[torch.Tensor]:
         longest = max(sizes)
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-        dist.all_gather(slots, self._packed(longest), group=control.control_group())
+        packed = self._packed(longest)
+        self.transfer(lambda group: dist.all_gather(slots, packed, group=group, async_op=True))
         return slots
 
     def collective_to(self, dst: int, sizes: list[int]) -> list[torch.Tensor] | None:
         longest = max(sizes)
-        group = control.control_group()
         if self.rank != dst:
-            dist.gather(self._packed(longest), None, dst=dst, group=group)
+            packed = self._packed(longest)
+            self.transfer(lambda g: dist.gather(packed, None, dst=dst, group=g, async_op=True))
             return None
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-        dist.gather(slots[dst], slots, dst=dst, group=group)
+        self.transfer(lambda g: dist.gather(slots[dst], slots, dst=dst, group=g, async_op=True))
         return slots
 
     def decode_slot(self, slot: torch.Tensor, size: int, rank: int) -> Any:
@@ -312,7 +352,7 @@ def gather_prepared(
 ) -> Iterator[Any] | None:
     """The gather behind the public calls: ``prepare()`` builds each rank's object,
     and its exceptions are reported to every rank instead of raised alone."""
-    call = _Call(what, store, timeout)
+    call = _Call(what, store, timeout, root=dst)
     others = [r for r in range(call.world) if r != dst]
     sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst)
     obj = call.own
@@ -391,21 +431,37 @@ class _Parts(Iterator[Any]):
 
     def close(self) -> None:
         """Stop reading ahead; with ``delete``, delete the parts not read yet."""
+        self._close(wait=True)
+
+    def _close(self, *, wait: bool) -> None:
         if self.closed:
             return
         self.closed = True
         self.next_rank = self.call.world
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=wait, cancel_futures=True)
         self.ahead.clear()
-        if self.delete:
-            for rank in self.todo:
-                self.session.store.discard(self.call.key(self.prefix, rank))
+        if self.delete and self.todo:
+            keys = [self.call.key(self.prefix, rank) for rank in self.todo]
+            if wait:
+                _discard(self.session.store, keys)
+            else:  # a finaliser runs wherever the garbage collector does: never block there
+                threading.Thread(
+                    target=_discard, args=(self.session.store, keys), daemon=True
+                ).start()
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(wait=False)
         except Exception:
             return
+
+
+def _discard(store: Store, keys: list[str]) -> None:
+    for key in keys:
+        try:
+            store.discard(key)
+        except GatherError:  # best effort: the job area goes at shutdown
+            continue
 
 
 def broadcast_object(
@@ -415,12 +471,12 @@ def broadcast_object(
     _serial_check(src, "broadcast_object")
     if not topology.is_distributed():
         return obj
-    call = _Call("broadcast_object", store, timeout)
+    call = _Call("broadcast_object", store, timeout, root=src)
     receivers = [r for r in range(call.world) if r != src]
     sizes = call.agree(lambda: obj, receivers, send=call.rank == src)
     if call.target == "collective":
         buf = call._packed(sizes[src])
-        dist.broadcast(buf, src=src, group=control.control_group())
+        call.transfer(lambda group: dist.broadcast(buf, src=src, group=group, async_op=True))
         return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
     session, prefix = call.write([src])
     error: BaseException | None = None

@@ -12,6 +12,7 @@ exit on rank 0).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -20,17 +21,30 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
 from . import _control as control
-from ._errors import RemoteRankError, StoreNotSharedError, StoreUnavailableError
+from ._errors import GatherError, RemoteRankError, StoreNotSharedError, StoreUnavailableError
 from .stores.base import Store
 
-__all__ = ["MARKER", "JobSession", "end_sessions", "has_sessions", "session_for"]
+__all__ = [
+    "MARKER",
+    "JobSession",
+    "abandon",
+    "after_failure",
+    "end_sessions",
+    "has_sessions",
+    "last_timeout",
+    "note_timeout",
+    "session_for",
+    "sweep_published",
+]
 
 MARKER = "marker"
 _VISIBILITY_WAIT = 2.0
+_PUBLISHED = "gatherstore-areas"  # counter key on the launcher's store; areas at "<key>/<n>"
 
 
 @dataclass
@@ -42,6 +56,7 @@ class JobSession:
     store: Store
     key: bytes | None
     calls: int = 0
+    published: str = ""  # key of this area on the launcher's store (rank 0 only)
 
     def next_call(self) -> str:
         """A key prefix unique to this (job, call); identical on every rank."""
@@ -49,12 +64,8 @@ class JobSession:
         return f"call-{self.calls}"
 
 
-# (default group, {store identity: session})
-_sessions: dict[str, Any] = {"world": None, "by_store": {}}
-
-
-def _identity(store: Store) -> str:
-    return f"{type(store).__qualname__}|{store.url}|{id(store)}"
+# (default group, {store: session} keyed by store equality, the last call's timeout)
+_sessions: dict[str, Any] = {"world": None, "by_store": {}, "timeout": None}
 
 
 def session_for(store: Store, timeout: float) -> JobSession:
@@ -67,7 +78,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
     world = dist.group.WORLD
     if _sessions["world"] is not world:
         _sessions.update(world=world, by_store={})
-    cached: JobSession | None = _sessions["by_store"].get(_identity(store))
+    cached: JobSession | None = _sessions["by_store"].get(store)
     if cached is not None:
         return cached
     rank = dist.get_rank()
@@ -108,10 +119,43 @@ def session_for(store: Store, timeout: float) -> JobSession:
         )
     if job.sign_parts:
         session.key = _shared_key()
-    _sessions["by_store"][_identity(store)] = session
+    _sessions["by_store"][store] = session
     if rank == 0:
+        session.published = _publish(session)
         atexit.register(_end, session)
     return session
+
+
+def _launcher_store() -> Any | None:
+    """The rendezvous store itself (no prefix) when a launcher hosts it, else None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _publish(session: JobSession) -> str:
+    """Tell the launcher (``gs.launch``, torchrun's agent) which area to sweep if the job dies."""
+    with contextlib.suppress(Exception):  # best effort: the signal handlers sweep too
+        launcher = _launcher_store()
+        if launcher is not None:
+            key = f"{_PUBLISHED}/{launcher.add(_PUBLISHED, 1)}"
+            launcher.set(key, cloudpickle.dumps((session.base, session.locator)))
+            return key
+    return ""
+
+
+def sweep_published(launcher: Any) -> None:
+    """In ``gs.launch``'s parent, after its children stopped: end every area still published."""
+    for n in range(1, int(launcher.add(_PUBLISHED, 0)) + 1):
+        key = f"{_PUBLISHED}/{n}"
+        with contextlib.suppress(Exception):  # best effort, like `_end`
+            if launcher.check([key]):
+                base, locator = cloudpickle.loads(launcher.get(key))
+                base.end_job(locator)
+                launcher.delete_key(key)
 
 
 def _sees_marker(job: Store) -> bool:
@@ -132,6 +176,10 @@ def _shared_key() -> bytes:
 def _end(session: JobSession) -> None:
     try:
         session.base.end_job(session.locator)
+        if session.published:
+            launcher = _launcher_store()
+            if launcher is not None:
+                launcher.delete_key(session.published)
     except Exception:  # best effort at exit; `gatherstore gc` removes leftovers
         return
 
@@ -141,11 +189,45 @@ def has_sessions() -> bool:
     return bool(_sessions.get("by_store"))
 
 
+def note_timeout(timeout: float) -> None:
+    """Remember the timeout of the job's latest object call (``shutdown`` waits no longer)."""
+    _sessions["timeout"] = timeout
+
+
+def last_timeout() -> float | None:
+    """The timeout of the job's latest object call (None before any)."""
+    value: float | None = _sessions.get("timeout")
+    return value
+
+
 def end_sessions() -> None:
     """Remove every job area this rank 0 created (called by ``shutdown``)."""
-    by_store: dict[str, JobSession] = _sessions.get("by_store", {})
+    by_store: dict[Store, JobSession] = _sessions.get("by_store", {})
     if control.is_initialized() and dist.get_rank() == 0:
         for session in by_store.values():
             _end(session)
-            atexit.unregister(_end)
-    _sessions.update(world=None, by_store={})
+        atexit.unregister(_end)
+    _sessions.update(world=None, by_store={}, timeout=None)
+
+
+def after_failure(exc: BaseException) -> None:
+    """After a failed exchange: if it found rank 0's rendezvous store gone, rank 0
+    (the areas' creator) is dead, so this surviving rank sweeps its areas."""
+    cause = exc.__cause__
+    gone = isinstance(exc, RemoteRankError) and exc.rank == 0 and isinstance(cause, RuntimeError)
+    if gone and not isinstance(cause, GatherError):
+        abandon()
+
+
+def abandon() -> None:
+    """Remove every job area this job uses, from any rank, and forget them.
+
+    For a job that is being stopped, or whose rank 0 (the areas' creator) is
+    gone: whoever outlives the creator sweeps.  Safe to run on several ranks
+    at once and from a thread.
+    """
+    by_store: dict[Store, JobSession] = _sessions.get("by_store", {})
+    _sessions.update(world=None, by_store={}, timeout=None)
+    for session in list(by_store.values()):
+        _end(session)
+    atexit.unregister(_end)
