@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 import gatherstore as gs
+from gatherstore._launch import free_port
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 MARGIN = 20.0  # seconds past a timeout that count as "in time" on a loaded machine
@@ -145,7 +146,7 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
 
 
 def start_job(world: int, scenario: str, out: Path, redis_url: str) -> list[subprocess.Popen[str]]:
-    port = gs.free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
@@ -276,9 +277,35 @@ def test_launch_stops_the_job_when_a_rank_is_killed_and_nothing_is_left(
     assert leftovers(shm, redis_url) == []
 
 
+def _survive_a_dead_rank(urls: list[str]) -> str:
+    use_stores(urls)
+    if gs.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        gs.gather_object(0, store=gs.open_store(urls[1]), timeout=5)
+    except gs.GatherTimeout as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_launch_returns_in_time_when_a_rank_dies_after_using_stores(
+    shm: Path, redis_url: str
+) -> None:
+    start = time.monotonic()
+    with pytest.raises(gs.RemoteRankError) as info:
+        gs.launch(
+            _survive_a_dead_rank, nproc_per_node=2, backend="gloo", args=(urls_for(shm, redis_url),)
+        )
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 5 + MARGIN + 15  # + starting two ranks
+    assert leftovers(shm, redis_url) == []
+
+
 LAUNCH_SCRIPT = """
 import sys
 import gatherstore as gs
+from gatherstore._launch import free_port
 sys.path.insert(0, {tests!r})
 from test_faults_lifecycle import _wait_in_a_gather
 if __name__ == "__main__":
@@ -312,6 +339,7 @@ def test_ctrl_c_to_the_launching_process_leaves_nothing(shm: Path, redis_url: st
 TORCHRUN_SCRIPT = """
 import sys
 import gatherstore as gs
+from gatherstore._launch import free_port
 sys.path.insert(0, {tests!r})
 from test_faults_lifecycle import _wait_in_a_gather
 gs.init_from_env(backend="gloo")

@@ -173,10 +173,10 @@ def _shared_key() -> bytes:
     return bytes(buf.numpy())
 
 
-def _end(session: JobSession) -> None:
+def _end(session: JobSession, *, unpublish: bool = True) -> None:
     try:
         session.base.end_job(session.locator)
-        if session.published:
+        if session.published and unpublish:
             launcher = _launcher_store()
             if launcher is not None:
                 launcher.delete_key(session.published)
@@ -229,5 +229,6 @@ def abandon() -> None:
     by_store: dict[Store, JobSession] = _sessions.get("by_store", {})
     _sessions.update(world=None, by_store={}, timeout=None)
     for session in list(by_store.values()):
-        _end(session)
+        # not the rendezvous store: its one client may be blocked in the main thread
+        _end(session, unpublish=False)
     atexit.unregister(_end)
