@@ -76,6 +76,11 @@ def leftovers(shm: Path, redis_url: str) -> list[str]:
     return found
 
 
+def note(test: str, **facts: Any) -> None:
+    """Print what a fault did (shown with ``pytest -s``): the numbers behind the guarantees."""
+    print(f"\n[{test}] " + json.dumps(facts, default=str))
+
+
 def wait_for(what: str, check: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -182,7 +187,17 @@ def test_collective_route_names_a_killed_or_frozen_rank_in_time(
         for proc in procs[:2]:
             assert proc.wait(timeout=5 + MARGIN + 30) == 0, proc.stderr and proc.stderr.read()
         seen = outcomes(shm, [0, 1])
-        for outcome in seen.values():
+        for rank, outcome in seen.items():
+            via = "transfer" if "(transfer)" in outcome["message"] else "status exchange"
+            note(
+                f"collective {sig.name}",
+                rank=rank,
+                error=outcome["error"],
+                named=outcome["ranks"],
+                after=round(outcome["at"] - fault, 1),
+                via=via,
+                shutdown=round(outcome["shutdown_seconds"], 1),
+            )
             assert outcome["error"] == "GatherTimeout", outcome["message"]
             assert outcome["ranks"] == [2]
             assert outcome["at"] - fault < 5 + MARGIN
@@ -206,7 +221,14 @@ def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
         os.kill(procs[0].pid, signal.SIGKILL)
         for proc in procs[1:]:
             assert proc.wait(timeout=5 + MARGIN + 30) == 0, proc.stderr and proc.stderr.read()
-        for outcome in outcomes(shm, [1, 2]).values():
+        for rank, outcome in outcomes(shm, [1, 2]).items():
+            note(
+                "rank 0 SIGKILL",
+                rank=rank,
+                error=outcome["error"],
+                named=outcome["ranks"],
+                after=round(outcome["at"] - fault, 1),
+            )
             assert outcome["gather_error"], outcome["message"]
             assert outcome["error"] in ("RemoteRankError", "GatherTimeout"), outcome["message"]
             assert 0 in (outcome["ranks"] or [outcome["rank"]])
@@ -231,6 +253,7 @@ def test_sigterm_to_every_rank_leaves_nothing_and_a_users_handler_is_kept(
         for proc in procs:
             proc.kill()
             proc.wait()
+    note("SIGTERM to every rank", exit_codes=codes)
     assert codes == [-signal.SIGTERM, 3, -signal.SIGTERM]
     assert (shm / "own-handler-ran").exists()
     assert leftovers(shm, redis_url) == []
@@ -270,11 +293,59 @@ def test_launch_stops_the_job_when_a_rank_is_killed_and_nothing_is_left(
             _wait_in_a_gather, nproc_per_node=2, backend="gloo", args=(str(shm), urls, victim)
         )
     killer.join()
+    note(f"launch, rank {victim} SIGKILL", error=info.value.rank, after=time.time() - fault[0])
     assert time.time() - fault[0] < MARGIN
     assert info.value.rank == victim
     assert "SIGKILL" in str(info.value)
     assert not [pid for pid in pids if pid_alive(pid)]
     assert leftovers(shm, redis_url) == []
+
+
+def _wait_in_s3(out: str, url: str, options: dict[str, Any]) -> None:
+    store = gs.open_store(url, **options)
+    gs.all_gather_object(bytes(1000), store=store, timeout=60)
+    Path(out, f"ready-{gs.get_rank()}").write_text(str(os.getpid()))
+    if gs.get_rank() == 1:
+        while True:
+            time.sleep(1)
+    gs.gather_object(bytes(1000), store=store, timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rank_leaves_nothing_in_s3(shm: Path, gatherstore_s3: Any) -> None:
+    botocore_session = pytest.importorskip("botocore.session")
+    client = botocore_session.get_session().create_client(
+        "s3",
+        endpoint_url=gatherstore_s3.endpoint_url,
+        aws_access_key_id=gatherstore_s3.key,
+        aws_secret_access_key=gatherstore_s3.secret,
+        region_name="us-east-1",
+    )
+    bucket = f"gatherstore-faults-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    killer = threading.Thread(
+        target=lambda: (
+            wait_for("ranks ready", lambda: (shm / "ready-1").exists()),
+            os.kill(int((shm / "ready-1").read_text()), signal.SIGKILL),
+        )
+    )
+    killer.start()
+    try:
+        with pytest.raises(gs.RemoteRankError) as info:
+            gs.launch(
+                _wait_in_s3,
+                nproc_per_node=2,
+                backend="gloo",
+                args=(str(shm), f"s3://{bucket}/job", gatherstore_s3.storage_options),
+            )
+        killer.join()
+        assert info.value.rank == 1
+        assert client.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+    finally:
+        for item in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=item["Key"])
+        client.delete_bucket(Bucket=bucket)
+        client.close()
 
 
 def _survive_a_dead_rank(urls: list[str]) -> str:
@@ -297,6 +368,7 @@ def test_launch_returns_in_time_when_a_rank_dies_after_using_stores(
         gs.launch(
             _survive_a_dead_rank, nproc_per_node=2, backend="gloo", args=(urls_for(shm, redis_url),)
         )
+    note("launch, rank 1 dies after stores", named=info.value.rank, job=time.monotonic() - start)
     assert info.value.rank == 1
     assert time.monotonic() - start < 5 + MARGIN + 15  # + starting two ranks
     assert leftovers(shm, redis_url) == []
@@ -326,8 +398,10 @@ def test_ctrl_c_to_the_launching_process_leaves_nothing(shm: Path, redis_url: st
     try:
         wait_for("ranks ready", lambda: all((shm / f"ready-{r}").exists() for r in (0, 1)))
         pids = [int((shm / f"ready-{r}").read_text()) for r in (0, 1)]
+        fault = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
+        note("launch, SIGINT", exit=proc.returncode, after=time.monotonic() - fault)
     finally:
         proc.kill()
     assert proc.returncode != 0
@@ -360,8 +434,10 @@ def test_torchrun_stopping_the_job_leaves_nothing(shm: Path, redis_url: str) -> 
     try:
         wait_for("ranks ready", lambda: all((shm / f"ready-{r}").exists() for r in (0, 1)))
         pids = [int((shm / f"ready-{r}").read_text()) for r in (0, 1)]
+        fault = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         proc.communicate(timeout=90)
+        note("torchrun, rank 1 SIGKILL", exit=proc.returncode, after=time.monotonic() - fault)
     finally:
         proc.kill()
     assert proc.returncode != 0
@@ -410,6 +486,15 @@ def _mismatches(tmp: str) -> dict[str, Any]:
 def test_mismatched_calls_raise_on_every_rank_before_data_moves(tmp_path: Path) -> None:
     results = gs.launch(_mismatches, nproc_per_node=3, backend="gloo", args=(str(tmp_path),))
     for rank, seen in enumerate(results):
+        note(
+            "mismatches",
+            rank=rank,
+            **{
+                k: v and v.get("error")
+                for k, v in seen.items()
+                if k in ("dst", "route", "call", "other")
+            },
+        )
         for name in ("dst", "route", "call"):
             assert seen[name] is not None and seen[name]["error"] == "MismatchError", (rank, seen)
             assert seen[name]["seconds"] < 10 + MARGIN

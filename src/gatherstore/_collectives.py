@@ -236,8 +236,8 @@ def _reduce_dict(d: Mapping[str, Any], op: str, dst: int | None) -> dict[str, An
                 dist.all_reduce(flat, op=reduce_op)
             else:
                 dist.reduce(flat, dst=dst, op=reduce_op)
-            if topology.get_rank() != dst:
-                return dict(d)
+        if dst is not None and topology.get_rank() != dst:
+            return dict(d)
         if mean:
             flat /= topology.get_world_size()
     else:

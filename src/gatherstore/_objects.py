@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,6 +37,7 @@ from ._errors import (
     RemoteRankError,
     StoreUnavailableError,
 )
+from ._parts import Parts
 from ._session import JobSession, after_failure, note_timeout, session_for
 from .stores.base import Store
 from .stores.registry import default_store, open_store
@@ -300,7 +299,7 @@ def all_gather_object(
     mine = _status(True)
     try:
         try:
-            out = list(_Parts(call, session, prefix, call.rank, obj, delete=False))
+            out = list(Parts(call, session, prefix, call.rank, obj, delete=False))
         except Exception as exc:
             error, mine = exc, _failure(exc)
         _agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
@@ -366,102 +365,8 @@ def gather_prepared(
     session, prefix = call.write(others)
     if call.rank != dst:
         return None
-    parts = _Parts(call, session, prefix, dst, obj)
+    parts = Parts(call, session, prefix, dst, obj)
     return parts if stream else iter(list(parts))
-
-
-class _Parts(Iterator[Any]):
-    """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
-
-    While one part is unpickled the next is read and verified in a thread, so
-    at most two parts are held besides what the consumer keeps.  With
-    ``delete`` each part is deleted once read, and closing early deletes the
-    rest.
-    """
-
-    def __init__(
-        self,
-        call: _Call,
-        session: JobSession,
-        prefix: str,
-        own_rank: int,
-        own: Any,
-        *,
-        delete: bool = True,
-    ) -> None:
-        self.call, self.session, self.prefix = call, session, prefix
-        self.own_rank, self.own, self.delete = own_rank, own, delete
-        self.todo = [r for r in range(call.world) if r != own_rank]
-        self.next_rank = 0
-        self.closed = False
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gatherstore-read")
-        self.ahead: dict[int, Future[serialize.Verified]] = {}
-        self._prefetch()
-
-    def _prefetch(self) -> None:
-        for rank in self.todo[:2]:
-            if rank not in self.ahead:
-                self.ahead[rank] = self.pool.submit(
-                    self.call.fetch, self.session, self.prefix, rank
-                )
-                return
-
-    def __iter__(self) -> _Parts:
-        return self
-
-    def __next__(self) -> Any:
-        rank = self.next_rank
-        if rank >= self.call.world:
-            self.close()
-            raise StopIteration
-        self.next_rank += 1
-        if rank == self.own_rank:
-            return self.own
-        try:
-            future = self.ahead.pop(rank)
-            self.todo.remove(rank)
-            self._prefetch()
-            return serialize.load(future.result())
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            if self.delete:
-                self.session.store.discard(self.call.key(self.prefix, rank))
-
-    def close(self) -> None:
-        """Stop reading ahead; with ``delete``, delete the parts not read yet."""
-        self._close(wait=True)
-
-    def _close(self, *, wait: bool) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.next_rank = self.call.world
-        self.pool.shutdown(wait=wait, cancel_futures=True)
-        self.ahead.clear()
-        if self.delete and self.todo:
-            keys = [self.call.key(self.prefix, rank) for rank in self.todo]
-            if wait:
-                _discard(self.session.store, keys)
-            else:  # a finaliser runs wherever the garbage collector does: never block there
-                threading.Thread(
-                    target=_discard, args=(self.session.store, keys), daemon=True
-                ).start()
-
-    def __del__(self) -> None:
-        try:
-            self._close(wait=False)
-        except Exception:
-            return
-
-
-def _discard(store: Store, keys: list[str]) -> None:
-    for key in keys:
-        try:
-            store.discard(key)
-        except GatherError:  # best effort: the job area goes at shutdown
-            continue
 
 
 def broadcast_object(
