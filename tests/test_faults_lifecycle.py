@@ -199,7 +199,7 @@ def test_collective_route_names_a_killed_or_frozen_rank_in_time(
                 shutdown=round(outcome["shutdown_seconds"], 1),
             )
             assert outcome["error"] == "GatherTimeout", outcome["message"]
-            assert outcome["ranks"] == [2]
+            assert 2 in outcome["ranks"]
             assert outcome["at"] - fault < 5 + MARGIN
             assert outcome["shutdown_seconds"] < 5 + MARGIN
             assert "Traceback" not in outcome["message"]
@@ -211,19 +211,20 @@ def test_collective_route_names_a_killed_or_frozen_rank_in_time(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGKILL])
 def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
-    shm: Path, redis_url: str
+    shm: Path, redis_url: str, sig: signal.Signals
 ) -> None:
     procs = start_job(3, "stores", shm, redis_url)
     try:
         time.sleep(0.5)
         fault = time.time()
-        os.kill(procs[0].pid, signal.SIGKILL)
+        os.kill(procs[0].pid, sig)
         for proc in procs[1:]:
             assert proc.wait(timeout=5 + MARGIN + 30) == 0, proc.stderr and proc.stderr.read()
         for rank, outcome in outcomes(shm, [1, 2]).items():
             note(
-                "rank 0 SIGKILL",
+                f"rank 0 {sig.name}",
                 rank=rank,
                 error=outcome["error"],
                 named=outcome["ranks"],

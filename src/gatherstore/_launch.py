@@ -58,7 +58,6 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Ti
     )
     if world_size > 1:
         control.control_group()
-    signals.install(session.abandon)
 
 
 def launch(

@@ -196,7 +196,11 @@ class _Call:
     # --- the collective route ---------------------------------------------------
     def transfer(self, start: Callable[[Any], Any]) -> None:
         """Run one gloo op on gatherstore's group within this call's timeout."""
-        gloo.transfer(start, what=self.what, deadline=self.deadline, timeout=self.timeout)
+        try:
+            gloo.transfer(start, what=self.what, deadline=self.deadline, timeout=self.timeout)
+        except GatherError as exc:
+            after_failure(exc)
+            raise
 
     def _packed(self, size: int) -> torch.Tensor:
         """This rank's sealed frame in a ``size``-byte tensor (the padding is never read)."""

@@ -26,7 +26,15 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
-from ._errors import GatherError, RemoteRankError, StoreNotSharedError, StoreUnavailableError
+from . import _gloo as gloo
+from . import _signals as signals
+from ._errors import (
+    GatherError,
+    GatherTimeout,
+    RemoteRankError,
+    StoreNotSharedError,
+    StoreUnavailableError,
+)
 from .stores.base import Store
 
 __all__ = [
@@ -118,8 +126,9 @@ def session_for(store: Store, timeout: float) -> JobSession:
             store=str(store),
         )
     if job.sign_parts:
-        session.key = _shared_key()
+        session.key = _shared_key(timeout)
     _sessions["by_store"][store] = session
+    signals.install(abandon)  # a stopped job removes its areas (where the user has no handler)
     if rank == 0:
         session.published = _publish(session)
         atexit.register(_end, session)
@@ -166,10 +175,15 @@ def _sees_marker(job: Store) -> bool:
     return True
 
 
-def _shared_key() -> bytes:
+def _shared_key(timeout: float) -> bytes:
     """32 random bytes from rank 0, broadcast over the gloo control group."""
     buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
-    dist.broadcast(buf, src=0, group=control.control_group())
+    gloo.transfer(
+        lambda group: dist.broadcast(buf, src=0, group=group, async_op=True),
+        what="store setup (signing key)",
+        deadline=time.monotonic() + timeout,
+        timeout=timeout,
+    )
     return bytes(buf.numpy())
 
 
@@ -211,11 +225,16 @@ def end_sessions() -> None:
 
 
 def after_failure(exc: BaseException) -> None:
-    """After a failed exchange: if it found rank 0's rendezvous store gone, rank 0
-    (the areas' creator) is dead, so this surviving rank sweeps its areas."""
+    """After a failed exchange: if rank 0 (the areas' creator) is late or its
+    rendezvous store is gone, this surviving rank sweeps the job's areas.
+
+    A late rank 0 counts too: the job cannot go on in step without it, and a
+    frozen rank 0 that is killed later would leave its areas to the TTLs.
+    """
     cause = exc.__cause__
     gone = isinstance(exc, RemoteRankError) and exc.rank == 0 and isinstance(cause, RuntimeError)
-    if gone and not isinstance(cause, GatherError):
+    late = isinstance(exc, GatherTimeout) and 0 in exc.ranks
+    if late or (gone and not isinstance(cause, GatherError)):
         abandon()
 
 
