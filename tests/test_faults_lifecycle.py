@@ -136,14 +136,24 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
     route = ["collective"] if scenario.startswith("collective") else [*urls, "collective"]
     Path(out, f"ready-{rank}").write_text(str(os.getpid()))
     start, calls = time.monotonic(), 0
+    size = 2 << 20 if scenario == "collective-resume" else 60_000  # mostly in the transfer
     try:
         while True:
             start = time.monotonic()
             store = route[calls % len(route)]
-            gs.all_gather_object(bytes(60_000), store=store, timeout=5)
+            gs.all_gather_object(bytes(size), store=store, timeout=5)
             calls += 1
     except gs.GatherError as exc:
         outcome = report(exc, start)
+    Path(out, f"failed-{rank}").write_text("")
+    if scenario == "collective-resume":  # the frozen rank is back: how do later calls fare?
+        start = time.monotonic()
+        try:
+            gs.all_gather_object(rank, store="collective", timeout=30)
+            outcome["later"] = "ok"
+        except gs.GatherError as exc:
+            outcome["later"] = report(exc, start)
+        outcome["auto"] = gs.all_gather_object(rank, store="auto", timeout=30)
     began = time.monotonic()
     gs.shutdown()
     outcome["shutdown_seconds"] = time.monotonic() - began
@@ -207,6 +217,43 @@ def test_collective_route_names_a_killed_or_frozen_rank_in_time(
         for proc in procs:
             proc.kill()
             proc.wait()
+    assert leftovers(shm, redis_url) == []
+
+
+@pytest.mark.timeout(180)
+def test_after_a_frozen_rank_resumes_later_calls_fail_fast_or_work(
+    shm: Path, redis_url: str
+) -> None:
+    procs = start_job(3, "collective-resume", shm, redis_url)
+    try:
+        time.sleep(0.5)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        wait_for("the others' errors", lambda: all((shm / f"failed-{r}").exists() for r in (0, 1)))
+        os.kill(procs[2].pid, signal.SIGCONT)
+        for proc in procs:
+            assert proc.wait(timeout=120) == 0, proc.stderr and proc.stderr.read()
+        seen = outcomes(shm, [0, 1, 2])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    broken = [outcome["later"] != "ok" for outcome in seen.values()]
+    note(
+        "frozen rank 2 resumed",
+        first=[(o["error"], o["ranks"], round(o["seconds"], 1)) for o in seen.values()],
+        via=["transfer" if "(transfer)" in o["message"] else "status" for o in seen.values()],
+        later=[o["later"] if o["later"] == "ok" else o["later"]["error"] for o in seen.values()],
+        auto=seen[0]["auto"],
+    )
+    assert all(broken) or not any(broken)  # the same answer on every rank
+    for outcome in seen.values():
+        assert outcome["error"] == "GatherTimeout" and 2 in outcome["ranks"]
+        assert outcome["auto"] == [0, 1, 2]  # "auto" goes on, through tmpdir if need be
+        if outcome["later"] != "ok":
+            assert outcome["later"]["error"] == "GatherError"
+            assert "cannot be used again" in outcome["later"]["message"]
+            assert "store='tmpdir'" in outcome["later"]["message"]
+            assert outcome["later"]["seconds"] < MARGIN
     assert leftovers(shm, redis_url) == []
 
 

@@ -194,7 +194,7 @@ class _Call:
             )
 
     # --- the collective route ---------------------------------------------------
-    def transfer(self, start: Callable[[Any], Any]) -> None:
+    def transfer(self, start: gloo.Start) -> None:
         """Run one gloo op on gatherstore's group within this call's timeout."""
         try:
             gloo.transfer(start, what=self.what, deadline=self.deadline, timeout=self.timeout)
@@ -213,17 +213,17 @@ class _Call:
         longest = max(sizes)
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
         packed = self._packed(longest)
-        self.transfer(lambda group: dist.all_gather(slots, packed, group=group, async_op=True))
+        self.transfer(gloo.all_gather(slots, packed))
         return slots
 
     def collective_to(self, dst: int, sizes: list[int]) -> list[torch.Tensor] | None:
         longest = max(sizes)
         if self.rank != dst:
             packed = self._packed(longest)
-            self.transfer(lambda g: dist.gather(packed, None, dst=dst, group=g, async_op=True))
+            self.transfer(gloo.gather(None, packed, dst))
             return None
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-        self.transfer(lambda g: dist.gather(slots[dst], slots, dst=dst, group=g, async_op=True))
+        self.transfer(gloo.gather(slots, slots[dst], dst))
         return slots
 
     def decode_slot(self, slot: torch.Tensor, size: int, rank: int) -> Any:
@@ -385,7 +385,7 @@ def broadcast_object(
     sizes = call.agree(lambda: obj, receivers, send=call.rank == src)
     if call.target == "collective":
         buf = call._packed(sizes[src])
-        call.transfer(lambda group: dist.broadcast(buf, src=src, group=group, async_op=True))
+        call.transfer(gloo.broadcast(buf, src))
         return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
     session, prefix = call.write([src])
     error: BaseException | None = None

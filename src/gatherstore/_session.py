@@ -179,7 +179,7 @@ def _shared_key(timeout: float) -> bytes:
     """32 random bytes from rank 0, broadcast over the gloo control group."""
     buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
     gloo.transfer(
-        lambda group: dist.broadcast(buf, src=0, group=group, async_op=True),
+        gloo.broadcast(buf, 0),
         what="store setup (signing key)",
         deadline=time.monotonic() + timeout,
         timeout=timeout,

@@ -9,13 +9,17 @@ only where the user has not installed their own.
 Python runs signal handlers in the main thread between bytecodes, so a rank
 blocked in a C++ wait (a store wait, a gloo op) would run its handler only
 after the grace period.  A watcher thread, woken through ``signal.set_wakeup_fd``,
-therefore cleans up at once; the handler does the rest when the main thread
-gets to it.  Without a free wakeup fd (e.g. asyncio holds it) the handler alone cleans up.
+therefore cleans up at once and, for SIGTERM, ends the process with that
+signal's default action right away (the launcher's grace period is not spent
+waiting for a C++ call); for SIGINT the handler raises KeyboardInterrupt when
+the main thread gets to it.  Without a free wakeup fd (e.g. asyncio holds
+it) the handler alone cleans up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import threading
@@ -100,6 +104,21 @@ def _watch(read_end: int, signals: set[int]) -> None:
             return
         if any(byte in signals for byte in data):
             _run_cleanup()
+        if signal.SIGTERM in signals and signal.SIGTERM in data:
+            _die(signal.SIGTERM)
+
+
+def _die(signum: int) -> None:
+    """End the process with ``signum``'s default action, from any thread.
+
+    ``signal.signal`` only works in the main thread, which may be blocked in
+    C++; libc's ``signal`` restores the default action from here.
+    """
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal(signum, None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
