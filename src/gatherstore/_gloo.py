@@ -53,7 +53,7 @@ def broken() -> str:
 
 def refuse(what: str, why: str) -> GatherError:
     """The error for a call that needs the gloo group after it broke."""
-    return GatherError(f"{what}: {why}; {_HOW_ON}")
+    return GatherError(f"{what}: refused, an earlier call broke the group ({why}); {_HOW_ON}")
 
 
 def _options(options: Any, timeout: _dt.timedelta) -> Any:

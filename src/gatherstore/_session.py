@@ -6,7 +6,11 @@ every rank checks it sees the marker, else every rank raises
 StoreNotSharedError.  When the store's parts are signed, rank 0 draws a random
 key and broadcasts it over the gloo control group; it is never written to any
 store.  The job's area is removed when the process group is shut down (or at
-exit on rank 0).
+exit on rank 0).  When the job is stopped from outside, whoever outlives rank
+0 sweeps: every rank on SIGTERM/SIGINT (see ``_signals``), a rank that finds
+rank 0 late or its rendezvous store gone (:func:`after_failure`), and the
+``gs.launch`` parent, which hosts the rendezvous store and reads there the
+areas rank 0 published (:func:`sweep_published`).
 """
 
 from __future__ import annotations
@@ -146,7 +150,8 @@ def _launcher_store() -> Any | None:
 
 
 def _publish(session: JobSession) -> str:
-    """Tell the launcher (``gs.launch``, torchrun's agent) which area to sweep if the job dies."""
+    """Publish the area on the launcher's rendezvous store (``gs.launch`` sweeps it if the
+    job is stopped); returns the key, "" when no launcher hosts the store."""
     with contextlib.suppress(Exception):  # best effort: the signal handlers sweep too
         launcher = _launcher_store()
         if launcher is not None:
