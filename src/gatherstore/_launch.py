@@ -26,7 +26,7 @@ from ._errors import GatherError, RemoteRankError
 
 __all__ = ["free_port", "init_from_env", "launch", "shutdown"]
 
-_KILL_GRACE = 5.0
+_KILL_GRACE = 5.0  # seconds a stopped child has to clean up before SIGKILL
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,6 +80,11 @@ def launch(
     its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
     and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
     lambdas and closures included.  ``timeout`` is the process group's timeout.
+
+    When a child fails or dies, or this process is interrupted (Ctrl-C), the
+    other children are stopped as torchrun does (SIGTERM, a grace period in
+    which they remove their job areas, then SIGKILL), and the job areas rank 0
+    published on the rendezvous store this process hosts are removed too.
 
     Returns:
         The local ranks' return values, in rank order.
