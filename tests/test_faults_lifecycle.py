@@ -557,6 +557,25 @@ def test_mismatched_calls_raise_on_every_rank_before_data_moves(tmp_path: Path) 
     assert list(tmp_path.glob("gatherstore-*")) == []
 
 
+def _reduce_against_gather() -> str:
+    if gs.get_rank() == 1:
+        gs.all_reduce(1)  # the others gather objects, time out and leave
+        return "no error"
+    with pytest.raises(gs.GatherTimeout) as info:
+        gs.gather_object(0, store="collective", timeout=5)
+    assert info.value.ranks == [1]
+    return "named rank 1"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_left_in_a_tensor_collective_gets_a_gather_error() -> None:
+    with pytest.raises(gs.RemoteRankError) as info:
+        gs.launch(_reduce_against_gather, nproc_per_node=3, backend="gloo")
+    note("all_reduce left alone", named=info.value.rank, error=info.value.remote_message[:120])
+    assert info.value.rank == 1
+    assert info.value.remote_message.startswith("GatherError: all_reduce: the process group failed")
+
+
 # --- one job area per store; bounded waits ---------------------------------------------------
 
 

@@ -51,8 +51,9 @@ def _process_group(what: str) -> Iterator[None]:
     except RuntimeError as exc:
         if isinstance(exc, GatherError):
             raise
+        cause = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise GatherError(
-            f"{what}: the process group failed: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
+            f"{what}: the process group failed: {cause}; "
             "another rank died, stopped, or called a different collective (tensor collectives "
             "wait for the process group's timeout; object collectives name the rank)"
         ) from exc
