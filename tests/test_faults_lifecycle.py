@@ -191,7 +191,7 @@ def outcomes(out: Path, ranks: list[int]) -> dict[int, dict[str, Any]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=lambda s: s.name)
 def test_collective_route_names_a_killed_or_frozen_rank_in_time(
     shm: Path, redis_url: str, sig: signal.Signals
 ) -> None:
@@ -264,7 +264,7 @@ def test_after_a_frozen_rank_resumes_later_calls_fail_fast_or_work(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGKILL], ids=lambda s: s.name)
 def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
     shm: Path, redis_url: str, sig: signal.Signals
 ) -> None:
@@ -295,7 +295,7 @@ def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_to_every_rank_leaves_nothing_and_a_users_handler_is_kept(
     shm: Path, redis_url: str, sig: signal.Signals
 ) -> None:
