@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import multiprocessing as mp
 import os
@@ -19,13 +18,14 @@ import torch.distributed as dist
 
 from . import _control as control
 from . import _session as session
+from . import _signals as signals
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
 
 __all__ = ["init_from_env", "launch", "shutdown"]
 
-_KILL_GRACE = 5.0
+_KILL_GRACE = 5.0  # seconds a stopped child has to clean up before SIGKILL
 
 
 def _pick_backend(requested: str, nproc_per_node: int) -> str:
@@ -72,6 +72,11 @@ def launch(
     its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
     and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
     lambdas and closures included.  ``timeout`` is the process group's timeout.
+
+    When a child fails or dies, or this process is interrupted (Ctrl-C), the
+    other children are stopped as torchrun does (SIGTERM, a grace period in
+    which they remove their job areas, then SIGKILL), and the job areas rank 0
+    published on the rendezvous store this process hosts are removed too.
 
     Returns:
         The local ranks' return values, in rank order.
@@ -148,6 +153,8 @@ def launch(
         _stop(procs)
         for conn in conns:
             conn.close()
+        if server is not None:  # what a stopped job left behind, rank 0 published here
+            session.sweep_published(server)
         del server  # stops the store's server, if this process hosted one
 
 
@@ -183,7 +190,7 @@ def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list
 
 
 def _stop(procs: list[Any]) -> None:
-    """Terminate children still alive, then kill those that ignore it."""
+    """Stop children as torchrun does: SIGTERM (they clean up), a grace period, SIGKILL."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
@@ -327,17 +334,27 @@ def _expand_name(name: str, nodelist: str) -> list[str]:
     return expanded
 
 
-def shutdown(*, wait: bool = True) -> None:
+def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     """Leave and destroy the process group (no-op without one).
 
     Rank 0 first removes the job areas gatherstore created in its stores; with
     ``wait`` (the default) every rank meets first, so no rank is still reading.
+    That meeting waits at most ``timeout`` seconds (default: the timeout of the
+    job's last call that used a store) for ranks that are gone; if rank 0 is
+    gone, this rank removes the areas itself.
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number of seconds.
     """
+    seconds = to_seconds(timeout) if timeout is not None else session.last_timeout()
     if topology.is_distributed():
         if wait and session.has_sessions():
-            with contextlib.suppress(GatherError):
-                control.exchange(b"", timeout=to_seconds(None), what="shutdown")
+            try:
+                control.exchange(b"", timeout=seconds or to_seconds(None), what="shutdown")
+            except GatherError as exc:
+                session.after_failure(exc)
         session.end_sessions()
+        signals.uninstall()
         dist.destroy_process_group()
     control.reset()
     topology.forget()
