@@ -113,6 +113,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 # --- bench -----------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace) -> int:
+    if args.scale:
+        from ._bench import scale
+
+        return scale.main(args.scale)
     plan = bench.Plan(args.sizes, args.world, args.payloads, args.repeats, args.timeout)
     failed = bench.run(
         plan,
@@ -327,6 +331,14 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes moved to measure memcpy and /dev/shm (1GB)",
     )
     p.add_argument("--timeout", type=_argtype(_seconds), default=900.0, help="per collective")
+    p.add_argument(
+        "--scale",
+        type=_argtype(_ints),
+        nargs="?",
+        const=[64, 256, 1024],
+        metavar="WORLDS",
+        help="instead: the control exchange with simulated ranks (64,256,1024)",
+    )
     p.set_defaults(handler=_bench)
 
     p = sub.add_parser("check", help="check that a store works for every rank")
