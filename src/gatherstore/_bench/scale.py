@@ -110,7 +110,7 @@ def run_exchange(algorithm: str, world: int, *, value_bytes: int = 120, repeats:
     failed = [r for r in results if isinstance(r, Exception)]
     if failed:
         raise RuntimeError(f"{algorithm} at W={world}: {failed[0]!r}")
-    return statistics.median(max(r[step] for r in results) for step in range(repeats))
+    return float(statistics.median(max(r[step] for r in results) for step in range(repeats)))
 
 
 def main(
