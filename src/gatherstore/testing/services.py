@@ -1,7 +1,7 @@
 """Real Redis and S3 (SeaweedFS) servers on free loopback ports, for tests, CI and users.
 
-``python -m gatherstore.testing.services redis|s3`` starts one, prints its URL on one line and
-runs until SIGTERM or SIGINT.
+``python -m gatherstore.testing.services redis [--host ADDR]|s3`` starts one, prints its URL
+on one line and runs until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ _WEED_PORTS = [
 ]
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct loopback ports the kernel hands out for port 0."""
+def _free_ports(count: int, host: str = HOST) -> list[int]:
+    """Distinct ports on ``host`` (loopback by default) the kernel hands out for port 0."""
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket()) for _ in range(count)]
         for sock in socks:
-            sock.bind((HOST, 0))
+            sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in socks]
 
 
@@ -155,14 +155,17 @@ def _start(make: Callable[[Path], _S], workdir: str | None, attempts: int) -> _S
 
 
 class RedisService(_Service):
-    """A ``redis-server`` on 127.0.0.1 without persistence; ``.url`` is ``redis://…/0``."""
+    """A ``redis-server`` on ``host`` (127.0.0.1) without persistence; ``.url`` is
+    ``redis://…/0``."""
 
     name = "redis-server"
 
-    def __init__(self, executable: str, port: int, directory: Path):
-        self.port = port
-        self.url = f"redis://{HOST}:{port}/0"
-        argv = [executable, "--bind", HOST, "--port", str(port), "--protected-mode", "yes"]
+    def __init__(self, executable: str, port: int, directory: Path, host: str = HOST):
+        self.host, self.port = host, port
+        self.url = f"redis://{host}:{port}/0"
+        # protected mode refuses every client from another address (a password-less server)
+        protected = "yes" if host == HOST else "no"
+        argv = [executable, "--bind", host, "--port", str(port), "--protected-mode", protected]
         argv += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(directory)]
         super().__init__(argv, directory)
 
@@ -171,7 +174,9 @@ class RedisService(_Service):
         return {"GATHERSTORE_TEST_REDIS_URL": self.url}
 
     def probe(self) -> bool:
-        client = redis.Redis(host=HOST, port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(
+            host=self.host, port=self.port, socket_timeout=1, socket_connect_timeout=1
+        )
         try:
             # PONG from *our* server, not from another one that took the port first
             return bool(client.ping()) and client.info("server")["process_id"] == self.process.pid
@@ -182,8 +187,11 @@ class RedisService(_Service):
             client.close()
 
 
-def start_redis(*, port: int | None = None, workdir: str | None = None) -> RedisService:
-    """Start a throwaway ``redis-server`` on ``port`` (default: a free one).
+def start_redis(
+    *, port: int | None = None, host: str = HOST, workdir: str | None = None
+) -> RedisService:
+    """Start a throwaway ``redis-server`` on ``port`` (default: a free one) of ``host``,
+    the address it binds (default 127.0.0.1; another host's address to serve other machines).
 
     Raises:
         RuntimeError: ``redis-server`` is missing, exits, or does not answer PING in time.
@@ -195,7 +203,9 @@ def start_redis(*, port: int | None = None, workdir: str | None = None) -> Redis
             "or `apt-get install redis-server`"
         )
     return _start(
-        lambda directory: RedisService(executable, port or _free_ports(1)[0], directory),
+        lambda directory: RedisService(
+            executable, port or _free_ports(1, host)[0], directory, host
+        ),
         workdir,
         1 if port else _ATTEMPTS,
     )
@@ -323,16 +333,20 @@ def start_s3(*, workdir: str | None = None) -> S3Service:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gatherstore.testing.services redis|s3``."""
+    """``python -m gatherstore.testing.services redis [--host ADDR] | s3``."""
     args = sys.argv[1:] if argv is None else argv
-    if args not in (["redis"], ["s3"]):
-        print("usage: python -m gatherstore.testing.services redis|s3", file=sys.stderr)
+    host = args[2] if args[:1] == ["redis"] and args[1:2] == ["--host"] and len(args) == 3 else HOST
+    if args not in (["redis"], ["s3"], ["redis", "--host", host]):
+        print(
+            "usage: python -m gatherstore.testing.services redis [--host ADDR] | s3",
+            file=sys.stderr,
+        )
         return 2
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     try:
-        service = start_redis() if args == ["redis"] else start_s3()
+        service = start_redis(host=host) if args[0] == "redis" else start_s3()
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
