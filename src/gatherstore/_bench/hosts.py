@@ -187,16 +187,16 @@ class Hosts:
         # by an sshfs in host 2's network namespace
         argv = ["nsenter", f"--net=/run/netns/{self[2].netns}", "sshfs", "-f", target, str(view)]
         deadline = time.monotonic() + _READY_TIMEOUT
-        while True:  # sshd may not listen yet
+        while not self._mounted(view):  # sshd may not listen yet: try again
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshfs could not mount {target} on host 2")
             sshfs = subprocess.Popen([*argv, "-o", ",".join(options)], **_QUIET)
             self._stack.callback(_end, sshfs)
             self._stack.callback(subprocess.run, ["umount", "-l", str(view)], **_QUIET)
-            if _wait_for(lambda: self._mounted(view) or sshfs.poll() is not None, deadline):
-                if self._mounted(view):
+            while sshfs.poll() is None and not self._mounted(view):
+                if time.monotonic() > deadline:
                     break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sshfs could not mount {target} on host 2")
-            time.sleep(0.2)
+                time.sleep(0.05)
         self[2].binds.append((view, str(self.shared)))
 
     def _stop_host(self, index: int) -> None:
@@ -231,14 +231,6 @@ _QUIET: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEV
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True)
-
-
-def _wait_for(condition: Any, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _end(process: subprocess.Popen[Any]) -> None:
