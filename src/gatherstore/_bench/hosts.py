@@ -86,7 +86,7 @@ class Host:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), 9)
         for source, _ in self.binds[:2]:
-            subprocess.run(["umount", "-l", str(source)], check=False)
+            _umount(source)
 
 
 class Hosts:
@@ -192,7 +192,7 @@ class Hosts:
                 raise RuntimeError(f"sshfs could not mount {target} on host 2")
             sshfs = subprocess.Popen([*argv, "-o", ",".join(options)], **_QUIET)
             self._stack.callback(_end, sshfs)
-            self._stack.callback(subprocess.run, ["umount", "-l", str(view)], **_QUIET)
+            self._stack.callback(_umount, view)
             while sshfs.poll() is None and not self._mounted(view):
                 if time.monotonic() > deadline:
                     break
@@ -231,6 +231,10 @@ _QUIET: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEV
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True)
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], **_QUIET)
 
 
 def _end(process: subprocess.Popen[Any]) -> None:
