@@ -55,8 +55,9 @@ class Host:
     and its own /tmp and /dev/shm (tmpfs mounts under ``root``, shared by all its
     processes) bound over the machine's in every command it runs."""
 
-    def __init__(self, index: int, netns: str, addr: str, root: Path):
+    def __init__(self, index: int, netns: str, addr: str, device: str, root: Path):
         self.index, self.netns, self.addr, self.root = index, netns, addr, root
+        self.device = device  # for GLOO_SOCKET_IFNAME
         self.binds: list[tuple[Path, str]] = []
         for name, target in (("tmp", "/tmp"), ("shm", "/dev/shm")):
             (root / name).mkdir(parents=True)
@@ -146,7 +147,8 @@ class Hosts:
             _ip("-n", name, "link", "set", "lo", "up")
         for i, name in enumerate(names, start=1):
             self._stack.callback(self._stop_host, i)
-            self.hosts.append(Host(i, name, f"{self.subnet}.{i}", self.workdir / f"host{i}"))
+            addr, root = f"{self.subnet}.{i}", self.workdir / f"host{i}"
+            self.hosts.append(Host(i, name, addr, veth[i - 1], root))
         self._share()
         self._redis()
 
@@ -177,6 +179,7 @@ class Hosts:
             "UserKnownHostsFile=/dev/null",
             "LogLevel=ERROR",
             "dir_cache=no",
+            "dcache_timeout=0",
             "attr_timeout=0",
             "entry_timeout=0",
             "negative_timeout=0",
@@ -218,6 +221,7 @@ class Hosts:
             stderr=subprocess.DEVNULL,
             text=True,
             cwd=self.workdir,
+            env={**os.environ, "TMPDIR": str(self.workdir)},  # the host's /tmp stays empty
         )
         self._stack.callback(_end, server)
         assert server.stdout is not None
