@@ -117,6 +117,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import scale
 
         return scale.main(args.scale)
+    if args.hosts:
+        from ._bench import hostbench
+
+        return hostbench.main()
     plan = bench.Plan(args.sizes, args.world, args.payloads, args.repeats, args.timeout)
     failed = bench.run(
         plan,
@@ -338,6 +342,12 @@ def _parser() -> argparse.ArgumentParser:
         const=[64, 256, 1024],
         metavar="WORLDS",
         help="instead: the control exchange with simulated ranks (64,256,1024)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        choices=[2],
+        help="instead: 200 MiB per rank across 2 simulated hosts (root; sshfs, Redis)",
     )
     p.set_defaults(handler=_bench)
 
