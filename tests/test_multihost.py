@@ -61,14 +61,19 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    """Two simulated hosts, torn down after this module (also on failure or Ctrl-C)."""
+def require_hosts() -> None:
+    """Skip where this machine cannot build hosts; under CI, fail instead."""
     reason = unavailable()
     if reason:
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    """Two simulated hosts, torn down after this module (also on failure or Ctrl-C)."""
+    require_hosts()
     with Hosts() as built:
         (built.workdir / "job.py").write_text(JOB)
         yield built
@@ -162,9 +167,7 @@ def test_slurm_step_on_two_hosts(hosts: Hosts) -> None:
 
 def test_hosts_are_torn_down() -> None:
     """Building and closing leaves no namespace, mount or directory behind."""
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
+    require_hosts()
     with Hosts(subnet="10.77.1") as built:
         names = [host.netns for host in built.hosts]
         workdir = built.workdir
