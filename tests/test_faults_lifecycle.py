@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 import gatherstore as gs
-from gatherstore._launch import free_port
+from gatherstore.testing.services import free_ports
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 MARGIN = 20.0  # seconds past a timeout that count as "in time" on a loaded machine
@@ -162,7 +162,7 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
 
 def start_job(world: int, scenario: str, out: Path, redis_url: str) -> list[subprocess.Popen[str]]:
     """Start ``world`` ranks joined with ``init_from_env`` (stderr in ``out/stderr-<rank>``)."""
-    port = free_port()
+    port = free_ports()[0]
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
@@ -436,7 +436,7 @@ def test_launch_returns_in_time_when_a_rank_dies_after_using_stores(
 LAUNCH_SCRIPT = """
 import sys
 import gatherstore as gs
-from gatherstore._launch import free_port
+from gatherstore.testing.services import free_ports
 sys.path.insert(0, {tests!r})
 from test_faults_lifecycle import _wait_in_a_gather
 if __name__ == "__main__":
@@ -472,7 +472,7 @@ def test_ctrl_c_to_the_launching_process_leaves_nothing(shm: Path, redis_url: st
 TORCHRUN_SCRIPT = """
 import sys
 import gatherstore as gs
-from gatherstore._launch import free_port
+from gatherstore.testing.services import free_ports
 sys.path.insert(0, {tests!r})
 from test_faults_lifecycle import _wait_in_a_gather
 gs.init_from_env(backend="gloo")

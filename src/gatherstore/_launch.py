@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import multiprocessing as mp
 import os
-import re
 import signal
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from . import _control as control
 from . import _session as session
 from . import _signals as signals
+from . import _slurm as slurm
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
@@ -236,11 +236,15 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
 
     Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
     SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and MASTER_ADDR taken
-    from the first host of SLURM_JOB_NODELIST; MASTER_PORT defaults to 29500).
+    from the first host of the step's SLURM_STEP_NODELIST, else of the job's
+    SLURM_JOB_NODELIST; MASTER_PORT defaults to 29500).
 
     Returns:
         True when a group was joined (or already existed), False in a plain
         single process with none of those variables (the serial answers apply).
+
+    Raises:
+        ValueError: the variables are incomplete or a SLURM node list is malformed.
     """
     if topology.is_distributed():
         return True
@@ -252,13 +256,7 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local_rank = int(env.get("SLURM_LOCALID", "0"))
         if "MASTER_ADDR" not in env:
-            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-            if not nodelist:
-                raise ValueError(
-                    "SLURM job without SLURM_JOB_NODELIST or MASTER_ADDR: export "
-                    "MASTER_ADDR=<first node's hostname> before starting the job"
-                )
-            env["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
+            env["MASTER_ADDR"] = slurm.master_addr(env)
         env.setdefault("MASTER_PORT", "29500")
     else:
         return False
@@ -271,67 +269,6 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
     local_size = int(env.get("LOCAL_WORLD_SIZE", str(max(gpus, 1))))
     _join(_pick_backend(backend, local_size), rank, world, local_rank, timeout)
     return True
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Hostnames of a SLURM node list, e.g. ``"gpu[01-03,07],cpu1"`` or ``"r[1-2]-n[1-4]"``.
-
-    Ranges keep the zero padding of their first number; several bracket groups
-    in one name expand to every combination, in order.
-
-    Raises:
-        ValueError: the list is malformed (unbalanced or nested brackets, empty
-            names or ranges, non-numeric or decreasing ranges).
-    """
-    hosts: list[str] = []
-    for name in _split_top_level(nodelist):
-        hosts += _expand_name(name, nodelist)
-    return hosts
-
-
-def _split_top_level(nodelist: str) -> list[str]:
-    """The comma-separated names of a node list (commas inside brackets kept)."""
-    names, depth, start = [], 0, 0
-    for i, char in enumerate(nodelist):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-        if depth not in (0, 1):
-            raise ValueError(f"SLURM node list {nodelist!r}: unbalanced or nested brackets")
-        if char == "," and depth == 0:
-            names.append(nodelist[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError(f"SLURM node list {nodelist!r}: unbalanced brackets")
-    names.append(nodelist[start:])
-    for name in names:
-        if not name or any(c.isspace() for c in name):
-            raise ValueError(
-                f"SLURM node list {nodelist!r} has an empty or blank host name; expected "
-                "names such as 'node[01-04,07],gpu1'"
-            )
-    return names
-
-
-def _expand_name(name: str, nodelist: str) -> list[str]:
-    """Every host of one name with bracket groups, e.g. ``"n[1-2]-ib"``."""
-    pieces = re.split(r"\[([^\]]*)\]", name)  # literal, ranges, literal, ..., literal
-    expanded = [pieces[0]]
-    for ranges, literal in zip(pieces[1::2], pieces[2::2], strict=True):
-        numbers: list[str] = []
-        for part in ranges.split(","):
-            first, dash, last = part.partition("-")
-            last = last if dash else first
-            digits = re.fullmatch(r"[0-9]+", first) and re.fullmatch(r"[0-9]+", last)
-            if not digits or int(first) > int(last):
-                raise ValueError(
-                    f"cannot parse SLURM node list {nodelist!r} at {part!r}: expected "
-                    "ranges such as [01-04,07]"
-                )
-            numbers += [f"{n:0{len(first)}d}" for n in range(int(first), int(last) + 1)]
-        expanded = [f"{head}{n}{literal}" for head in expanded for n in numbers]
-    return expanded
 
 
 def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
