@@ -58,6 +58,7 @@ PUBLIC = {
     "StoreUnavailableError",
     "InsufficientMemoryError",
     "MismatchError",
+    "ProcessGroupError",
     "__version__",
 }
 
@@ -116,6 +117,7 @@ def test_errors_subclass_the_root_and_a_builtin() -> None:
         gs.StoreUnavailableError: ConnectionError,
         gs.InsufficientMemoryError: MemoryError,
         gs.MismatchError: ValueError,
+        gs.ProcessGroupError: RuntimeError,
     }
     for error, builtin in pairs.items():
         assert issubclass(error, gs.GatherError)

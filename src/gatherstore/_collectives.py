@@ -16,7 +16,7 @@ import torch.distributed as dist
 from . import _control as control
 from . import _topology as topology
 from ._config import Timeout, to_seconds
-from ._errors import GatherError, MismatchError, RemoteRankError
+from ._errors import GatherError, MismatchError, ProcessGroupError, RemoteRankError
 
 __all__ = [
     "all_gather_tensor",
@@ -45,14 +45,15 @@ _warned: set[tuple[int, int]] = set()
 
 @contextlib.contextmanager
 def _process_group(what: str) -> Iterator[None]:
-    """Report the process group's own failures as a GatherError, not a raw torch error."""
+    """Report the process group's own failures as a ProcessGroupError (a GatherError and
+    still a RuntimeError, as torch's was), not a raw torch error."""
     try:
         yield
     except RuntimeError as exc:
         if isinstance(exc, GatherError):
             raise
         cause = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise GatherError(
+        raise ProcessGroupError(
             f"{what}: the process group failed: {cause}; "
             "another rank died, stopped, or called a different collective (tensor collectives "
             "wait for the process group's timeout; object collectives name the rank)"

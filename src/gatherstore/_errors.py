@@ -14,6 +14,7 @@ __all__ = [
     "InsufficientMemoryError",
     "IntegrityError",
     "MismatchError",
+    "ProcessGroupError",
     "RemoteRankError",
     "StoreNotSharedError",
     "StoreUnavailableError",
@@ -45,6 +46,11 @@ class GatherTimeout(GatherError, TimeoutError):
         self.ranks = sorted(ranks)
         self.keys = list(keys)
         self.timeout = timeout
+
+
+class ProcessGroupError(GatherError, RuntimeError):
+    """The process group itself failed in a tensor collective (a rank died, stopped,
+    or called a different collective); replaces torch's raw RuntimeError."""
 
 
 class RemoteRankError(GatherError, RuntimeError):

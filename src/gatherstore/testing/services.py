@@ -243,7 +243,8 @@ def start_redis(
             shutil.rmtree(directory, ignore_errors=True)
             raise RuntimeError(f"redis-server did not start: {exc}") from exc
         service = RedisService(executor, directory)
-        with contextlib.closing(redis.Redis.from_url(service.url)) as client:
+        # over the server's unix socket: protected mode refuses non-loopback clients
+        with contextlib.closing(redis.Redis(unix_socket_path=executor.unixsocket)) as client:
             client.config_set("save", "")  # no snapshots: the data is thrown away
             if host != HOST:  # protected mode refuses clients from other addresses
                 client.config_set("protected-mode", "no")
