@@ -579,12 +579,14 @@ def _reduce_against_gather() -> str:
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_left_in_a_tensor_collective_gets_a_gather_error() -> None:
+def test_a_rank_left_in_a_tensor_collective_gets_a_process_group_error() -> None:
     with pytest.raises(gs.RemoteRankError) as info:
         gs.launch(_reduce_against_gather, nproc_per_node=3, backend="gloo")
     note("all_reduce left alone", named=info.value.rank, error=info.value.remote_message[:120])
     assert info.value.rank == 1
-    assert info.value.remote_message.startswith("GatherError: all_reduce: the process group failed")
+    assert info.value.remote_message.startswith(
+        "ProcessGroupError: all_reduce: the process group failed"
+    )
 
 
 # --- one job area per store; bounded waits ---------------------------------------------------
