@@ -4,7 +4,11 @@ Every value is one Redis string written with ``SET key value NX PX <ttl>``:
 create-only, atomic (a reader sees the whole value or nothing) and expiring, so
 a crashed job leaves nothing behind for good.  Values above ``chunk_size``
 (default 4 MiB; at most 512 MiB, Redis's limit for one value) are chunked by
-the base class, each chunk a key with the same TTL.
+the base class, each chunk a key with the same TTL.  Values travel on a
+pipelined wire (``_resp``): 4 SETs or GETs in flight per connection, values
+sent from the caller's buffers and received straight into the reader's buffer;
+a SET retried after a dropped connection that finds its own first try in place
+counts as written.
 
 Options come from the URL query or keywords, e.g.
 ``redis://:secret@host:6379/0?ttl=600&chunk_size=33554432&socket_timeout=30``:
@@ -24,13 +28,14 @@ but survives pickling, so ranks can reopen the store.
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import redis
 import redis.connection
 
-from .base import CHUNKS, Buffer, Store, hide_password
+from . import _resp
+from .base import Buffer, Store, hide_password
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_TTL", "MAX_CHUNK_SIZE", "RedisStore"]
 
@@ -49,6 +54,9 @@ _SECRETS = ("password",)
 _BATCH = 1000  # keys per SCAN step and per UNLINK
 _GLOB_SPECIALS = "\\*?[]"
 _connection: Any = redis.connection  # redis-py's helpers, untyped
+_IN_FLIGHT = 4  # SETs or GETs sent ahead of their replies on one connection
+_WRITE_ATTEMPTS = 2  # a write window is sent again once after a dropped connection
+_T = TypeVar("_T")
 
 
 def _shown(url: str) -> str:
@@ -116,6 +124,14 @@ def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any])
             )
 
 
+def _pooled(pool: redis.ConnectionPool) -> Any:
+    """A connected connection of ``pool`` (redis-py 5 still wants a command name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:  # pragma: no cover - redis-py < 5.3
+        return pool.get_connection("GET")
+
+
 class RedisStore(Store):
     """Values as Redis strings, each with a TTL; see the module docstring for the options.
 
@@ -181,19 +197,67 @@ class RedisStore(Store):
     def _key(self, key: str) -> bytes:
         return (self.key_prefix + key).encode("utf-8", "surrogateescape")
 
+    def _wire(self, work: Callable[[_resp.Wire], _T]) -> _T:
+        """``work`` on a pooled connection's wire; a connection left mid-reply is dropped."""
+        conn = _pooled(self._pool)
+        try:
+            conn._sock.settimeout(conn.socket_timeout)
+            return work(_resp.Wire(conn, _IN_FLIGHT))
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
+
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-        # one SET is atomic; a single buffer goes out as is, several are joined once
-        value: bytes | memoryview = views[0] if len(views) == 1 else b"".join(views)
-        return bool(self._client.set(self._key(key), value, nx=True, px=self._ttl_ms))
+        return self._write_many([(key, buffers)])[0]
+
+    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """``SET NX PX`` of every item, pipelined; each value is one atomic SET."""
+        sets = [
+            (self._key(key), [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes])
+            for key, buffers in items
+        ]
+        commands = [_resp.pack_set(key, views, self._ttl_ms) for key, views in sets]
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                replies = self._wire(lambda wire: wire.run(commands, lambda i: wire.line()))
+                break
+            except (ConnectionError, redis.ConnectionError):
+                if attempt + 1 == _WRITE_ATTEMPTS:
+                    raise
+        # a nil reply means the key exists: after a retry, maybe the first try's own value
+        return [
+            reply == b"+OK" or (attempt > 0 and self._holds(key, views))
+            for (key, views), reply in zip(sets, replies, strict=True)
+        ]
+
+    def _holds(self, key: bytes, views: Sequence[memoryview]) -> bool:
+        """Whether ``key`` holds exactly the concatenation of ``views``."""
+        got = self._get_many([key], [None])[0][1]
+        if got is None:
+            return False
+        whole, pos = memoryview(got), 0
+        for view in views:
+            if whole[pos : pos + len(view)] != view:
+                return False
+            pos += len(view)
+        return pos == len(whole)
+
+    def _get_many(
+        self, keys: Sequence[bytes], places: Sequence[memoryview | None]
+    ) -> list[tuple[int | None, Any]]:
+        commands = [_resp.pack(b"GET", key) for key in keys]
+        return self._wire(lambda wire: wire.run(commands, lambda i: wire.bulk(places[i])))
 
     def _read(self, key: str) -> Buffer | None:
-        value: bytes | None = self._client.get(self._key(key))  # type: ignore[assignment]
-        if value is None:
-            return None
-        if f"{CHUNKS}/" in key:  # a chunk: the base copies it into one bytearray anyway
-            return value
-        return bytearray(value)  # writable: arrays and tensors are rebuilt without copies
+        """The value in a new bytearray (writable: arrays and tensors decode in place)."""
+        value: Buffer | None = self._get_many([self._key(key)], [None])[0][1]
+        return value
+
+    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
+        got = self._get_many([self._key(k) for k, _ in items], [view for _, view in items])
+        return [size for size, _ in got]
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         head: bytes = self._client.getrange(self._key(key), 0, size - 1)  # type: ignore[assignment]
