@@ -56,6 +56,8 @@ __all__ = [
 AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)))
 
 _opened: dict[str, Store] = {}
+#: Parts a reader fetches and verifies at once (its memory window besides what it returns).
+READ_AHEAD = 2
 
 
 def _available_memory() -> int:
@@ -370,8 +372,10 @@ def gather_prepared(
 class _Parts(Iterator[Any]):
     """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
 
-    While one part is unpickled the next is read and verified in a thread, so
-    at most two parts are held besides what the consumer keeps.  With
+    ``READ_AHEAD`` parts are read and verified at once in threads (the next one
+    is fetched while the current one is verified, and both while the consumer
+    decodes), so at most ``READ_AHEAD`` parts are held besides what the consumer
+    keeps.  With
     ``delete`` each part is deleted once read, and closing early deletes the
     rest.
     """
@@ -391,7 +395,7 @@ class _Parts(Iterator[Any]):
         self.todo = [r for r in range(call.world) if r != own_rank]
         self.next_rank = 0
         self.closed = False
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gatherstore-read")
+        self.pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="gatherstore-read")
         self.ahead: dict[int, Future[serialize.Verified]] = {}
         incoming = sum(call.sizes) - call.sizes[own_rank]
         self.progress = Progress(
@@ -404,12 +408,12 @@ class _Parts(Iterator[Any]):
         self._prefetch()
 
     def _prefetch(self) -> None:
-        for rank in self.todo[:2]:
+        """Keep the next ``READ_AHEAD`` parts being read."""
+        for rank in self.todo[:READ_AHEAD]:
             if rank not in self.ahead:
                 self.ahead[rank] = self.pool.submit(
                     self.call.fetch, self.session, self.prefix, rank
                 )
-                return
 
     def __iter__(self) -> _Parts:
         return self
@@ -423,9 +427,9 @@ class _Parts(Iterator[Any]):
         if rank == self.own_rank:
             return self.own
         try:
+            self._prefetch()  # this part and the next ones
             future = self.ahead.pop(rank)
             self.todo.remove(rank)
-            self._prefetch()
             value = serialize.load(future.result())
             self.progress.update(self.call.sizes[rank])
             return value
