@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from . import _control as control
 from . import _serialize as serialize
+from . import _stream as stream_route
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import (
@@ -39,7 +40,7 @@ from ._errors import (
 from ._progress import Progress, log_call, wanted
 from ._session import JobSession, session_for
 from .stores.base import Store
-from .stores.registry import default_store, open_store
+from .stores.registry import ROUTES, default_store, open_store
 
 __all__ = [
     "AUTO_THRESHOLD",
@@ -73,9 +74,9 @@ def _available_memory() -> int:
 
 
 def _resolve(store: str | Store | None) -> str | Store:
-    """ "collective", "auto", or an open Store (opened stores are reused per URL)."""
+    """A route ("auto", "collective", "stream") or an open Store (reused per URL)."""
     spec = default_store(store)
-    if isinstance(spec, Store) or spec in ("collective", "auto"):
+    if isinstance(spec, Store) or spec in ROUTES:
         return spec
     if spec not in _opened:
         _opened[spec] = open_store(spec)
@@ -125,6 +126,7 @@ class _Call:
         self.what = what
         self.progress = progress
         self.timeout = to_seconds(timeout)
+        self.deadline = time.monotonic() + self.timeout
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.target = _resolve(store)
@@ -156,8 +158,9 @@ class _Call:
         self.total = sum(sizes)
         if self.target == "auto":
             small = self.total <= AUTO_THRESHOLD
-            # tmpdir is node-local: across nodes "auto" stays on the process group
-            self.target = "collective" if small or topology.get_nnodes() > 1 else _resolve("tmpdir")
+            # tmpdir is node-local: across nodes "auto" streams over the process group
+            across = topology.get_nnodes() > 1
+            self.target = "collective" if small else "stream" if across else _resolve("tmpdir")
         for r in receivers:
             incoming = self.total - sizes[r]
             if incoming > statuses[r]["avail"]:
@@ -199,6 +202,56 @@ class _Call:
 
     def decode_slot(self, slot: torch.Tensor, size: int, rank: int) -> Any:
         return serialize.decode(slot.numpy().data[:size], rank=rank, where=self.what)
+
+    # --- the stream route: point to point, chunk by chunk -----------------------------
+    def _limits(self) -> dict[str, Any]:
+        return {"deadline": self.deadline, "what": self.what, "timeout": self.timeout}
+
+    def _segments(self) -> list[memoryview]:
+        return [] if self.frame is None else self.frame.seal(None).segments
+
+    def stream_to(self, dst: int) -> Iterator[Any] | None:
+        """Send this rank's part to ``dst``; on ``dst``, every part in rank order as it
+        arrives (its own object in place)."""
+        group = control.control_group()
+        if self.rank != dst:
+            stream_route.send(self._segments(), self.sizes[self.rank], dst, group, **self._limits())
+            self.frame = None
+            self.finish()
+            return None
+        return self._streamed(dst, group)
+
+    def _streamed(self, dst: int, group: Any) -> Iterator[Any]:
+        incoming = self.total - self.sizes[dst]
+        progress = Progress(
+            self.what, self.world - 1, incoming, enabled=wanted(self.progress, incoming)
+        )
+        received = stream_route.receive(self.sizes, dst, group, **self._limits())
+        try:
+            for rank in range(self.world):
+                if rank == dst:
+                    yield self.own
+                    continue
+                _, part = next(received)
+                progress.update(len(part))
+                yield serialize.decode(memoryview(part), rank=rank, where=self.what)
+        finally:
+            progress.close()
+            self.finish()
+
+    def stream_from(self, src: int) -> Any:
+        """``src``'s part on this rank, broadcast chunk by chunk (``src``: its own object)."""
+        mine = self.rank == src
+        part = stream_route.broadcast(
+            self._segments() if mine else None,
+            self.sizes[src],
+            src,
+            control.control_group(),
+            **self._limits(),
+        )
+        if part is None:
+            return self.own
+        return serialize.decode(memoryview(part), rank=src, where=self.what)
 
     # --- the store route -----------------------------------------------------------
     def write(self, writers: Sequence[int]) -> tuple[JobSession, str]:
@@ -276,6 +329,10 @@ def all_gather_object(
         return [
             obj if r == call.rank else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)
         ]
+    if call.target == "stream":
+        everything = [call.stream_from(src) for src in everyone]
+        call.finish()
+        return everything
     session, prefix = call.write(everyone)
     error: BaseException | None = None
     out: list[Any] = []
@@ -361,6 +418,9 @@ def gather_prepared(
         return iter(
             [obj if r == dst else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)]
         )
+    if call.target == "stream":
+        streamed = call.stream_to(dst)
+        return streamed if stream or streamed is None else iter(list(streamed))
     session, prefix = call.write(others)
     if call.rank != dst:
         call.finish()
@@ -476,6 +536,10 @@ def broadcast_object(
         dist.broadcast(buf, src=src, group=control.control_group())
         call.finish()
         return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
+    if call.target == "stream":
+        out = call.stream_from(src)
+        call.finish()
+        return out
     session, prefix = call.write([src])
     error: BaseException | None = None
     mine = _status(True)

@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 #: Specs that are routes in ``objects.py``, not byte stores.
-ROUTES = ("auto", "collective")
+ROUTES = ("auto", "collective", "stream")
 
 _registry: dict[str, str | type[Store]] = {
     "tmpdir": "gatherstore.stores.file:TmpdirStore",
