@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import uuid
@@ -21,7 +23,8 @@ import redis
 from _jobs import check_object_collectives, object_collectives_job
 
 import gatherstore as gs
-from gatherstore.stores.base import Store
+from gatherstore._bench.measure import PeakMemory
+from gatherstore.stores.base import KeyExistsError, Store
 from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import StoreTests, services
 
@@ -335,6 +338,10 @@ def test_unix_socket(tmp_path: Any) -> None:
         assert isinstance(store, RedisStore) and store.url == f"unix://{sock}"
         store.put("k", b"over a unix socket")
         assert bytes(pickle.loads(pickle.dumps(store)).get("k") or b"") == b"over a unix socket"
+        big = os.urandom(9 << 20)  # 3 chunks, pipelined over the socket
+        store.put("big", big)
+        assert bytes(store.get("big") or b"") == big
+        store.discard("big")
         client = redis.Redis(unix_socket_path=str(sock), db=2)
         assert client.keys() == [b"u/k"] and 0 < client.ttl(b"u/k") <= 60
         client.close()
@@ -352,3 +359,143 @@ def test_tls_url_is_understood() -> None:
     clone = pickle.loads(pickle.dumps(store))
     assert clone._pool.connection_kwargs["password"] == PASSWORD
     assert clone._options() == {"ssl_cert_reqs": "none"}
+
+
+# --- the pipelined wire ------------------------------------------------------------------------
+
+
+class _CuttingProxy:
+    """A TCP proxy to Redis that, once armed, cuts the first reply carrying ``marker``:
+    it forwards ``keep`` bytes of it and closes that connection (a real dropped link)."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urllib.parse.urlsplit(upstream)
+        self.target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.marker: bytes | None = None
+        self.keep = 0
+        self.cuts = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, marker: bytes, keep: int = 0) -> None:
+        with self.lock:
+            self.marker, self.keep = marker, keep
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                with self.lock:
+                    cut = replies and self.marker is not None and self.marker in data
+                    if cut:
+                        self.marker, self.cuts = None, self.cuts + 1
+                if cut:
+                    dst.sendall(data[: self.keep])
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def proxy(gatherstore_redis_url: str) -> Iterator[_CuttingProxy]:
+    proxy = _CuttingProxy(gatherstore_redis_url)
+    yield proxy
+    proxy.close()
+
+
+def test_retried_set_that_landed_is_the_writers_own(
+    proxy: _CuttingProxy, gatherstore_redis_url: str, prefix: str
+) -> None:
+    """The link drops after the SET NX landed, before its reply: the retry's nil reply is
+    the writer's own value, not a KeyExistsError."""
+    store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix, chunk_size=4096)
+    try:
+        store.put("warm", b"x")  # connected and authenticated before the link is cut
+        proxy.arm(b"+OK")
+        assert store.put("inline", b"mine") == 4
+        proxy.arm(b"+OK")
+        data = os.urandom(20_000)  # 5 chunks in flight, then the manifest
+        assert store.put("chunked", data) == len(data)
+        assert proxy.cuts == 2
+        assert bytes(store.get("inline") or b"") == b"mine"
+        assert bytes(store.get("chunked") or b"") == data
+        with pytest.raises(KeyExistsError):  # somebody else's value is still refused
+            store.put("inline", b"other")
+    finally:
+        store.delete("")
+        store.close()
+    assert _raw_keys(gatherstore_redis_url, prefix) == []
+
+
+def test_reply_cut_midway_is_unavailable_and_the_link_is_replaced(
+    proxy: _CuttingProxy, prefix: str
+) -> None:
+    store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix)
+    try:
+        data = os.urandom(3 << 20)
+        store.put("k", data)
+        proxy.arm(b"$", keep=1000)  # a bulk reply ends after 1000 bytes
+        with pytest.raises(gs.StoreUnavailableError, match="closed the connection") as info:
+            store.get("k")
+        assert isinstance(info.value.__cause__, redis.ConnectionError)
+        assert bytes(store.get("k") or b"") == data  # a fresh connection, nothing half-read
+    finally:
+        store.delete("")
+        store.close()
+
+
+@pytest.mark.timeout(120)
+def test_values_go_out_and_come_back_without_copies(redis_url: str, prefix: str) -> None:
+    """A 256 MiB part: sent from its own buffer, received into one preallocated buffer."""
+    store = RedisStore(redis_url, key_prefix=prefix)
+    size = 256 << 20
+    part = np.random.default_rng(2).integers(0, 255, size=size, dtype=np.uint8)
+    crc = zlib.crc32(part.data)
+    try:
+        with PeakMemory() as put:
+            store.put("part", part.data)
+        if not put.reset:
+            pytest.skip("/proc/self/clear_refs is not writable here")
+        del part
+        with PeakMemory() as get:
+            value = store.get("part")
+        assert value is not None and zlib.crc32(value) == crc
+        del value
+    finally:
+        store.delete("")
+        store.close()
+    assert put.growth < 0.05 * size, put.growth / size  # no join, no packed copy
+    assert get.growth < 1.05 * size, get.growth / size  # the value, nothing else
+
+
+def test_large_values_never_use_hiredis_packer(redis_url: str) -> None:
+    """hiredis' command packer copies every value; the store must keep redis-py's own."""
+    pytest.importorskip("hiredis")
+    store = RedisStore(redis_url)
+    try:
+        connection = store._pool.get_connection()
+        try:
+            assert isinstance(connection._command_packer, redis.connection.PythonRespSerializer)
+        finally:
+            store._pool.release(connection)
+    finally:
+        store.close()
