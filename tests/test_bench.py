@@ -170,7 +170,7 @@ def test_client_ceilings_on_real_services(
     s3fs = pytest.importorskip("s3fs")
     nbytes = 9 << 20  # 3 Redis values (the last one short), 1 S3 part
     found = clients.measure_redis(gatherstore_redis_url, nbytes)
-    names = ["redis_default", "redis_fast"]
+    names = ["redis_default", "redis_pipelined", "redis_fast"]
     if found.keys() & {"redis_hiredis_packer_gbps"}:
         names.append("redis_hiredis_packer")
     for name in names:

@@ -28,14 +28,6 @@ REDIS_VALUE = 4 << 20
 S3_PART = 16 << 20
 _DEPTH = 4  # values or parts in flight in the fast settings
 _TTL_MS = 600_000
-#: s3fs settings of the fast path: no SHA-256 of the payload, no CRC32 of every part.
-_FAST_S3FS: dict[str, Any] = {
-    "config_kwargs": {
-        "s3": {"payload_signing_enabled": False},
-        "request_checksum_calculation": "when_required",
-        "response_checksum_validation": "when_required",
-    }
-}
 
 
 def _rates(prefix: str, nbytes: int, write: float, read: float) -> dict[str, float]:
@@ -90,14 +82,39 @@ def _redis_pass(client: Any, src: memoryview, depth: int, keys: list[bytes]) -> 
         client.unlink(*keys)
 
 
-def measure_redis(url: str, nbytes: int) -> dict[str, float]:
-    """Redis ceilings of ``nbytes`` in 4 MiB values: redis-py's defaults and the fast settings.
+def _redis_wire(url: str, src: memoryview, prefix: str) -> tuple[float, float]:
+    """Seconds of gatherstore's wire: every value SET, then GET, 4 in flight, no copies."""
+    from ..stores.redis import RedisStore
 
-    ``redis_default_*``: one SET, then one GET, per value, redis-py as installed
-    (hiredis packs and parses when present); ``redis_fast_*``: 4 values per round
-    trip, redis-py's Python command packer, 1 MiB socket reads;
-    ``redis_hiredis_packer_write_gbps`` (with hiredis): the fast settings with
-    hiredis' packer, which copies every value before it is sent.
+    spans = _slices(len(src), REDIS_VALUE)
+    store = RedisStore(url, key_prefix=prefix, ttl=_TTL_MS / 1000)
+    out = memoryview(bytearray(len(src)))
+    keys = [f"{i}" for i in range(len(spans))]
+    try:
+        write = _timed(
+            lambda: store._write_many(
+                [(k, [src[a:b]]) for k, (a, b) in zip(keys, spans, strict=True)]
+            )
+        )
+        read = _timed(
+            lambda: store._read_many_into(
+                [(k, out[a:b]) for k, (a, b) in zip(keys, spans, strict=True)]
+            )
+        )
+        return write, read
+    finally:
+        store.delete("")
+        store.close()
+
+
+def measure_redis(url: str, nbytes: int) -> dict[str, float]:
+    """Redis ceilings of ``nbytes`` in 4 MiB values, written then read back.
+
+    ``redis_default``: redis-py as installed (hiredis packs and parses when
+    present), one SET or GET per round trip; ``redis_pipelined``: redis-py
+    pipelines of 4, its Python command packer, 1 MiB socket reads;
+    ``redis_hiredis_packer`` (with hiredis): the same with hiredis' packer, which
+    copies every value before it is sent; ``redis_fast``: gatherstore's wire.
     """
     import redis
 
@@ -106,14 +123,14 @@ def measure_redis(url: str, nbytes: int) -> dict[str, float]:
     src = _source(nbytes)
     run = uuid.uuid4().hex
     keys = [f"gatherstore-ceiling-{run}-{i}".encode() for i in range(-(-nbytes // REDIS_VALUE))]
-    fast = {"socket_read_size": 1 << 20}
+    pipelined = {"socket_read_size": 1 << 20}
     packer = _python_packer()
     variants: list[tuple[str, dict[str, Any], int]] = [
         ("redis_default", {}, 1),
-        ("redis_fast", {**fast, **packer}, _DEPTH),
+        ("redis_pipelined", {**pipelined, **packer}, _DEPTH),
     ]
     if packer:  # hiredis is installed: prove that its packer is the slower one
-        variants.append(("redis_hiredis_packer", fast, _DEPTH))
+        variants.append(("redis_hiredis_packer", pipelined, _DEPTH))
     out: dict[str, float] = {}
     for name, options, depth in variants:
         client = redis.Redis.from_url(url, **options)
@@ -122,6 +139,7 @@ def measure_redis(url: str, nbytes: int) -> dict[str, float]:
         finally:
             client.close()
         out.update(_rates(name, nbytes, write, read))
+    out.update(_rates("redis_fast", nbytes, *_redis_wire(url, src, f"gatherstore-ceiling-{run}/")))
     return out
 
 
@@ -150,10 +168,12 @@ def _s3_default(options: dict[str, Any], path: str, src: memoryview) -> tuple[fl
 
 
 def _s3_fast(options: dict[str, Any], prefix: str, src: memoryview) -> tuple[float, float]:
-    """The fast settings: 16 MiB parts as objects, 4 PUTs then 4 GETs in flight, unhashed."""
+    """gatherstore's settings: 16 MiB create-only objects, 4 PUTs then 4 GETs in flight."""
     import s3fs
 
-    fs = s3fs.S3FileSystem(**options, **_FAST_S3FS, skip_instance_cache=True)
+    from ..stores.fsspec import fast_s3_options
+
+    fs = s3fs.S3FileSystem(**fast_s3_options(options), skip_instance_cache=True)
     spans = _slices(len(src), S3_PART)
     out = memoryview(bytearray(len(src)))
 

@@ -69,10 +69,11 @@ def _gbps(value: float | None) -> str:
 #: (key prefix in the ceilings, what it measured) of each client ceiling line.
 _CLIENT_LINES = [
     ("redis_default", "redis-py defaults, one SET then one GET per 4 MiB value"),
-    ("redis_fast", "redis-py fast settings, 4 values per round trip, Python packer"),
+    ("redis_pipelined", "redis-py pipelines of 4 values, its Python packer, 1 MiB reads"),
     ("redis_hiredis_packer", "the same with hiredis' command packer"),
+    ("redis_fast", "gatherstore's wire: 4 in flight, values sent and received in place"),
     ("s3_default", "s3fs defaults, pipe_file then cat_file"),
-    ("s3_fast", "s3fs fast settings, 16 MiB parts, 4 in flight, unhashed payload"),
+    ("s3_fast", "s3fs as gatherstore sets it: 16 MiB objects, 4 in flight, unhashed"),
 ]
 
 
