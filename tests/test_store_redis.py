@@ -499,3 +499,43 @@ def test_large_values_never_use_hiredis_packer(redis_url: str) -> None:
             store._pool.release(connection)
     finally:
         store.close()
+
+
+READ_PART = 48 << 20
+
+
+def _read_ahead_job(url: str) -> dict[str, Any]:
+    """Rank 0 streams 3 parts of 48 MiB: how many reads ran at once, and its peak memory."""
+    from gatherstore import _objects
+
+    store = gs.open_store(url)
+    rank = gs.get_rank()
+    part = np.full(READ_PART, rank, dtype=np.uint8)
+    busiest = 0
+    seen = []
+    with PeakMemory() as mem:
+        for got in gs.gather_iter(part, store=store, timeout=120):
+            reading = [t for t in threading.enumerate() if t.name.startswith("gatherstore-read")]
+            busiest = max(busiest, len(reading))
+            seen.append(int(got[0]) if got.nbytes == READ_PART and (got == got[0]).all() else -1)
+            del got
+    return {
+        "seen": seen,
+        "busiest": busiest,
+        "growth": mem.growth,
+        "reset": mem.reset,
+        "window": _objects.READ_AHEAD,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_destination_reads_ahead_within_a_window(redis_url: str, prefix: str) -> None:
+    """Parts are fetched ahead, READ_AHEAD at most: memory stays within that window."""
+    url = f"{redis_url}?key_prefix={prefix}"
+    first, *others = gs.launch(_read_ahead_job, nproc_per_node=4, backend="gloo", args=(url,))
+    assert first["seen"] == [0, 1, 2, 3]
+    assert 1 <= first["busiest"] <= first["window"] == 2
+    if first["reset"]:  # its own part, the one the loop holds and the window
+        assert first["growth"] < (first["window"] + 1.2) * READ_PART, first["growth"] / READ_PART
+    assert [o["seen"] for o in others] == [[], [], []]
+    assert _raw_keys(redis_url, prefix) == []
