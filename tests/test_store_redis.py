@@ -539,3 +539,26 @@ def test_destination_reads_ahead_within_a_window(redis_url: str, prefix: str) ->
         assert first["growth"] < (first["window"] + 1.2) * READ_PART, first["growth"] / READ_PART
     assert [o["seen"] for o in others] == [[], [], []]
     assert _raw_keys(redis_url, prefix) == []
+
+
+def test_a_chunked_value_is_read_once_and_deleted_by_name(redis_url: str, prefix: str) -> None:
+    """get then discard: one GET per chunk and one of the manifest, nothing read twice."""
+    store = RedisStore(redis_url, key_prefix=prefix, chunk_size=4096)
+    client = _raw(redis_url)
+
+    def calls() -> dict[str, int]:
+        stats = client.info("commandstats")
+        return {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("get", "getrange")}
+
+    try:
+        store.put("k", os.urandom(20_000))  # 5 chunks
+        before = calls()
+        assert store.get("k") is not None
+        store.discard("k")
+        after = calls()
+        assert after["get"] - before["get"] == 6 and after["getrange"] == before["getrange"]
+        assert _raw_keys(redis_url, prefix) == []
+    finally:
+        client.close()
+        store.delete("")
+        store.close()
