@@ -11,6 +11,8 @@ gatherstore's throughput is then reported as a share of both.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -189,15 +191,51 @@ def _s3_fast(options: dict[str, Any], prefix: str, src: memoryview) -> tuple[flo
         )
 
 
+def _s3_obstore(options: dict[str, Any], prefix: str, src: memoryview) -> tuple[float, float]:
+    """obstore (Rust ``object_store``) in gatherstore's shape, for the client shoot-out:
+    16 MiB create-only objects, 4 PUTs then 4 GETs in flight, unsigned payload."""
+    obstore = importlib.import_module("obstore")
+    stores = importlib.import_module("obstore.store")
+    endpoint = str((options.get("client_kwargs") or {}).get("endpoint_url", ""))
+    bucket, _, base = prefix.partition("/")
+    store = stores.S3Store(
+        bucket,
+        endpoint=endpoint,
+        access_key_id=options["key"],
+        secret_access_key=options["secret"],
+        region="us-east-1",
+        virtual_hosted_style_request=False,
+        unsigned_payload=endpoint.startswith("http://"),
+        client_options={"allow_http": endpoint.startswith("http://")},
+    )
+    spans = _slices(len(src), S3_PART)
+    out = memoryview(bytearray(len(src)))
+
+    def put(span: tuple[int, int]) -> None:
+        obstore.put(store, f"{base}/{span[0]}", src[span[0] : span[1]], mode="create")
+
+    def get(span: tuple[int, int]) -> None:
+        out[span[0] : span[1]] = memoryview(obstore.get(store, f"{base}/{span[0]}").bytes())
+
+    with ThreadPoolExecutor(_DEPTH) as pool:
+        return _timed(lambda: list(pool.map(put, spans))), _timed(
+            lambda: list(pool.map(get, spans))
+        )
+
+
 def measure_s3(options: dict[str, Any], nbytes: int) -> dict[str, float]:
-    """S3 ceilings of ``nbytes``: s3fs's defaults (one object) and the fast settings.
+    """S3 ceilings of ``nbytes``: s3fs's defaults (one object) and the fast settings,
+    and obstore in the same shape when it is installed (the client shoot-out).
 
     ``options``: s3fs storage options (endpoint and credentials).
     """
     src = _source(nbytes)
     out: dict[str, float] = {}
+    runs = [("s3_default", _s3_default), ("s3_fast", _s3_fast)]
+    if importlib.util.find_spec("obstore") and {"key", "secret"} <= options.keys():
+        runs.append(("s3_obstore", _s3_obstore))
     with _bucket(options) as bucket:
-        for name, run in (("s3_default", _s3_default), ("s3_fast", _s3_fast)):
+        for name, run in runs:
             write, read = run(options, f"{bucket}/{name}", src)
             out.update(_rates(name, nbytes, write, read))
     return out

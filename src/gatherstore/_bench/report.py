@@ -74,6 +74,7 @@ _CLIENT_LINES = [
     ("redis_fast", "gatherstore's wire: 4 in flight, values sent and received in place"),
     ("s3_default", "s3fs defaults, pipe_file then cat_file"),
     ("s3_fast", "s3fs as gatherstore sets it: 16 MiB objects, 4 in flight, unhashed"),
+    ("s3_obstore", "obstore in the same shape, for comparison"),
 ]
 
 
