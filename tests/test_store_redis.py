@@ -365,8 +365,9 @@ def test_tls_url_is_understood() -> None:
 
 
 class _CuttingProxy:
-    """A TCP proxy to Redis that, once armed, cuts the first reply carrying ``marker``:
-    it forwards ``keep`` bytes of it and closes that connection (a real dropped link)."""
+    """A TCP proxy to Redis that, once armed, cuts the next ``times`` replies carrying
+    ``marker``: it forwards ``keep`` bytes of each and closes that connection (a real
+    dropped link)."""
 
     def __init__(self, upstream: str) -> None:
         parts = urllib.parse.urlsplit(upstream)
@@ -374,14 +375,14 @@ class _CuttingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.marker: bytes | None = None
-        self.keep = 0
+        self.keep = self.times = 0
         self.cuts = 0
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def arm(self, marker: bytes, keep: int = 0) -> None:
+    def arm(self, marker: bytes, keep: int = 0, times: int = 1) -> None:
         with self.lock:
-            self.marker, self.keep = marker, keep
+            self.marker, self.keep, self.times = marker, keep, times
 
     def _accept(self) -> None:
         while True:
@@ -399,7 +400,8 @@ class _CuttingProxy:
                 with self.lock:
                     cut = replies and self.marker is not None and self.marker in data
                     if cut:
-                        self.marker, self.cuts = None, self.cuts + 1
+                        self.cuts, self.times = self.cuts + 1, self.times - 1
+                        self.marker = self.marker if self.times else None
                 if cut:
                     dst.sendall(data[: self.keep])
                     break
@@ -446,17 +448,21 @@ def test_retried_set_that_landed_is_the_writers_own(
     assert _raw_keys(gatherstore_redis_url, prefix) == []
 
 
-def test_reply_cut_midway_is_unavailable_and_the_link_is_replaced(
+def test_replies_cut_midway_are_read_again_then_unavailable(
     proxy: _CuttingProxy, prefix: str
 ) -> None:
     store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix)
     try:
         data = os.urandom(3 << 20)
         store.put("k", data)
-        proxy.arm(b"$", keep=1000)  # a bulk reply ends after 1000 bytes
+        reply = b"$%d\r\n" % ((3 << 20) + 64)  # the value's bulk reply (with its header)
+        proxy.arm(reply, keep=1000)  # the reply ends after 1000 bytes: read again
+        assert bytes(store.get("k") or b"") == data and proxy.cuts == 1
+        proxy.arm(reply, keep=1000, times=3)  # every try is cut
         with pytest.raises(gs.StoreUnavailableError, match="closed the connection") as info:
             store.get("k")
         assert isinstance(info.value.__cause__, redis.ConnectionError)
+        assert proxy.cuts == 4
         assert bytes(store.get("k") or b"") == data  # a fresh connection, nothing half-read
     finally:
         store.delete("")

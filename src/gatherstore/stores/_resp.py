@@ -46,9 +46,10 @@ class Wire:
     call returns; after an exception its state is unknown: disconnect it.
     """
 
-    def __init__(self, connection: Any, window: int) -> None:
+    def __init__(self, connection: Any, window: int, bound: Callable[[], None]) -> None:
         self._sock = connection._sock
         self._window = window
+        self._bound = bound  # called before each command and each reply: sets the timeout
         self._pending = bytearray()
 
     # --- sending ------------------------------------------------------------------------
@@ -72,8 +73,10 @@ class Wire:
         sent, out = 0, []
         for i in range(len(commands)):
             while sent < len(commands) and sent < i + self._window:
+                self._bound()
                 self._send(commands[sent])
                 sent += 1
+            self._bound()
             out.append(read(i))
         if self._pending:
             raise redis.ConnectionError("Redis sent more than the replies asked for")

@@ -27,6 +27,7 @@ but survives pickling, so ranks can reopen the store.
 
 from __future__ import annotations
 
+import functools
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -55,7 +56,7 @@ _BATCH = 1000  # keys per SCAN step and per UNLINK
 _GLOB_SPECIALS = "\\*?[]"
 _connection: Any = redis.connection  # redis-py's helpers, untyped
 _IN_FLIGHT = 4  # SETs or GETs sent ahead of their replies on one connection
-_WRITE_ATTEMPTS = 2  # a write window is sent again once after a dropped connection
+_ATTEMPTS = 3  # tries of a wire batch when the connection drops
 _T = TypeVar("_T")
 
 
@@ -122,6 +123,11 @@ def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any])
                 f"option {name!r} is given twice with different values: {shown[0]} in the "
                 f"URL {_shown(url)} and {shown[1]} as a keyword; give it once"
             )
+
+
+def _bound(conn: Any) -> None:
+    """Let the next socket wait last at most the connection's timeout (or the time left)."""
+    conn._sock.settimeout(conn.socket_timeout)
 
 
 def _pooled(pool: redis.ConnectionPool) -> Any:
@@ -197,17 +203,25 @@ class RedisStore(Store):
     def _key(self, key: str) -> bytes:
         return (self.key_prefix + key).encode("utf-8", "surrogateescape")
 
-    def _wire(self, work: Callable[[_resp.Wire], _T]) -> _T:
-        """``work`` on a pooled connection's wire; a connection left mid-reply is dropped."""
-        conn = _pooled(self._pool)
-        try:
-            conn._sock.settimeout(conn.socket_timeout)
-            return work(_resp.Wire(conn, _IN_FLIGHT))
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            self._pool.release(conn)
+    def _wire(self, work: Callable[[_resp.Wire], _T]) -> tuple[_T, int]:
+        """``work`` on a pooled connection's wire, and how many tries it took: a dropped
+        connection is replaced and ``work`` runs again (``_ATTEMPTS`` in all)."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            conn = _pooled(self._pool)
+            try:
+                # each send and reply waits at most the socket timeout (or the time left)
+                wire = _resp.Wire(conn, _IN_FLIGHT, functools.partial(_bound, conn))
+                return work(wire), attempt
+            except (ConnectionError, redis.ConnectionError):
+                conn.disconnect()
+                if attempt == _ATTEMPTS:
+                    raise
+            except BaseException:
+                conn.disconnect()  # left mid-reply
+                raise
+            finally:
+                self._pool.release(conn)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
         return self._write_many([(key, buffers)])[0]
@@ -219,16 +233,10 @@ class RedisStore(Store):
             for key, buffers in items
         ]
         commands = [_resp.pack_set(key, views, self._ttl_ms) for key, views in sets]
-        for attempt in range(_WRITE_ATTEMPTS):
-            try:
-                replies = self._wire(lambda wire: wire.run(commands, lambda i: wire.line()))
-                break
-            except (ConnectionError, redis.ConnectionError):
-                if attempt + 1 == _WRITE_ATTEMPTS:
-                    raise
+        replies, tries = self._wire(lambda wire: wire.run(commands, lambda i: wire.line()))
         # a nil reply means the key exists: after a retry, maybe the first try's own value
         return [
-            reply == b"+OK" or (attempt > 0 and self._holds(key, views))
+            reply == b"+OK" or (tries > 1 and self._holds(key, views))
             for (key, views), reply in zip(sets, replies, strict=True)
         ]
 
@@ -248,7 +256,7 @@ class RedisStore(Store):
         self, keys: Sequence[bytes], places: Sequence[memoryview | None]
     ) -> list[tuple[int | None, Any]]:
         commands = [_resp.pack(b"GET", key) for key in keys]
-        return self._wire(lambda wire: wire.run(commands, lambda i: wire.bulk(places[i])))
+        return self._wire(lambda wire: wire.run(commands, lambda i: wire.bulk(places[i])))[0]
 
     def _read(self, key: str) -> Buffer | None:
         """The value in a new bytearray (writable: arrays and tensors decode in place)."""
