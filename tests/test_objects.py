@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gatherstore as gs
-from gatherstore import _objects as objects
+from gatherstore import _memory as memory
 
 SPECS = ["auto", "collective", "tmpdir", "file"]
 
@@ -208,7 +208,7 @@ def test_collect_results_order_and_truncation(name: str) -> None:
 
 
 def _too_big_for_dst() -> str:
-    objects._available_memory = lambda: 1000  # this rank pretends to be nearly full
+    memory.headroom = lambda: 1000  # this rank pretends to be nearly full
     try:
         gs.gather_object(np.zeros(10_000), store="tmpdir")
     except gs.InsufficientMemoryError as exc:

@@ -354,7 +354,7 @@ def test_unix_socket(tmp_path: Any) -> None:
 def test_tls_url_is_understood() -> None:
     store = RedisStore(f"rediss://user:{PASSWORD}@redis.example:6380/3", ssl_cert_reqs="none")
     assert str(store) == "rediss://user:***@redis.example:6380/3"
-    assert store._pool.connection_class is redis.SSLConnection
+    assert issubclass(store._pool.connection_class, redis.SSLConnection)
     assert store._pool.connection_kwargs["db"] == 3
     clone = pickle.loads(pickle.dumps(store))
     assert clone._pool.connection_kwargs["password"] == PASSWORD

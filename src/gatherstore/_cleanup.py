@@ -105,8 +105,11 @@ def _remove(store: Store, item: Leftover) -> bool:
     if isinstance(store, FileStore):
         store.end_job(item.where)
         return not Path(item.where).exists()
-    store.delete(f"{JOB_AREA}/{item.job}")
-    return not store.list(f"{JOB_AREA}/{item.job}/")
+    area = f"{JOB_AREA}/{item.job}"
+    store.end_job(f"{area}/")  # by the job's index where the store keeps one
+    if store.list(f"{area}/"):  # keys the index does not name (e.g. an older gatherstore's)
+        store.delete(area)
+    return not store.list(f"{area}/")
 
 
 def collect(

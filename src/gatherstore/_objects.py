@@ -15,8 +15,11 @@ The shape of every call (see DESIGN.md, "How an object gather works"):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -27,19 +30,22 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _memory as memory
 from . import _serialize as serialize
 from . import _stream as stream_route
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import (
     GatherError,
-    InsufficientMemoryError,
+    IntegrityError,
     RemoteRankError,
     StoreUnavailableError,
 )
+from ._memory import READ_AHEAD
 from ._progress import Progress, log_call, wanted
 from ._session import JobSession, session_for
-from .stores.base import Store
+from .stores.base import Store, deadline
+from .stores.file import TmpdirStore
 from .stores.registry import ROUTES, default_store, open_store
 
 __all__ = [
@@ -56,21 +62,10 @@ __all__ = [
 #: tmpdir route is 2.5-4x faster (1 MiB: 37 ms vs 10 ms; 256 MiB: 1.25 s vs 0.76 s).
 AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)))
 
+#: Seconds of a call's timeout kept for telling the other ranks that the store failed.
+_REPORT_TIME = 2.0
+
 _opened: dict[str, Store] = {}
-#: Parts a reader fetches and verifies at once (its memory window besides what it returns).
-READ_AHEAD = 2
-
-
-def _available_memory() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (huge when unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
 
 
 def _resolve(store: str | Store | None) -> str | Store:
@@ -126,7 +121,7 @@ class _Call:
         self.what = what
         self.progress = progress
         self.timeout = to_seconds(timeout)
-        self.deadline = time.monotonic() + self.timeout
+        self.ends_at = time.monotonic() + self.timeout
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.target = _resolve(store)
@@ -148,7 +143,9 @@ class _Call:
             mine = _status(
                 True,
                 size=self.frame.nbytes if self.frame else 0,
-                avail=_available_memory() if self.rank in receivers else 0,
+                avail=memory.headroom(),
+                shm=memory.shm_free(),
+                node=socket.gethostname(),
             )
         except Exception as exc:
             error, mine = exc, _failure(exc)
@@ -161,14 +158,15 @@ class _Call:
             # tmpdir is node-local: across nodes "auto" streams over the process group
             across = topology.get_nnodes() > 1
             self.target = "collective" if small else "stream" if across else _resolve("tmpdir")
-        for r in receivers:
-            incoming = self.total - sizes[r]
-            if incoming > statuses[r]["avail"]:
-                raise InsufficientMemoryError(
-                    f"{self.what}: rank {r} would receive {incoming / 2**30:.2f} GiB but has "
-                    f"{statuses[r]['avail'] / 2**30:.2f} GiB available; use gs.gather_iter "
-                    "(one part in memory at a time) or gather less per call"
-                )
+        if (
+            isinstance(self.target, TmpdirStore)
+            and self.target.url == "tmpdir"  # the base is gatherstore's choice: /dev/shm if it fits
+            and not os.environ.get("GATHERSTORE_TMPDIR")
+            and memory.in_ram(self.target)
+            and memory.shortfalls("shm", statuses, sizes, receivers)
+        ):
+            self.target = _resolve(f"tmpdir://{tempfile.gettempdir()}")
+        memory.check(self.what, self.target, statuses, sizes, receivers)
         return sizes
 
     def finish(self) -> None:
@@ -205,7 +203,7 @@ class _Call:
 
     # --- the stream route: point to point, chunk by chunk -----------------------------
     def _limits(self) -> dict[str, Any]:
-        return {"deadline": self.deadline, "what": self.what, "timeout": self.timeout}
+        return {"deadline": self.ends_at, "what": self.what, "timeout": self.timeout}
 
     def _segments(self) -> list[memoryview]:
         return [] if self.frame is None else self.frame.seal(None).segments
@@ -264,9 +262,9 @@ class _Call:
         wrote = False
         try:
             if self.rank in writers and self.frame is not None:
-                session.store.put(
-                    self.key(prefix, self.rank), self.frame.seal(session.key).segments
-                )
+                with self.deadline():
+                    sealed = self.frame.seal(session.key, self.bind(session, prefix, self.rank))
+                    session.store.put(self.key(prefix, self.rank), sealed.segments)
                 wrote = True
         except Exception as exc:
             error, mine = exc, _failure(exc)
@@ -275,21 +273,48 @@ class _Call:
             _agree(mine, timeout=self.timeout, what=self.what, error=error)
         except BaseException:
             if wrote:
-                session.store.discard(self.key(prefix, self.rank))
+                with self.deadline():
+                    session.store.discard(self.key(prefix, self.rank))
             raise
         return session, prefix
+
+    def deadline(self) -> contextlib.AbstractContextManager[None]:
+        """Bound the store operations inside to this call's timeout, less the time kept
+        to report a store failure before the other ranks stop waiting for this one."""
+        return deadline(self.timeout - min(self.timeout / 4, _REPORT_TIME))
 
     @staticmethod
     def key(prefix: str, rank: int) -> str:
         return f"{prefix}/{rank}"
 
+    @staticmethod
+    def bind(session: JobSession, prefix: str, rank: int) -> bytes:
+        """What a part is signed together with: its job area, call and rank."""
+        return f"{session.locator}\0{prefix}\0{rank}".encode()
+
     def fetch(self, session: JobSession, prefix: str, rank: int) -> serialize.Verified:
-        """Read and verify one part (checksums release the GIL: this runs ahead in a thread)."""
+        """Read and verify one part (checksums release the GIL: this runs ahead in a thread).
+
+        Raises:
+            IntegrityError: the part is damaged, planted or replayed; names ``rank``.
+            GatherError: the part is gone (deleted, or its TTL ran out).
+        """
         key = self.key(prefix, rank)
-        raw = session.store.get(key)
+        where = f"{session.store} {key}"
+        try:
+            with self.deadline():
+                raw = session.store.get(key)
+        except IntegrityError as exc:
+            raise IntegrityError(
+                f"{self.what}: part of rank {rank}: {exc}", rank=rank, key=where
+            ) from None
         if raw is None:
-            raise GatherError(f"{self.what}: the part of rank {rank} vanished from {session.store}")
-        return serialize.verify(raw, key=session.key, rank=rank, where=f"{session.store} {key}")
+            raise GatherError(
+                f"{self.what}: the part of rank {rank} is gone from {session.store} (deleted, "
+                "or it expired: raise the store's ttl)"
+            )
+        bind = self.bind(session, prefix, rank)
+        return serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where)
 
 
 def _serial_check(dst: int, what: str) -> None:
@@ -344,7 +369,8 @@ def all_gather_object(
             error, mine = exc, _failure(exc)
         _agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
     finally:
-        session.store.discard(call.key(prefix, call.rank))
+        with call.deadline():
+            session.store.discard(call.key(prefix, call.rank))
     return out
 
 
@@ -435,9 +461,8 @@ class _Parts(Iterator[Any]):
     ``READ_AHEAD`` parts are read and verified at once in threads (the next one
     is fetched while the current one is verified, and both while the consumer
     decodes), so at most ``READ_AHEAD`` parts are held besides what the consumer
-    keeps.  With
-    ``delete`` each part is deleted once read, and closing early deletes the
-    rest.
+    keeps (the window the memory check counts).  With ``delete`` each part is
+    deleted once read, and closing early deletes the rest.
     """
 
     def __init__(
@@ -486,19 +511,21 @@ class _Parts(Iterator[Any]):
         self.next_rank += 1
         if rank == self.own_rank:
             return self.own
-        try:
-            self._prefetch()  # this part and the next ones
-            future = self.ahead.pop(rank)
-            self.todo.remove(rank)
-            value = serialize.load(future.result())
-            self.progress.update(self.call.sizes[rank])
-            return value
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            if self.delete:
-                self.session.store.discard(self.call.key(self.prefix, rank))
+        with self.call.deadline():  # the clean-up after a failure too
+            try:
+                self._prefetch()  # this part and the next ones
+                future = self.ahead.pop(rank)
+                self.todo.remove(rank)
+                try:
+                    value = serialize.load(future.result())
+                    self.progress.update(self.call.sizes[rank])
+                    return value
+                finally:
+                    if self.delete:
+                        self.session.store.discard(self.call.key(self.prefix, rank))
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         """Stop reading ahead; with ``delete``, delete the parts not read yet."""
@@ -511,8 +538,10 @@ class _Parts(Iterator[Any]):
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.ahead.clear()
         if self.delete:
-            for rank in self.todo:
-                self.session.store.discard(self.call.key(self.prefix, rank))
+            # best effort: a store that fails now is left to end_job and its TTLs
+            with self.call.deadline(), contextlib.suppress(StoreUnavailableError):
+                for rank in self.todo:
+                    self.session.store.discard(self.call.key(self.prefix, rank))
 
     def __del__(self) -> None:
         try:
@@ -553,6 +582,7 @@ def broadcast_object(
         _agree(mine, timeout=call.timeout, what="broadcast_object (read)", error=error)
     finally:
         if call.rank == src:
-            session.store.discard(call.key(prefix, src))
+            with call.deadline():
+                session.store.discard(call.key(prefix, src))
     call.finish()
     return out

@@ -8,9 +8,13 @@ part's buffer (a memory map for files).  CUDA tensors are copied to CPU memory
 first, so objects never grow GPU memory; tensors that require grad are
 detached.  cloudpickle is used only when plain pickle fails.
 
-The digest is CRC-32, or HMAC-SHA256 when a signing key is given; it is
-checked before anything is unpickled, and a part from another format version,
-truncated or altered, raises :class:`~gatherstore.IntegrityError`.
+The digest is CRC-32, or HMAC-SHA256 when a signing key is given; it also
+covers the part's *binding* (associated data naming its job, call and rank,
+never stored), so a part replayed from another call or planted under another
+rank's key fails the check.  It is checked before anything is unpickled, and a
+part from another format version, truncated or altered, raises
+:class:`~gatherstore.IntegrityError`.  Verify a buffer no other process can
+change: what is verified must be what is unpickled.
 """
 
 from __future__ import annotations
@@ -58,14 +62,18 @@ class Frame:
     _body: list[memoryview]  # table, padding, pickle stream, regions
     segments: list[memoryview] = field(default_factory=list)
 
-    def seal(self, key: bytes | None) -> Frame:
-        """Compute the digest (signature when ``key`` is given); returns self."""
+    def seal(self, key: bytes | None, bind: bytes = b"") -> Frame:
+        """Compute the digest (signature when ``key`` is given) over ``bind`` and the frame.
+
+        ``bind`` names where the part belongs (job, call, rank); the reader must
+        pass the same bytes to :func:`verify`.  Returns self.
+        """
         flags, count, columns, pickle_len = self._fields
         if key is not None:
             flags |= _SIGNED
         head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, columns, pickle_len, self.nbytes)
         head_view = memoryview(head.ljust(_HEAD_SIZE, b"\0"))
-        digest = _digest([head_view, *self._body], key)
+        digest = _digest([head_view, *self._body], key, bind)
         self.segments = [head_view, memoryview(digest), *self._body]
         return self
 
@@ -170,7 +178,9 @@ def _pad(pos: int, size: int) -> int:
     return -pos % align
 
 
-def _digest(segments: list[memoryview], key: bytes | None) -> bytes:
+def _digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
+    """HMAC-SHA256 (with ``key``) or CRC-32 of ``bind``, length-prefixed, then ``segments``."""
+    segments = [memoryview(struct.pack("<Q", len(bind)) + bind), *segments]
     if key is not None:
         mac = hmac.new(key, digestmod="sha256")
         for seg in segments:
@@ -218,9 +228,16 @@ class Verified:
 
 
 def verify(
-    data: Any, *, key: bytes | None = None, rank: int | None = None, where: str | None = None
+    data: Any,
+    *,
+    key: bytes | None = None,
+    bind: bytes = b"",
+    rank: int | None = None,
+    where: str | None = None,
 ) -> Verified:
     """Check a frame's header and digest (signature with ``key``) without unpickling.
+
+    ``bind`` must equal what the writer sealed with (see :meth:`Frame.seal`).
 
     Raises:
         IntegrityError: foreign format or version, truncated, or digest/signature
@@ -253,10 +270,13 @@ def verify(
             if signed
             else "is unsigned but a signature is required"
         )
-    expected = _digest([view[:_HEAD_SIZE], view[_PREFIX:]], key)
+    expected = _digest([view[:_HEAD_SIZE], view[_PREFIX:]], key, bind)
     if not hmac.compare_digest(expected, bytes(view[_HEAD_SIZE:_PREFIX])):
         what = "signature" if signed else "checksum"
-        raise fail(f"failed its {what} check: it was altered or written by someone else")
+        raise fail(
+            f"failed its {what} check: it was altered, written by someone else, or "
+            "belongs to another call or rank"
+        )
     regions = count + columns
     table = struct.unpack_from(f"<{2 * regions}Q", view, _PREFIX)
     pos = _PREFIX + 16 * regions
@@ -282,7 +302,12 @@ def load(verified: Verified) -> Any:
 
 
 def decode(
-    data: Any, *, key: bytes | None = None, rank: int | None = None, where: str | None = None
+    data: Any,
+    *,
+    key: bytes | None = None,
+    bind: bytes = b"",
+    rank: int | None = None,
+    where: str | None = None,
 ) -> Any:
     """:func:`verify`, then :func:`load`."""
-    return load(verify(data, key=key, rank=rank, where=where))
+    return load(verify(data, key=key, bind=bind, rank=rank, where=where))

@@ -3,7 +3,11 @@
 A backend implements an all-or-nothing create-only write, a read that returns
 None when the key is absent, exists, list and delete.  Chunking, manifests,
 ``wait``, exact prefix deletes, deletes by name, scoped views, error mapping, pickling and the
-password-free ``str`` live here.
+password-free ``str`` live here, and so does the *deadline*: object collectives
+run their store work inside :func:`deadline`, and each backend bounds its
+socket and request timeouts by :func:`time_left`, so that no store call
+outlives the collective's ``timeout`` (a frozen server ends in
+StoreUnavailableError, not in a 60 s socket timeout).
 
 Every stored value starts with a 64-byte header: an inline value carries its
 payload after it; a value larger than ``max_value_size`` is written as chunks
@@ -14,6 +18,7 @@ sizes) last, so a reader never sees a partial value.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import struct
 import time
 import urllib.parse
@@ -29,9 +34,11 @@ __all__ = [
     "Buffer",
     "KeyExistsError",
     "Store",
+    "deadline",
     "hide_password",
     "job_directory",
     "job_keys",
+    "time_left",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -42,6 +49,46 @@ HEADER_SIZE = 64
 _INLINE, _CHUNKED = 0, 1
 CHUNKS = ".chunks"
 _LAYOUTS_KEPT = 256  # chunk layouts remembered between get and discard
+#: Shortest timeout handed to a backend once the deadline is (nearly) over: a
+#: socket timeout of 0 would mean "non-blocking", not "fail now".
+MIN_TIMEOUT = 0.05
+#: Seconds :meth:`Store.end_job` may take when no deadline is in force.
+END_JOB_TIMEOUT = 10.0
+
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "gatherstore_store_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Bound every store operation in this block to end within ``seconds``.
+
+    Nested deadlines keep the earlier one.  A thread started inside the block
+    inherits it only through ``contextvars.copy_context().run``.
+    """
+    end = time.monotonic() + seconds
+    outer = _deadline.get()
+    token = _deadline.set(end if outer is None else min(outer, end))
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def time_left(default: float | None = None) -> float | None:
+    """Seconds left before the deadline in force (at least ``MIN_TIMEOUT``), capped at
+    ``default``; ``default`` when no deadline is in force."""
+    end = _deadline.get()
+    if end is None:
+        return default
+    left = max(end - time.monotonic(), MIN_TIMEOUT)
+    return left if default is None else min(left, default)
+
+
+def _expired() -> bool:
+    end = _deadline.get()
+    return end is not None and time.monotonic() >= end
 
 
 #: Every job area is named after this: ``gatherstore/<job>/`` keys in key-value and
@@ -64,9 +111,15 @@ class KeyExistsError(GatherError, FileExistsError):
 
 
 def hide_password(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
+    """``url`` with any password replaced by ``***`` (a URL too malformed to parse loses
+    everything between ``://`` and its last ``@``)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}***@{rest.rsplit('@', 1)[-1]}" if "@" in rest else url
+    if password is None:
         return url
     host = parts.hostname or ""
     if parts.port is not None:
@@ -218,23 +271,35 @@ class Store(ABC):
         return self.scoped(locator)
 
     def end_job(self, locator: str) -> None:
-        """On rank 0, when the job ends: remove what ``prepare_job`` created."""
-        self.delete(locator)
+        """On rank 0, when the job ends: remove what ``prepare_job`` created.
+
+        Bounded by the deadline in force, else by ``END_JOB_TIMEOUT`` seconds.
+        """
+        with deadline(END_JOB_TIMEOUT):
+            self.delete(locator)
 
     # --- the API written once ---------------------------------------------------------
     @contextlib.contextmanager
     def _mapped(self, action: str) -> Iterator[None]:
         """Map backend errors to gatherstore's, once, chained with ``from``."""
+        if _expired():
+            raise self._unavailable(action, "no time left in the call's timeout")
         try:
             yield
         except GatherError:
             raise
         except self.unavailable_errors as exc:
-            raise StoreUnavailableError(
-                f"store {self} failed to {action}: {exc}; check that it is reachable, "
-                "writable and not full",
-                store=str(self),
-            ) from exc
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if _expired():
+                why = f"no answer within the call's timeout ({why})"
+            raise self._unavailable(action, why) from exc
+
+    def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"store {self} failed to {action}: {why}; check that it is reachable, "
+            "responsive, writable and not full",
+            store=str(self),
+        )
 
     @staticmethod
     def _check_key(key: str) -> str:
@@ -348,9 +413,18 @@ class Store(ABC):
                 places.append((chunk, view[pos : pos + size]))
                 pos += size
             for (chunk, place), n in zip(places, self._read_many_into(places), strict=True):
-                if n != len(place):
-                    raise self._corrupt(key, f"missing or truncated chunk {chunk!r}")
+                self._check_chunk(key, chunk, len(place), n)
             return out
+
+    def _check_chunk(self, key: str, chunk: str, size: int, got: int | None) -> None:
+        """Raise when a chunk of ``key`` is gone (``got`` None) or not ``size`` bytes."""
+        if got is None:
+            raise GatherError(
+                f"value {key!r} in store {self} lost its chunk {chunk!r}: deleted, "
+                "or it expired (raise the store's ttl)"
+            )
+        if got != size:
+            raise self._corrupt(key, f"truncated: chunk {chunk!r} has {got} of {size} bytes")
 
     def _layouts(self) -> dict[str, list[str]]:
         """Chunk keys of the values ``get`` read, until ``discard`` deletes them."""
@@ -377,8 +451,8 @@ class Store(ABC):
     def _iter_chunk_values(self, key: str, count: int, body: memoryview) -> Iterator[memoryview]:
         for chunk_key, size in self._chunk_layout(key, count, body):
             raw = self._read(chunk_key)
-            if raw is None or _nbytes(raw) != size:
-                raise self._corrupt(key, f"missing or truncated chunk {chunk_key!r}")
+            self._check_chunk(key, chunk_key, size, None if raw is None else _nbytes(raw))
+            assert raw is not None
             yield memoryview(raw).cast("B")
 
     def exists(self, key: str) -> bool:

@@ -1,18 +1,20 @@
 """Local and shared filesystems: ``tmpdir`` (a private job directory) and ``file://``.
 
 Values are files; a write goes to a temp file with vectored writes and is
-published with ``link`` (atomic and create-only, on NFS too).  Large values
-are read back memory-mapped (copy-on-write), so arrays decoded from them point
-into the mapping without a copy and stay valid after the file is deleted.
+published with ``link`` (atomic and create-only, on NFS too).  Values are read
+into private memory (one copy, no memory map): a file another process
+truncates or rewrites after it was read cannot change what was verified, nor
+kill the reader with SIGBUS, and arrays decoded from it stay valid after the
+file is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import shutil
 import tempfile
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -25,21 +27,23 @@ __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 _TMP = ".tmp-"
 _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
 _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
-_MMAP_MIN = 1 << 20
+_READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
 _IOV_MAX = 1024
-_SHM_MIN_FREE = 4 << 30
+_SHM = "/dev/shm"
 
 
 def default_tmpdir_base() -> str:
-    """$GATHERSTORE_TMPDIR, else /dev/shm when writable with >= 4 GiB free, else the temp dir."""
+    """$GATHERSTORE_TMPDIR, else /dev/shm when writable, else the temp dir.
+
+    Whether a gather fits in /dev/shm (its free space, and the RAM and memory
+    cgroup its files are charged to) is decided per call, from every rank's
+    sizes: one that does not fit goes to the temp dir instead.
+    """
     explicit = os.environ.get("GATHERSTORE_TMPDIR")
     if explicit:
         return explicit
-    shm = "/dev/shm"
-    with contextlib.suppress(OSError):
-        stat = os.statvfs(shm)
-        if os.access(shm, os.W_OK) and stat.f_bavail * stat.f_frsize >= _SHM_MIN_FREE:
-            return shm
+    if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK):
+        return _SHM
     return tempfile.gettempdir()
 
 
@@ -75,16 +79,25 @@ class FileStore(Store):
 
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
+        """``<scheme>:///abs/path`` (percent-encoded: ``file:///my%20dir`` is ``/my dir``).
+
+        Raises:
+            ValueError: options given, a host other than localhost, a query, or a
+                relative path.
+        """
+        example = f"{cls.scheme}:///shared/dir"
         if options:
             raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
-        path = url.removeprefix(f"{cls.scheme}://")
-        if not path.startswith("/"):
-            raise ValueError(f"{url!r}: give an absolute path, e.g. {cls.scheme}:///shared/dir")
-        return cls(path)
+        parts = urllib.parse.urlsplit(url)
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"{url!r}: give an absolute path, e.g. {example}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: a {cls.scheme} URL takes no '?' or '#'; e.g. {example}")
+        return cls(urllib.parse.unquote(parts.path))
 
     @property
     def url(self) -> str:
-        return f"file://{self.root}"
+        return f"file://{urllib.parse.quote(str(self.root))}"
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -123,13 +136,14 @@ class FileStore(Store):
         except _ABSENT:
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size < _MMAP_MIN:
-                buf = bytearray(size)
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    f.readinto(buf)
-                return buf
-            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+            buf = bytearray(os.fstat(fd).st_size)
+            view, pos = memoryview(buf), 0
+            while pos < len(buf):
+                n = os.readv(fd, [view[pos : pos + _READ_STEP]])
+                if not n:  # truncated meanwhile: the store layer reports it
+                    return buf[:pos]
+                pos += n
+            return buf
         finally:
             os.close(fd)
 
@@ -222,4 +236,4 @@ class TmpdirStore(FileStore):
 
     @property
     def url(self) -> str:
-        return f"tmpdir://{self.root}" if self.explicit_base else "tmpdir"
+        return f"tmpdir://{urllib.parse.quote(str(self.root))}" if self.explicit_base else "tmpdir"

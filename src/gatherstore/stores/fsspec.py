@@ -12,6 +12,14 @@ plus ranged GETs, with s3fs and with obstore alike.  Against an ``http://``
 endpoint the payload is not hashed for the SigV4 signature (TLS is absent
 anyway, and gatherstore signs and verifies every part itself), and botocore
 computes no per-request CRC32 unless the service requires one.
+
+Inside a store deadline (see :func:`gatherstore.stores.base.deadline`) every
+request of an asynchronous filesystem (s3fs, gcsfs, adlfs) is cancelled when
+the call's time is up (S3 values up to 16 MiB go up in one PUT for that); S3
+clients also get connect/read timeouts and a retry budget of their own
+(``config_kwargs``, unless given), which bound the streamed writes of larger
+values.  Every exception of the filesystem and its HTTP
+stack (botocore, aiohttp, fsspec's timeouts) becomes StoreUnavailableError.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from .base import Buffer, Store
+from .base import MIN_TIMEOUT, Buffer, Store, time_left
 
 __all__ = ["FsspecStore"]
 
@@ -33,6 +41,9 @@ _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss",
 _CREATE_ONLY = {"s3", "s3a"}
 _ABSENT = (FileNotFoundError, IsADirectoryError)  # no value at a key
 _STEP = 16 << 20  # bytes per write/ranged read of a large value
+#: botocore settings for S3 unless the caller passes ``config_kwargs``: a frozen
+#: endpoint fails a request within seconds instead of botocore's 60 s x 5 attempts.
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
 #: Largest S3 object written in one PUT; larger values are chunked into objects this size.
 S3_CHUNK_SIZE = 16 << 20
 _IN_FLIGHT = 4  # S3 chunk PUTs or GETs at once per store call
@@ -98,11 +109,20 @@ def _precondition_failed(exc: BaseException) -> bool:
 
 
 def _backend_errors() -> tuple[type[BaseException], ...]:
+    """OSError (fsspec's timeouts included) and the HTTP stacks' own roots, where installed."""
     errors: list[type[BaseException]] = [OSError, ConnectionError, TimeoutError]
     with contextlib.suppress(ImportError):
         from botocore.exceptions import BotoCoreError, ClientError
 
         errors += [BotoCoreError, ClientError]
+    with contextlib.suppress(ImportError):
+        from aiohttp import ClientError as AiohttpError
+
+        errors.append(AiohttpError)
+    with contextlib.suppress(ImportError):
+        from fsspec.exceptions import FSTimeoutError
+
+        errors.append(FSTimeoutError)
     return tuple(errors)
 
 
@@ -116,15 +136,22 @@ class FsspecStore(Store):
     def __init__(self, url: str, **storage_options: Any) -> None:
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
         self._s3 = self.protocol in _CREATE_ONLY
-        options = fast_s3_options(storage_options) if self._s3 else storage_options
-        self.fs, root = fsspec.core.url_to_fs(url, **options)
+        options = {"config_kwargs": _S3_CONFIG, **storage_options} if self._s3 else storage_options
+        try:
+            self.fs, root = fsspec.core.url_to_fs(
+                url, **(fast_s3_options(options) if self._s3 else options)
+            )
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"store URL {url!r} or its options are not valid: {exc}") from None
         self.root = root.rstrip("/")
+        if self.protocol in _OBJECT_STORES and not self.root:
+            raise ValueError(f"store URL {url!r} names no bucket; use e.g. s3://bucket/prefix")
         self.storage_options = storage_options
-        if self._s3:
-            self.max_value_size = S3_CHUNK_SIZE  # type: ignore[misc]
         self.unavailable_errors = _backend_errors()  # type: ignore[misc]
         self.reachable_by_others = self.protocol != "memory"  # type: ignore[misc]
         self._object_store = self.protocol in _OBJECT_STORES
+        if self._s3:
+            self.max_value_size = S3_CHUNK_SIZE  # type: ignore[misc]
 
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
@@ -140,10 +167,24 @@ class FsspecStore(Store):
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.fs.<method>(...)``, cancelled at the deadline on asynchronous filesystems."""
+        left = time_left()
+        if left is None or not getattr(self.fs, "async_impl", False):
+            return getattr(self.fs, method)(*args, **kwargs)
+        if left <= MIN_TIMEOUT:
+            raise TimeoutError(f"{method}: the call's timeout is over")
+        # fsspec's sync() cancels the request and raises; a filesystem method that
+        # swallows the cancellation (e.g. answering "no such file") still ends here
+        result = getattr(self.fs, method)(*args, timeout=left, **kwargs)
+        if time_left() == MIN_TIMEOUT:
+            raise TimeoutError(f"{method}: no answer within the call's timeout")
+        return result
+
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
         path = self._path(key)
-        if self._s3:
-            return self._put_object(path, buffers)
+        if self._s3:  # at most S3_CHUNK_SIZE bytes; the PUT itself is create-only
+            return self._put_object(key, path, buffers)
         if self._exists(key):
             return False
         target = path if self._object_store else f"{path}.tmp-{uuid.uuid4().hex}"
@@ -177,13 +218,13 @@ class FsspecStore(Store):
             self.fs.mv(target, path)
         return True
 
-    def _put_object(self, path: str, buffers: Sequence[Buffer]) -> bool:
-        """One create-only PUT (a value of at most ``S3_CHUNK_SIZE`` bytes, joined once)."""
-        data = b"".join(memoryview(b).cast("B") for b in buffers)
+    def _put_object(self, key: str, path: str, buffers: Sequence[Buffer]) -> bool:
+        """A small value in one create-only PUT (If-None-Match: *), cancelled at the deadline."""
+        views = [memoryview(b).cast("B") for b in buffers]
         try:
-            self.fs.pipe_file(path, data, mode="create")
-        except BaseException as exc:
-            if _precondition_failed(exc):
+            self._call("pipe_file", path, b"".join(views), mode="create")
+        except Exception as exc:
+            if _precondition_failed(exc) and self._exists(key):
                 return False
             raise
         return True
@@ -191,7 +232,9 @@ class FsspecStore(Store):
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         if not self._s3:
             return super()._write_many(items)
-        return _in_flight(lambda item: self._put_object(self._path(item[0]), item[1]), items)
+        return _in_flight(
+            lambda item: self._put_object(item[0], self._path(item[0]), item[1]), items
+        )
 
     def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
         if not self._s3:
@@ -200,7 +243,7 @@ class FsspecStore(Store):
         def fetch(item: tuple[str, memoryview]) -> int | None:
             key, view = item
             try:
-                data: bytes = self.fs.cat_file(self._path(key))
+                data: bytes = self._call("cat_file", self._path(key))
             except _ABSENT:
                 return None
             if len(data) == len(view):
@@ -237,20 +280,20 @@ class FsspecStore(Store):
         joined and copied; this holds one buffer plus one range.  A small object
         still costs one request.
         """
-        first = self.fs.cat_file(path, start=0, end=_STEP)
+        first = self._call("cat_file", path, start=0, end=_STEP)
         if len(first) < _STEP:
             return bytearray(first)
-        out = bytearray(self.fs.size(path))
+        out = bytearray(self._call("size", path))
         out[:_STEP] = first
         del first
         for start in range(_STEP, len(out), _STEP):
-            piece = self.fs.cat_file(path, start=start, end=min(start + _STEP, len(out)))
+            piece = self._call("cat_file", path, start=start, end=min(start + _STEP, len(out)))
             out[start : start + len(piece)] = piece
         return out
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         try:
-            head: bytes = self.fs.cat_file(self._path(key), start=0, end=size)
+            head: bytes = self._call("cat_file", self._path(key), start=0, end=size)
         except _ABSENT:
             return None
         return head
@@ -258,26 +301,26 @@ class FsspecStore(Store):
     def _exists(self, key: str) -> bool:
         path = self._path(key)
         self.fs.invalidate_cache(path)
-        return bool(self.fs.isfile(path))
+        return bool(self._call("isfile", path))
 
     def _list(self, prefix: str) -> Iterable[str]:
         top = self._path(prefix.rstrip("/"))
         self.fs.invalidate_cache(top)
-        if not self.fs.exists(top):
+        if not self._call("exists", top):
             return []
         start = len(self.root) + 1 if self.root else 0
-        return [p[start:] for p in self.fs.find(top) if ".tmp-" not in p.rsplit("/", 1)[-1]]
+        return [p[start:] for p in self._call("find", top) if ".tmp-" not in p.rsplit("/", 1)[-1]]
 
     def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                self.fs.rm_file(self._path(key))
+                self._call("rm_file", self._path(key))
 
     def _delete_prefix(self, prefix: str) -> None:
         keys = list(self._list(prefix))
         if keys:
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm([self._path(k) for k in keys])
+                self._call("rm", [self._path(k) for k in keys])
         top = self._path(prefix.rstrip("/"))
         if prefix and not self._object_store:
             with contextlib.suppress(FileNotFoundError, OSError):

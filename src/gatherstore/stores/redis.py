@@ -10,6 +10,12 @@ sent from the caller's buffers and received straight into the reader's buffer;
 a SET retried after a dropped connection that finds its own first try in place
 counts as written.
 
+A job's keys are also named in an index (a Redis set beside the job's
+prefix, same TTL), so that the job's end deletes exactly those keys instead
+of SCANning the keyspace; while the job reads, the TTL of every indexed key
+is renewed at least every ``ttl / 4`` seconds, so that parts waiting for a
+slow ``gather_iter`` consumer do not expire.
+
 Options come from the URL query or keywords, e.g.
 ``redis://:secret@host:6379/0?ttl=600&chunk_size=33554432&socket_timeout=30``:
 
@@ -27,16 +33,26 @@ but survives pickling, so ranks can reopen the store.
 
 from __future__ import annotations
 
-import functools
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import redis
+import redis.backoff
 import redis.connection
+import redis.retry
 
 from . import _resp
-from .base import Buffer, Store, hide_password
+from .base import (
+    END_JOB_TIMEOUT,
+    JOB_AREA,
+    Buffer,
+    Store,
+    deadline,
+    hide_password,
+    time_left,
+)
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_TTL", "MAX_CHUNK_SIZE", "RedisStore"]
 
@@ -50,9 +66,15 @@ DEFAULT_TTL = 3600.0
 
 _SCHEMES = ("redis", "rediss", "unix")
 _OWN_PARSERS: dict[str, Any] = {"ttl": float, "chunk_size": int, "key_prefix": str}
-_CONNECTION_DEFAULTS: dict[str, Any] = {"socket_connect_timeout": 10.0, "socket_timeout": 60.0}
+_CONNECTION_DEFAULTS: dict[str, Any] = {
+    "socket_connect_timeout": 10.0,
+    "socket_timeout": 60.0,
+    # a few quick retries of a dropped connection; the call's deadline bounds them all
+    "retry": redis.retry.Retry(redis.backoff.ExponentialWithJitterBackoff(0.01, 0.5), 3),
+}
 _SECRETS = ("password",)
-_BATCH = 1000  # keys per SCAN step and per UNLINK
+_BATCH = 1000  # keys per SCAN step, per UNLINK and per SPOP
+_INDEX = ".keys"  # suffix of a job's index: "<prefix>gatherstore/<job>.keys"
 _GLOB_SPECIALS = "\\*?[]"
 _connection: Any = redis.connection  # redis-py's helpers, untyped
 _IN_FLIGHT = 4  # SETs or GETs sent ahead of their replies on one connection
@@ -109,9 +131,35 @@ def _parse_query(url: str, query: str) -> tuple[dict[str, Any], bool | None]:
         except (TypeError, ValueError):
             shown = "***" if name in _SECRETS else repr(value)
             raise ValueError(
-                f"option {name}={shown} in the URL {_shown(url)} is not valid"
+                f"option {name}={shown} in the URL {_shown(url)} is not valid; fix or remove "
+                "it (the options are listed in gatherstore.stores.redis)"
             ) from None
     return options, sign
+
+
+def _check_address(url: str, parts: urllib.parse.SplitResult) -> None:
+    """Refuse a port that is not a number in 1..65535 and a database that is not a number."""
+    example = "redis://host:6379/0"
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 0 < port < 65536:
+        text = parts.netloc.rsplit("@", 1)[-1].rsplit(":", 1)[-1]
+        raise ValueError(
+            f"the port {text!r} in the Redis URL {_shown(url)} is not a number between 1 "
+            f"and 65535; use e.g. {example}"
+        )
+    db = parts.path.strip("/")
+    if parts.scheme != "unix" and db and not db.isdigit():
+        raise ValueError(
+            f"the database {db!r} in the Redis URL {_shown(url)} is not a number; use e.g. "
+            f"{example}"
+        )
+    if parts.scheme == "unix" and not parts.path.strip("/"):
+        raise ValueError(
+            f"the Redis URL {_shown(url)} names no socket; use unix:///path/to/redis.sock"
+        )
 
 
 def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any]) -> None:
@@ -125,17 +173,57 @@ def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any])
             )
 
 
-def _bound(conn: Any) -> None:
-    """Let the next socket wait last at most the connection's timeout (or the time left)."""
-    conn._sock.settimeout(conn.socket_timeout)
-
-
 def _pooled(pool: redis.ConnectionPool) -> Any:
     """A connected connection of ``pool`` (redis-py 5 still wants a command name)."""
     try:
         return pool.get_connection()
     except TypeError:  # pragma: no cover - redis-py < 5.3
         return pool.get_connection("GET")
+
+
+class _DeadlineConnection:
+    """Mixin for a redis-py connection class: every socket wait ends by the deadline.
+
+    The configured timeouts stay the ceiling; inside :func:`~.base.deadline`
+    connects, sends and reads wait at most the time the call has left.
+    """
+
+    _socket_timeout: float | None
+    _socket_connect_timeout: float | None
+    _sock: Any
+
+    @property
+    def socket_timeout(self) -> float | None:
+        return time_left(self._socket_timeout)
+
+    @socket_timeout.setter
+    def socket_timeout(self, value: float | None) -> None:
+        self._socket_timeout = value
+
+    @property
+    def socket_connect_timeout(self) -> float | None:
+        return time_left(self._socket_connect_timeout)
+
+    @socket_connect_timeout.setter
+    def socket_connect_timeout(self, value: float | None) -> None:
+        self._socket_connect_timeout = value
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._bound()
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        self._bound()
+        return super().read_response(*args, **kwargs)  # type: ignore[misc]
+
+    def _bound(self) -> None:
+        if self._sock is not None:
+            self.update_current_socket_timeout(self.socket_timeout)  # type: ignore[attr-defined]
+
+
+def _bounded_class(cls: type[Any]) -> type[Any]:
+    """``cls`` (a redis-py connection class) with :class:`_DeadlineConnection` mixed in."""
+    return type(f"Deadline{cls.__name__}", (_DeadlineConnection, cls), {})
 
 
 class RedisStore(Store):
@@ -150,14 +238,21 @@ class RedisStore(Store):
     reachable_by_others: ClassVar[bool] = True
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
-        parts = urllib.parse.urlsplit(url)
+        usage = (
+            "use redis://host:port/db, rediss://host:port/db (TLS) or unix:///path/to/redis.sock"
+        )
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError as exc:
+            raise ValueError(f"{_shown(url)} is not a valid Redis URL ({exc}); {usage}") from None
         if parts.scheme not in _SCHEMES:
-            raise ValueError(
-                f"{_shown(url)} is not a Redis URL: use redis://host:port/db, "
-                "rediss://host:port/db (TLS) or unix:///path/to/redis.sock"
-            )
+            raise ValueError(f"{_shown(url)} is not a Redis URL: {usage}")
+        _check_address(url, parts)
         self._url = url.split("#", 1)[0].split("?", 1)[0]  # unix:///… keeps its slashes
-        parsed = _connection.parse_url(self._url).items()
+        try:
+            parsed = _connection.parse_url(self._url).items()
+        except ValueError as exc:
+            raise ValueError(f"{_shown(url)} is not a valid Redis URL ({exc}); {usage}") from None
         in_url = {k: v for k, v in parsed if k != "connection_class"}
         query, sign = _parse_query(url, parts.query)
         _check_conflicts(url, {**in_url, **query}, options)
@@ -180,6 +275,7 @@ class RedisStore(Store):
         self._pool = redis.ConnectionPool.from_url(
             self._url, **{**_CONNECTION_DEFAULTS, **_python_packer(), **connection}
         )
+        self._pool.connection_class = _bounded_class(self._pool.connection_class)
         try:  # unknown options fail here, not at the first command
             self._pool.connection_class(**self._pool.connection_kwargs)
         except TypeError as exc:
@@ -188,6 +284,7 @@ class RedisStore(Store):
             ) from None
         self._client = redis.Redis(connection_pool=self._pool)
         self._ttl_ms = max(1, round(self.ttl * 1000))
+        self._renewed: dict[str, float] = {}  # job index -> when its TTLs were last reset
 
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
@@ -203,6 +300,13 @@ class RedisStore(Store):
     def _key(self, key: str) -> bytes:
         return (self.key_prefix + key).encode("utf-8", "surrogateescape")
 
+    @staticmethod
+    def _index_of(key: str) -> str | None:
+        """The index of the job area ``key`` lies in (``gatherstore/<job>/…``), if any."""
+        root, _, rest = key.partition("/")
+        job, inside, _ = rest.partition("/")
+        return f"{root}/{job}{_INDEX}" if root == JOB_AREA and job and inside else None
+
     def _wire(self, work: Callable[[_resp.Wire], _T]) -> tuple[_T, int]:
         """``work`` on a pooled connection's wire, and how many tries it took: a dropped
         connection is replaced and ``work`` runs again (``_ATTEMPTS`` in all)."""
@@ -210,7 +314,7 @@ class RedisStore(Store):
             conn = _pooled(self._pool)
             try:
                 # each send and reply waits at most the socket timeout (or the time left)
-                wire = _resp.Wire(conn, _IN_FLIGHT, functools.partial(_bound, conn))
+                wire = _resp.Wire(conn, _IN_FLIGHT, conn._bound)
                 return work(wire), attempt
             except (ConnectionError, redis.ConnectionError):
                 conn.disconnect()
@@ -227,13 +331,35 @@ class RedisStore(Store):
         return self._write_many([(key, buffers)])[0]
 
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        """``SET NX PX`` of every item, pipelined; each value is one atomic SET."""
+        """``SET NX PX`` of every item, pipelined; each value is one atomic SET.
+
+        A key of a job area is first added to the job's index (``SADD``, and the
+        index's TTL reset), so the index never misses a key that exists.
+        """
         sets = [
             (self._key(key), [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes])
             for key, buffers in items
         ]
-        commands = [_resp.pack_set(key, views, self._ttl_ms) for key, views in sets]
-        replies, tries = self._wire(lambda wire: wire.run(commands, lambda i: wire.line()))
+        indexes = [self._index_of(key) for key, _ in items]
+        commands = []
+        for (key, views), index in zip(sets, indexes, strict=True):
+            command = _resp.pack_set(key, views, self._ttl_ms)
+            if index is not None:
+                name = self._key(index)
+                ttl = b"%d" % self._ttl_ms
+                command = [
+                    *_resp.pack(b"SADD", name, key),
+                    *_resp.pack(b"PEXPIRE", name, ttl),
+                    *command,
+                ]
+            commands.append(command)
+
+        def reply(wire: _resp.Wire, i: int) -> bytes:
+            if indexes[i] is not None:
+                wire.line(), wire.line()  # the SADD's and the PEXPIRE's
+            return wire.line()
+
+        replies, tries = self._wire(lambda wire: wire.run(commands, lambda i: reply(wire, i)))
         # a nil reply means the key exists: after a retry, maybe the first try's own value
         return [
             reply == b"+OK" or (tries > 1 and self._holds(key, views))
@@ -260,12 +386,41 @@ class RedisStore(Store):
 
     def _read(self, key: str) -> Buffer | None:
         """The value in a new bytearray (writable: arrays and tensors decode in place)."""
+        self._renew(key)
         value: Buffer | None = self._get_many([self._key(key)], [None])[0][1]
         return value
 
     def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
+        if items:
+            self._renew(items[0][0])
         got = self._get_many([self._key(k) for k, _ in items], [view for _, view in items])
         return [size for size, _ in got]
+
+    def _renew(self, key: str) -> None:
+        """Every ``ttl / 4`` s of reading a job area: reset the TTL of every key it indexes."""
+        index = self._index_of(key)
+        if index is None:
+            return
+        now = time.monotonic()
+        if now - self._renewed.setdefault(index, now) <= self.ttl / 4:
+            return
+        self._renewed[index] = now
+        members: set[bytes] = self._client.smembers(self._key(index))  # type: ignore[assignment]
+        pipe = self._client.pipeline(transaction=False)
+        for name in [*members, self._key(index)]:
+            pipe.pexpire(name, self._ttl_ms)
+        pipe.execute()
+
+    def end_job(self, locator: str) -> None:
+        """Delete exactly the keys the job's index names, then the index (no SCAN)."""
+        index = self._key(locator.rstrip("/") + _INDEX)
+        with deadline(END_JOB_TIMEOUT), self._mapped(f"delete the job area {locator!r}"):
+            while True:
+                names: list[bytes] = self._client.spop(index, _BATCH)  # type: ignore[assignment]
+                if not names:
+                    break
+                self._client.unlink(*names)
+            self._client.unlink(index)
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         head: bytes = self._client.getrange(self._key(key), 0, size - 1)  # type: ignore[assignment]

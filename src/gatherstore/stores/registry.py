@@ -12,7 +12,7 @@ import urllib.parse
 from importlib.metadata import entry_points
 from typing import Any
 
-from .base import Store
+from .base import Store, hide_password
 
 __all__ = [
     "ROUTES",
@@ -26,37 +26,43 @@ __all__ = [
 #: Specs that are routes in ``objects.py``, not byte stores.
 ROUTES = ("auto", "collective", "stream")
 
-_registry: dict[str, str | type[Store]] = {
-    "tmpdir": "gatherstore.stores.file:TmpdirStore",
-    "file": "gatherstore.stores.file:FileStore",
-    "redis": "gatherstore.stores.redis:RedisStore",
-    "rediss": "gatherstore.stores.redis:RedisStore",
-    "unix": "gatherstore.stores.redis:RedisStore",
-}
-_hints = {
-    "redis": "pip install redis",
-    "s3": "pip install 'gatherstore[s3]'",
-    "gs": "pip install gcsfs",
-    "az": "pip install adlfs",
+_FSSPEC = "gatherstore.stores.fsspec:FsspecStore"
+
+#: scheme -> {"class": Store class or "module:Class", "err": install hint}, as fsspec keeps them
+_registry: dict[str, dict[str, Any]] = {
+    "tmpdir": {"class": "gatherstore.stores.file:TmpdirStore"},
+    "file": {"class": "gatherstore.stores.file:FileStore"},
+    **{
+        scheme: {"class": "gatherstore.stores.redis:RedisStore", "err": "pip install redis"}
+        for scheme in ("redis", "rediss", "unix")
+    },
+    "s3": {"class": _FSSPEC, "err": "pip install 'gatherstore[s3]' (s3fs)"},
+    "gs": {"class": _FSSPEC, "err": "pip install gcsfs"},
+    "az": {"class": _FSSPEC, "err": "pip install adlfs"},
 }
 _entry_points_loaded = [False]
 _default: list[str | Store | None] = [None]
 
 
-def register_store(scheme: str, target: str | type[Store], *, clobber: bool = False) -> None:
+def register_store(
+    scheme: str, target: str | type[Store], *, clobber: bool = False, hint: str | None = None
+) -> None:
     """Make ``scheme://`` URLs open ``target`` (a Store class or ``"module:Class"``).
+
+    ``hint`` tells users how to install what ``target`` needs (shown when an
+    import fails).
 
     Raises:
         ValueError: ``scheme`` is already registered to something else and
             ``clobber`` is False.
     """
-    current = _registry.get(scheme)
+    current = _registry.get(scheme, {}).get("class")
     if current is not None and current != target and not clobber:
         raise ValueError(
             f"store scheme {scheme!r} is already registered to {current!r}; "
             "pass clobber=True to replace it"
         )
-    _registry[scheme] = target
+    _registry[scheme] = {"class": target, **({"err": hint} if hint else {})}
 
 
 def _load_entry_points() -> None:
@@ -65,7 +71,7 @@ def _load_entry_points() -> None:
     _entry_points_loaded[0] = True
     for ep in entry_points(group="gatherstore.stores"):
         if ep.name not in _registry:
-            _registry[ep.name] = ep.value
+            _registry[ep.name] = {"class": ep.value}
 
 
 def known_schemes() -> list[str]:
@@ -76,28 +82,57 @@ def known_schemes() -> list[str]:
     return sorted(set(_registry) | set(known_implementations) | set(ROUTES))
 
 
-def _resolve(scheme: str) -> type[Store]:
+def _entry(scheme: str) -> dict[str, Any]:
+    """The registry entry of ``scheme`` (fsspec's protocols open FsspecStore)."""
     _load_entry_points()
-    target = _registry.get(scheme)
-    if target is None:
-        from fsspec.registry import known_implementations
+    entry = _registry.get(scheme)
+    if entry is not None:
+        return entry
+    from fsspec.registry import known_implementations
 
-        if scheme in known_implementations:
-            target = "gatherstore.stores.fsspec:FsspecStore"
-        else:
-            raise ValueError(
-                f"unknown store scheme {scheme!r}; known: {', '.join(known_schemes())} "
-                "(or register one with gatherstore.stores.register_store)"
-            )
+    if scheme in known_implementations:
+        return {"class": _FSSPEC, "err": known_implementations[scheme].get("err")}
+    raise ValueError(
+        f"unknown store scheme {scheme!r}; known: {', '.join(known_schemes())} "
+        "(or register one with gatherstore.stores.register_store)"
+    )
+
+
+def _missing(scheme: str, entry: dict[str, Any], exc: ImportError) -> ImportError:
+    hint = entry.get("err") or "install the package that provides it"
+    return ImportError(f"store scheme {scheme!r} needs {exc.name or exc}: {hint}", name=exc.name)
+
+
+def _resolve(scheme: str) -> type[Store]:
+    entry = _entry(scheme)
+    target = entry["class"]
     if isinstance(target, str):
         module, _, name = target.partition(":")
         try:
             target = getattr(importlib.import_module(module), name)
         except ImportError as exc:
-            hint = _hints.get(scheme, f"install the package that provides {module}")
-            raise ImportError(f"store scheme {scheme!r} needs {exc.name}: {hint}") from exc
-    assert isinstance(target, type)
+            raise _missing(scheme, entry, exc) from None
+        except AttributeError:
+            raise TypeError(f"store scheme {scheme!r}: {module} has no {name!r}") from None
+    if not (isinstance(target, type) and issubclass(target, Store)):
+        raise TypeError(
+            f"store scheme {scheme!r} is registered to {target!r}, which is not a "
+            "gatherstore.stores.Store subclass; register a Store subclass"
+        )
     return target
+
+
+def _scheme(spec: str) -> str:
+    """The scheme of a URL (``a::b://…`` chains are fsspec's: their first protocol)."""
+    first = spec.split("::", 1)[0]
+    try:
+        scheme = urllib.parse.urlsplit(first).scheme
+    except ValueError as exc:
+        raise ValueError(
+            f"store URL {hide_password(spec)!r} cannot be parsed ({exc}); use "
+            "scheme://host[:port]/path, e.g. redis://host:6379/0 or s3://bucket/prefix"
+        ) from None
+    return scheme or first.split(":", 1)[0]
 
 
 def open_store(spec: str | Store, **options: Any) -> Store:
@@ -108,7 +143,11 @@ def open_store(spec: str | Store, **options: Any) -> Store:
     ``options`` go to the store (fsspec storage options, Redis options, ...).
 
     Raises:
-        ValueError: unknown scheme, or a route ("auto", "collective") that is not a store.
+        ValueError: a malformed URL or option, an unknown scheme, or a route
+            ("auto", "collective") that is not a store; the message names the spec.
+        ImportError: the store needs a package that is not installed (with the
+            command that installs it).
+        TypeError: the scheme is registered to something that is not a Store.
     """
     if isinstance(spec, Store):
         if options:
@@ -122,15 +161,18 @@ def open_store(spec: str | Store, **options: Any) -> Store:
             "pass it as store= to the object collectives, or open tmpdir, file://, "
             "redis:// or an fsspec URL here"
         )
-    scheme = urllib.parse.urlsplit(spec).scheme or spec.split(":", 1)[0]
-    return _resolve(scheme).from_url(spec, **options)
+    cls = _resolve(_scheme(spec))
+    try:
+        return cls.from_url(spec, **options)
+    except ImportError as exc:  # a package the store needs at open time, e.g. s3fs
+        last = _scheme(spec.rsplit("::", 1)[-1])  # in a chain, the innermost filesystem's
+        raise _missing(last, _entry(last), exc) from None
 
 
 def set_default_store(spec: str | Store | None) -> None:
     """Make ``spec`` the store object collectives use when none is passed (None: unset)."""
     if isinstance(spec, str) and spec not in ROUTES:
-        scheme = urllib.parse.urlsplit(spec).scheme or spec
-        _resolve(scheme)
+        _resolve(_scheme(spec))
     _default[0] = spec
 
 

@@ -27,8 +27,8 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "gatherstore.testing needs pytest: pip install 'gatherstore[testing]'"
     ) from exc
 
-from .._errors import GatherTimeout, IntegrityError
-from ..stores.base import HEADER_SIZE, KeyExistsError, Store
+from .._errors import GatherError, GatherTimeout, IntegrityError, StoreUnavailableError
+from ..stores.base import CHUNKS, HEADER_SIZE, KeyExistsError, Store, deadline
 from ..stores.registry import open_store
 
 __all__ = ["StoreTests"]
@@ -183,6 +183,34 @@ class StoreTests:
     def test_damaged_value_is_reported(self, store: Store) -> None:
         with pytest.raises(IntegrityError):
             store._parse("k", b"not a gatherstore value" * 4)
+
+    def test_calls_past_the_deadline_fail_naming_the_store(self, store: Store) -> None:
+        store.put("k", b"v")
+        with deadline(0.0):
+            for call in (lambda: store.get("k"), lambda: store.put("j", b"v"), store.list):
+                with pytest.raises(StoreUnavailableError) as info:
+                    call()
+                assert info.value.store == str(store)
+        assert bytes(store.get("k") or b"") == b"v"  # outside the deadline all is well again
+
+    def test_values_read_are_private_memory(self, chunked: Store) -> None:
+        """What a reader verifies must not change under it: a read is its own copy."""
+        for size in (100, 5000):
+            chunked.put(f"v{size}", b"a" * size)
+            first, second = chunked.get(f"v{size}"), chunked.get(f"v{size}")
+            assert first is not None and second is not None
+            view = memoryview(first).cast("B")
+            if not view.readonly:
+                view[0] = ord("b")
+                assert bytes(memoryview(second)[:1]) == b"a"
+
+    def test_a_lost_chunk_is_not_reported_as_tampering(self, chunked: Store) -> None:
+        chunked.put("part", b"x" * 5000)
+        chunk = next(k for k in chunked._list("") if CHUNKS in k)
+        chunked._delete([chunk])  # e.g. its TTL ran out
+        with pytest.raises(GatherError, match="expired") as info:
+            chunked.get("part")
+        assert not isinstance(info.value, IntegrityError)
 
     def test_pickle_and_url_round_trip(self, store: Store) -> None:
         store.put("k", b"v")

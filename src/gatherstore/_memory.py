@@ -1,0 +1,215 @@
+"""How much memory a gather may use on this node, and how much a route needs.
+
+The kernel kills a process that outgrows its memory cgroup, and /dev/shm
+holds its files in the same RAM, so before any data moves every rank reports
+its node's headroom (``MemAvailable``, capped by every enclosing cgroup's
+limit minus its usage, v1 and v2) and the free space of /dev/shm; every rank
+then computes the same per-node need of the chosen route and raises
+:class:`~gatherstore.InsufficientMemoryError` together when it does not fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._errors import InsufficientMemoryError
+from .stores.base import Store
+from .stores.file import TmpdirStore
+
+__all__ = ["SHM", "NodeNeed", "check", "headroom", "in_ram", "route_need", "shm_free", "shortfalls"]
+
+#: Parts a reader fetches and verifies at once: its window besides what it returns.
+READ_AHEAD = 2
+
+SHM = "/dev/shm"
+_UNLIMITED = 1 << 62
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _reclaimable(stat: Path, field: str) -> int:
+    """Page cache the kernel drops before it kills (``inactive_file`` of memory.stat)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == field:
+                return int(value)
+    return 0
+
+
+def _cgroup_dirs(proc_cgroup: str) -> Iterator[tuple[Path, str, str, str]]:
+    """(directory, limit file, usage file, reclaimable field) of this process's memory cgroup
+    and every ancestor, for cgroup v2 and v1."""
+    for line in proc_cgroup.splitlines():
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and controllers == "":
+            files = ("memory.max", "memory.current", "inactive_file")
+            mount = _CGROUP_ROOT
+        elif "memory" in controllers.split(","):
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            mount = _CGROUP_ROOT / "memory"
+        else:
+            continue
+        directory = mount / path.lstrip("/")
+        while True:
+            yield (directory, *files)
+            if directory == mount or mount not in directory.parents:
+                break
+            directory = directory.parent
+
+
+def cgroup_headroom(proc_cgroup: str | None = None) -> int:
+    """Bytes this process's memory cgroups still allow (huge when unlimited or unknown)."""
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return _UNLIMITED
+    room = _UNLIMITED
+    for directory, limit_file, usage_file, field in _cgroup_dirs(proc_cgroup):
+        limit = _read_int(directory / limit_file)
+        usage = _read_int(directory / usage_file)
+        if limit is None or usage is None or limit >= _UNLIMITED:
+            continue
+        used = max(usage - _reclaimable(directory / "memory.stat", field), 0)
+        room = min(room, max(limit - used, 0))
+    return room
+
+
+def mem_available() -> int:
+    """``MemAvailable`` of /proc/meminfo in bytes (huge when unknown)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return _UNLIMITED
+
+
+def headroom() -> int:
+    """Bytes this process may still allocate: ``MemAvailable`` capped by its cgroups."""
+    return min(mem_available(), cgroup_headroom())
+
+
+def shm_free() -> int:
+    """Free bytes of /dev/shm when this process can write there, else 0."""
+    with contextlib.suppress(OSError):
+        if os.access(SHM, os.W_OK):
+            stat = os.statvfs(SHM)
+            return stat.f_bavail * stat.f_frsize
+    return 0
+
+
+@dataclass(frozen=True)
+class NodeNeed:
+    """What one route needs on one node: RAM (``shm`` included) and /dev/shm space."""
+
+    ram: int
+    shm: int
+
+
+def route_need(
+    route: str,
+    sizes: Sequence[int],
+    receivers: Sequence[int],
+    ranks: Sequence[int],
+    *,
+    all_receive: bool,
+) -> NodeNeed:
+    """Bytes the ``ranks`` of one node allocate for a gather of parts ``sizes``.
+
+    ``route`` is ``"collective"``, ``"shm"`` (a store whose files live in this
+    node's RAM) or ``"store"`` (any other store).  ``receivers`` read parts;
+    ``all_receive`` marks an all-gather (parts stay until every rank has read
+    them).  A streamed gather has no receivers here: it holds a bounded window.
+
+    The collective route gives every receiver ``W`` slots of the largest part
+    (plus a send buffer in an all-gather) and every sender one padded part.  A
+    store route gives each receiver a private copy of what it reads, plus a
+    window of ``READ_AHEAD`` parts; on /dev/shm the written parts take RAM too, which a
+    gather frees as it reads (the copies replace them) and an all-gather does not.
+    """
+    world, largest, total = len(sizes), max(sizes, default=0), sum(sizes)
+    mine = [r for r in ranks if r in receivers]
+    if route == "collective":
+        ram = sum(largest * (world + all_receive) for _ in mine)
+        ram += sum(largest for r in ranks if r not in receivers and sizes[r])
+        return NodeNeed(ram, 0)
+    reads = sum(total - sizes[r] for r in mine) + (
+        0 if all_receive or not mine else READ_AHEAD * largest
+    )
+    if route != "shm":
+        return NodeNeed(reads, 0)
+    written = sum(sizes[r] for r in ranks)
+    return NodeNeed(written + reads if all_receive else max(written, reads), written)
+
+
+def in_ram(store: Store | str) -> bool:
+    """Whether ``store`` keeps its values in this node's RAM (a tmpdir on /dev/shm)."""
+    shm = Path(SHM)
+    return isinstance(store, TmpdirStore) and (store.root == shm or shm in store.root.parents)
+
+
+def shortfalls(
+    route: str, statuses: Sequence[Any], sizes: Sequence[int], receivers: Sequence[int]
+) -> list[str]:
+    """Per node that lacks room for ``route``: what it needs there and what it has.
+
+    ``statuses`` are every rank's reports (``avail``, ``shm``, ``node``); the
+    ranks of one node share its memory, so their needs add up.
+    """
+    nodes: dict[str, list[int]] = {}
+    for rank, status in enumerate(statuses):
+        nodes.setdefault(status["node"], []).append(rank)
+    out = []
+    for node, ranks in nodes.items():
+        need = route_need(route, sizes, receivers, ranks, all_receive=len(receivers) > 1)
+        room = min(int(statuses[r]["avail"]) for r in ranks)
+        shm = min(int(statuses[r]["shm"]) for r in ranks)
+        if need.ram > room or need.shm > shm:
+            out.append(
+                f"ranks {ranks} on {node} need {need.ram / 2**30:.2f} GiB of memory"
+                + (f" ({need.shm / 2**30:.2f} GiB in {SHM})" if need.shm else "")
+                + f" and have {room / 2**30:.2f} GiB"
+                + (f" ({shm / 2**30:.2f} GiB free in {SHM})" if need.shm else "")
+            )
+    return out
+
+
+def check(
+    what: str,
+    target: Store | str,
+    statuses: Sequence[Any],
+    sizes: Sequence[int],
+    receivers: Sequence[int],
+) -> None:
+    """Raise on every rank alike (same inputs) when ``target`` would outgrow a node's memory.
+
+    Raises:
+        InsufficientMemoryError: names the nodes, what they need and what they have.
+    """
+    route = "collective" if target == "collective" else "shm" if in_ram(target) else "store"
+    short = shortfalls(route, statuses, sizes, receivers)
+    if short:
+        raise InsufficientMemoryError(
+            f"{what} of {sum(sizes) / 2**30:.2f} GiB over {target} would not fit: "
+            f"{'; '.join(short)} (free memory, capped by the memory cgroup). Use "
+            "gs.gather_iter (one part in memory at a time), gather less per call, or raise "
+            "the job's memory limit"
+        )

@@ -1,0 +1,485 @@
+"""Faults of stores and data: every promise holds with a frozen or dead server, tampered
+parts, too little memory and bad store specs (real servers, real files, real cgroups)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gatherstore as gs
+from gatherstore.stores.fsspec import FsspecStore
+from gatherstore.stores.redis import RedisStore
+from gatherstore.testing import services
+
+TIMEOUT = 3.0  # the calls' timeout in the outage job
+SLACK = 3.0  # "a few seconds" beyond it
+SRC = str(Path(gs.__file__).resolve().parents[1])
+
+
+# --- 1. a frozen or killed store ends every call within its timeout ------------------------
+def _wait_for(signals: str, name: str, limit: float = 60.0) -> None:
+    path = Path(signals, name)
+    end = time.monotonic() + limit
+    while not path.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"no signal {name!r}")
+        time.sleep(0.02)
+
+
+def _attempt(what: str, fn: Any) -> tuple[str, str, float, str]:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return (what, type(exc).__name__, time.monotonic() - start, str(exc))
+    return (what, "none", time.monotonic() - start, "")
+
+
+def _outage_job(
+    url: str, options: dict[str, Any], signals: str
+) -> list[tuple[str, str, float, str]]:
+    """dst streams from a store frozen under it, then every rank calls again (frozen, killed)."""
+    store = gs.open_store(url, **options)
+    rank = gs.get_rank()
+    obj = np.full(200_000, rank, dtype=np.int64)
+    parts = gs.gather_iter(obj, store=store, timeout=TIMEOUT)
+    gs.barrier()
+    if rank == 0:
+        Path(signals, "written").touch()
+    _wait_for(signals, "frozen")
+    out = [_attempt("stream from a frozen store", lambda: list(parts))]
+    out.append(
+        _attempt("next call, frozen", lambda: gs.gather_object(obj, store=store, timeout=TIMEOUT))
+    )
+    gs.barrier()
+    if rank == 0:
+        Path(signals, "called").touch()
+    _wait_for(signals, "killed")
+    out.append(
+        _attempt("next call, killed", lambda: gs.gather_object(obj, store=store, timeout=TIMEOUT))
+    )
+    return out
+
+
+def _run_outage(pid: int, url: str, options: dict[str, Any], tmp_path: Path) -> list[Any]:
+    signals = str(tmp_path)
+
+    def fault() -> None:
+        _wait_for(signals, "written", 120)
+        os.kill(pid, signal.SIGSTOP)
+        Path(signals, "frozen").touch()
+        _wait_for(signals, "called", 120)
+        os.kill(pid, signal.SIGKILL)
+        Path(signals, "killed").touch()
+
+    thread = threading.Thread(target=fault, daemon=True)
+    thread.start()
+    results = gs.launch(_outage_job, nproc_per_node=3, backend="gloo", args=(url, options, signals))
+    thread.join(5)
+    return results
+
+
+def _check_outage(results: list[Any], shown: str) -> None:
+    for rank, outcomes in enumerate(results):
+        for what, kind, seconds, message in outcomes:
+            if what.startswith("stream") and rank != 0:
+                assert kind == "none"  # only dst reads in gather_iter
+                continue
+            assert kind == "StoreUnavailableError", (rank, what, kind, message)
+            assert shown in message, (rank, what, message)
+            assert seconds <= TIMEOUT + SLACK, (rank, what, seconds)
+
+
+@pytest.mark.timeout(120)
+def test_frozen_then_killed_redis_ends_every_call_within_its_timeout(tmp_path: Path) -> None:
+    with services.start_redis() as server:
+        results = _run_outage(server.process.pid, server.url, {}, tmp_path)
+    _check_outage(results, server.url)
+
+
+@pytest.mark.timeout(180)
+def test_frozen_then_killed_s3_ends_every_call_within_its_timeout(tmp_path: Path) -> None:
+    s3fs = pytest.importorskip("s3fs")
+    with services.start_s3() as server:
+        bucket = f"faults-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(**server.storage_options).mkdir(bucket)
+        url = f"s3://{bucket}/job"
+        results = _run_outage(server.process.pid, url, server.storage_options, tmp_path)
+    _check_outage(results, url)
+
+
+# --- 2. tampered parts: replayed, swapped, truncated, planted ------------------------------
+def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Each call: every rank writes, a sender alters the stored bytes, then dst reads."""
+    from gatherstore import _serialize as serialize
+    from gatherstore._session import session_for
+
+    store = gs.open_store(url, **options)
+    rank = gs.get_rank()
+    obj = {"rank": rank, "data": np.full(100_000, rank, dtype=np.int64)}
+    saved: dict[str, Any] = {}
+
+    def raw(key: str) -> bytes:
+        value = job._read(key)
+        assert value is not None
+        return bytes(value)
+
+    def replace(key: str, value: bytes) -> None:
+        job._delete([key])
+        assert job._write(key, [value])
+
+    def planted(key: str) -> bytes:
+        frame = serialize.encode({"rank": rank, "data": "planted"}).seal(os.urandom(32))
+        job.put(f"{key}-planted", frame.segments)
+        value = raw(f"{key}-planted")
+        job.discard(f"{key}-planted")
+        return value
+
+    # rank 2 alters its own part: dst reads rank 1's ahead already, rank 2's only after
+    tampers: dict[str, Any] = {
+        "clean": lambda p: saved.update(old=raw(f"{p}/2")),
+        "replayed": lambda p: replace(f"{p}/2", saved["old"]),  # from the call before
+        "swapped": lambda p: replace(f"{p}/2", raw(f"{p}/1")),  # rank 1's, same call
+        "truncated": lambda p: replace(f"{p}/2", raw(f"{p}/2")[:5000]),
+        "planted": lambda p: replace(f"{p}/2", planted(f"{p}/2")),  # signed without the key
+    }
+    out: list[tuple[str, Any]] = []
+    for name, tamper in tampers.items():
+        parts = gs.gather_iter(obj, store=store, timeout=30)
+        job = session_for(store, 30).store
+        if rank == 2:
+            tamper(f"call-{session_for(store, 30).calls}")
+        gs.barrier()
+        start = time.monotonic()
+        try:
+            got = [(o["rank"], int(np.asarray(o["data"]).sum())) for o in parts]
+            out.append((name, got))
+        except gs.IntegrityError as exc:
+            out.append((name, ("IntegrityError", exc.rank, str(exc), time.monotonic() - start)))
+        gs.barrier()
+    after = gs.gather_object(rank, store=store, timeout=30)
+    out.append(("after", after))
+    return out
+
+
+def _check_tampering(results: list[Any]) -> None:
+    dst = dict(results[0])
+    clean = [(r, 100_000 * r) for r in range(3)]
+    assert dst["clean"] == clean
+    for name in ("replayed", "swapped", "truncated", "planted"):
+        kind, named, message, _ = dst[name]
+        assert (kind, named) == ("IntegrityError", 2), (name, dst[name])
+        assert "rank 2" in message, message
+    assert dst["after"] == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_tampered_parts_in_a_file_store_fail_naming_the_rank(tmp_path: Path) -> None:
+    results = gs.launch(
+        _tamper_job, nproc_per_node=3, backend="gloo", args=(f"file://{tmp_path}", {})
+    )
+    _check_tampering(results)
+    assert list(tmp_path.iterdir()) == []  # the job area is gone
+
+
+@pytest.mark.timeout(120)
+def test_tampered_parts_in_redis_fail_naming_the_rank() -> None:
+    with services.start_redis() as server:
+        results = gs.launch(_tamper_job, nproc_per_node=3, backend="gloo", args=(server.url, {}))
+        _check_tampering(results)
+        assert RedisStore(server.url)._client.dbsize() == 0  # no key left
+
+
+_AFTER_READ = """
+import os, sys
+import numpy as np
+from gatherstore import _serialize as serialize
+from gatherstore.stores.file import FileStore
+
+store, key = FileStore(sys.argv[1]), os.urandom(32)
+value = {"a": np.arange(1 << 21, dtype=np.int64)}  # 16 MiB: memory-mapped before
+for name in ("flipped", "truncated"):
+    store.put(name, serialize.encode(value).seal(key, b"bind").segments)
+    verified = serialize.verify(store.get(name), key=key, bind=b"bind")
+    path = os.path.join(sys.argv[1], name)
+    if name == "flipped":  # another process rewrites the file after it was verified
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            f.write(b"\\xff" * (1 << 20))
+    else:  # ... or truncates it (a memory map would die of SIGBUS here)
+        os.truncate(path, 4096)
+    out = serialize.load(verified)["a"]
+    assert np.array_equal(out, value["a"]), name
+print("ok")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_what_is_verified_is_what_is_unpickled(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _AFTER_READ, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "ok"
+
+
+# --- 3. too little memory: InsufficientMemoryError everywhere, no OOM kill -----------------
+PART = 200 << 20  # bytes each sender holds
+MARGIN = 300 << 20  # what the cgroup allows beyond what the job holds once its parts exist
+
+
+def _memory_cgroup() -> tuple[Path, str, str, str] | None:
+    """A fresh memory cgroup: (dir, limit file, usage file, OOM-kill counter file)."""
+    name = f"gatherstore-test-{uuid.uuid4().hex[:8]}"
+    root = Path("/sys/fs/cgroup")
+    controllers = root / "cgroup.controllers"
+    if controllers.exists() and "memory" in controllers.read_text().split():
+        layout = (root / name, "memory.max", "memory.current", "memory.events")
+    elif (root / "memory" / "cgroup.procs").exists():
+        v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.oom_control")
+        layout = (root / "memory" / name, *v1)
+    else:
+        return None
+    try:
+        layout[0].mkdir()
+    except OSError:
+        return None
+    return layout
+
+
+def _memory_job(limit_file: str, usage_file: str) -> list[str]:
+    """Senders hold PART bytes; the cgroup then allows MARGIN more; every big gather must fail."""
+    from gatherstore import _memory
+
+    rank = gs.get_rank()
+    obj = np.ones(PART // 8) if rank else np.zeros(1)
+    small = gs.gather_object(rank, timeout=60)  # a gather that fits still works
+    gs.barrier()
+    if rank == 0:  # the limit: what the job holds (page cache aside) + MARGIN
+        stat = Path(limit_file).with_name("memory.stat")
+        field = "inactive_file" if limit_file.endswith("memory.max") else "total_inactive_file"
+        used = int(Path(usage_file).read_text()) - _memory._reclaimable(stat, field)
+        Path(limit_file).write_text(str(used + MARGIN))
+    gs.barrier()
+    out = [f"small {small}"]
+    for store in ("collective", "auto"):
+        try:
+            gs.gather_object(obj, store=store, timeout=60)
+            out.append(f"{store}: no error")
+        except gs.InsufficientMemoryError as exc:
+            out.append(f"{store}: {type(exc).__name__}: {exc}")
+    try:
+        gs.all_gather_object(obj, timeout=60)
+        out.append("all: no error")
+    except gs.InsufficientMemoryError as exc:
+        out.append(f"all: {type(exc).__name__}")
+    return out
+
+
+_IN_CGROUP = """
+import os, sys
+with open(sys.argv[1], "w") as f:
+    f.write(str(os.getpid()))
+import gatherstore as gs, test_faults_data as t
+for line in gs.launch(t._memory_job, nproc_per_node=3, backend="gloo", args=tuple(sys.argv[2:4])):
+    print(repr(line))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_gathers_that_outgrow_the_memory_cgroup_fail_on_every_rank_before_moving_data() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("creating a memory cgroup needs root")
+    layout = _memory_cgroup()
+    if layout is None:
+        pytest.skip("no writable memory cgroup (v1 or v2) on this machine")
+    directory, limit, usage, events = layout
+    shm_before = set(os.listdir("/dev/shm"))
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
+    try:
+        paths = [str(directory / name) for name in ("cgroup.procs", limit, usage)]
+        done = subprocess.run(
+            [sys.executable, "-c", _IN_CGROUP, *paths],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(Path(__file__).parent)])},
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+        oom = (directory / events).read_text()
+    finally:
+        for _ in range(50):
+            try:
+                directory.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [eval(line) for line in done.stdout.splitlines()]
+    assert len(lines) == 3
+    for out in lines:
+        assert out[0] == "small [0, 1, 2]" or out[0] == "small None", out
+        assert out[1].startswith("collective: InsufficientMemoryError"), out
+        assert out[2].startswith("auto: InsufficientMemoryError"), out
+        assert out[3] == "all: InsufficientMemoryError", out
+    assert "gather_iter" in lines[0][1] and "cgroup" in lines[0][1]
+    assert "oom_kill 0" in oom, oom
+    for base, before in (("/dev/shm", shm_before), (tempfile.gettempdir(), tmp_before)):
+        assert not [n for n in set(os.listdir(base)) - before if n.startswith("gatherstore-")]
+
+
+# --- 4. bad specs: ValueError / ImportError / TypeError naming the spec and the fix ----------
+BAD_SPECS = [
+    ("redis://localhost:notaport/0", ValueError, "'notaport'"),
+    ("redis://localhost:99999/0", ValueError, "'99999'"),
+    ("redis://localhost:0/0", ValueError, "'0'"),
+    ("redis://localhost:6379/zero", ValueError, "'zero'"),
+    ("redis://u:secret@[::1/0", ValueError, "redis://"),
+    ("unix://", ValueError, "unix:///path"),
+    ("redis://localhost:6379/0?ttl=soon", ValueError, "ttl='soon'"),
+    ("file://relative/dir", ValueError, "file:///shared/dir"),
+    ("file:///x?y=1", ValueError, "file:///shared/dir"),
+    ("tmpdir://relative", ValueError, "tmpdir:///shared/dir"),
+    ("s3://", ValueError, "s3://bucket/prefix"),
+    ("nosuchscheme://x", ValueError, "register_store"),
+    ("gs://bucket/prefix", ImportError, "pip install gcsfs"),
+]
+
+
+def _foreign_frames(exc: BaseException) -> list[str]:
+    """Frames outside gatherstore (and this test) in the traceback a user sees."""
+    seen: list[str] = []
+    while exc is not None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        seen += [
+            f.filename for f in frames if "gatherstore" not in f.filename and f.filename != __file__
+        ]
+        exc = None if exc.__suppress_context__ else (exc.__cause__ or exc.__context__)  # type: ignore[assignment]
+    return seen
+
+
+@pytest.mark.parametrize(("spec", "error", "fix"), BAD_SPECS)
+def test_bad_specs_name_the_spec_and_the_fix(spec: str, error: type[Exception], fix: str) -> None:
+    if spec.startswith("gs://") and importlib.util.find_spec("gcsfs"):
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(error) as info:
+        gs.open_store(spec)
+    message = str(info.value)
+    assert fix in message, message
+    assert "secret" not in message
+    assert _foreign_frames(info.value) == []
+
+
+def test_unreachable_redis_is_unavailable_naming_it() -> None:
+    store = gs.open_store("redis://127.0.0.1:1/0")
+    with pytest.raises(gs.StoreUnavailableError) as info:
+        store.exists("x")
+    assert "redis://127.0.0.1:1/0" in str(info.value)
+
+
+def test_percent_encoded_and_chained_urls() -> None:
+    store = gs.open_store("file:///my%20dir/x")
+    assert str(store.root) == "/my dir/x" and gs.open_store(store.url).root == store.root
+    chained = gs.open_store("simplecache::memory://faults-chain")
+    assert isinstance(chained, FsspecStore)
+
+
+def test_registry_refuses_non_stores_and_hints_missing_packages() -> None:
+    from gatherstore.stores import registry
+
+    gs.register_store("faults-not-a-store", "json:JSONDecoder")
+    gs.register_store("faults-missing", "no_such_module_xyz:Store", hint="pip install xyz-store")
+    try:
+        with pytest.raises(TypeError, match=r"not a gatherstore\.stores\.Store subclass"):
+            gs.open_store("faults-not-a-store://x")
+        with pytest.raises(ImportError, match="pip install xyz-store"):
+            gs.open_store("faults-missing://x")
+    finally:
+        registry._registry.pop("faults-not-a-store")
+        registry._registry.pop("faults-missing")
+
+
+@pytest.mark.timeout(60)
+def test_missing_s3fs_raises_import_error_with_the_hint() -> None:
+    code = (
+        "import sys; sys.modules['s3fs'] = None\n"
+        "import gatherstore as gs\n"
+        "try:\n    gs.open_store('s3://bucket/prefix')\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert "pip install 'gatherstore[s3]'" in done.stdout, done.stdout + done.stderr
+
+
+# --- 5. Redis: deletes by name, TTLs renewed while reading, expiry is not tampering --------
+def _scans(store: RedisStore) -> int:
+    stats = store._client.info("commandstats")
+    return int(stats.get("cmdstat_scan", {}).get("calls", 0))
+
+
+@pytest.mark.timeout(60)
+def test_redis_job_end_deletes_its_keys_by_name_without_scan() -> None:
+    with services.start_redis() as server:
+        store = RedisStore(server.url, chunk_size=1024)
+        other = store.scoped("someone-else")
+        other.put("keep", b"x")
+        locator = store.prepare_job(uuid.uuid4().hex[:16])
+        job = store.join_job(locator)
+        job.put("marker", b"{}")
+        job.put("call-1/1", os.urandom(10_000))  # 10 chunks
+        before = _scans(store)
+        store.end_job(locator)
+        assert _scans(store) == before
+        names = sorted(k.decode() for k in store._client.keys("*"))
+        assert names == ["someone-else/keep"]
+
+
+@pytest.mark.timeout(60)
+def test_redis_parts_outlive_their_ttl_while_read_and_expiry_is_not_tampering() -> None:
+    with services.start_redis() as server:
+        store = RedisStore(server.url, ttl=1.0, chunk_size=1024)
+        job = store.join_job(store.prepare_job(uuid.uuid4().hex[:16]))
+        job.put("read", b"r")
+        job.put("waiting", os.urandom(5000))
+        end = time.monotonic() + 2.5  # a slow consumer: one read every 0.3 s
+        while time.monotonic() < end:
+            assert job.get("read") is not None
+            time.sleep(0.3)
+        assert job.get("waiting") is not None  # 2.5 s > its 1 s TTL
+        chunks = store._client.keys("*waiting.chunks/*")
+        store._client.unlink(chunks[0])  # one chunk expires
+        with pytest.raises(gs.GatherError, match="expired") as info:
+            job.get("waiting")
+        assert not isinstance(info.value, gs.IntegrityError)
+
+
+def test_fsspec_store_maps_every_http_stack_error() -> None:
+    pytest.importorskip("s3fs")
+    import aiohttp
+    import botocore.exceptions
+
+    store = FsspecStore("memory://faults-errors")
+    for error in (aiohttp.ClientError, botocore.exceptions.BotoCoreError, TimeoutError, OSError):
+        assert issubclass(error, store.unavailable_errors), error
