@@ -15,7 +15,7 @@ from _jobs import check_object_collectives, object_collectives_job
 import gatherstore as gs
 from gatherstore._bench.measure import PeakMemory
 from gatherstore.stores.base import Store
-from gatherstore.stores.fsspec import FsspecStore
+from gatherstore.stores.fsspec import FsspecStore, fast_s3_options
 from gatherstore.testing import StoreTests
 from gatherstore.testing.plugin import S3Endpoint
 
@@ -128,6 +128,20 @@ def test_http_endpoints_send_unhashed_payloads(s3: tuple[S3Endpoint, str, Any]) 
     assert bytes(store.get("k") or b"") == b"v" * 1000
     assert store.storage_options == endpoint.storage_options  # reopened alike, tuned again
     store.delete("")
+
+
+def test_fast_options_keep_what_the_caller_says() -> None:
+    plain = {"key": "k", "client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
+    config = fast_s3_options(plain)["config_kwargs"]
+    assert config["s3"] == {"payload_signing_enabled": False}
+    assert config["request_checksum_calculation"] == "when_required"
+    assert plain == {"key": "k", "client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
+    tls = fast_s3_options({"endpoint_url": "https://s3.example", "config_kwargs": {"x": 1}})
+    assert "s3" not in tls["config_kwargs"] and tls["config_kwargs"]["x"] == 1
+    mine = {"s3": {"payload_signing_enabled": True}, "request_checksum_calculation": "x"}
+    given = fast_s3_options({**plain, "config_kwargs": mine})["config_kwargs"]
+    assert given["s3"] == {"payload_signing_enabled": True}
+    assert given["request_checksum_calculation"] == "x"
 
 
 @pytest.mark.timeout(120)
