@@ -120,13 +120,13 @@ def measure_redis(url: str, nbytes: int) -> dict[str, float]:
     """
     import redis
 
-    from ..stores.redis import _python_packer
+    from ..stores._resp import python_packer
 
     src = _source(nbytes)
     run = uuid.uuid4().hex
     keys = [f"gatherstore-ceiling-{run}-{i}".encode() for i in range(-(-nbytes // REDIS_VALUE))]
     pipelined = {"socket_read_size": 1 << 20}
-    packer = _python_packer()
+    packer = python_packer()
     variants: list[tuple[str, dict[str, Any], int]] = [
         ("redis_default", {}, 1),
         ("redis_pipelined", {**pipelined, **packer}, _DEPTH),

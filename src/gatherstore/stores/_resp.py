@@ -1,4 +1,4 @@
-"""Large Redis values on the wire: pipelined SETs and GETs on one redis-py connection.
+"""Redis on the wire: pipelined SETs and GETs of large values, and how commands are packed.
 
 redis-py sends one command and parses its reply before the next, reads replies
 64 KiB at a time, and copies a bulk reply at least twice (hiredis into bytes,
@@ -14,12 +14,39 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
+import redis.connection
 
-__all__ = ["Wire", "pack"]
+__all__ = ["Wire", "pack", "pack_set", "pooled", "python_packer"]
 
+_connection: Any = redis.connection  # redis-py's helpers, untyped
 _CRLF = b"\r\n"
 _LINE_READ = 64  # bytes received while looking for a reply's first line
 _SMALL = 64 << 10  # pieces up to this size are sent together in one buffer
+
+
+def python_packer() -> dict[str, Any]:
+    """Connection option that sends large values straight from their buffers.
+
+    With hiredis installed, redis-py packs commands with ``hiredis.pack_command``,
+    which first copies every memoryview into bytes and then the whole command
+    into one more buffer; redis-py's pure-Python packer sends them as they are.
+    Replies are still parsed by hiredis.
+    """
+    try:
+        if not _connection.HIREDIS_AVAILABLE:
+            return {}
+        encode = _connection.Encoder("utf-8", "strict", decode_responses=False).encode
+        return {"command_packer": _connection.PythonRespSerializer(6000, encode)}
+    except AttributeError:  # pragma: no cover - other redis-py layouts
+        return {}
+
+
+def pooled(pool: redis.ConnectionPool) -> Any:
+    """A connected connection of ``pool`` (redis-py 5 still wants a command name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:  # pragma: no cover - redis-py < 5.3
+        return pool.get_connection("GET")
 
 
 def pack(*args: bytes | memoryview) -> list[bytes | memoryview]:

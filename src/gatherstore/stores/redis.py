@@ -100,23 +100,6 @@ def _glob_escape(text: str) -> str:
     return "".join(f"\\{c}" if c in _GLOB_SPECIALS else c for c in text)
 
 
-def _python_packer() -> dict[str, Any]:
-    """Connection option that sends large values straight from their buffers.
-
-    With hiredis installed, redis-py packs commands with ``hiredis.pack_command``,
-    which first copies every memoryview into bytes and then the whole command
-    into one more buffer; redis-py's pure-Python packer sends them as they are.
-    Replies are still parsed by hiredis.
-    """
-    try:
-        if not _connection.HIREDIS_AVAILABLE:
-            return {}
-        encode = _connection.Encoder("utf-8", "strict", decode_responses=False).encode
-        return {"command_packer": _connection.PythonRespSerializer(6000, encode)}
-    except AttributeError:  # pragma: no cover - other redis-py layouts
-        return {}
-
-
 def _parse_query(url: str, query: str) -> tuple[dict[str, Any], bool | None]:
     """Typed options of a URL query, and its ``sign`` flag (None when absent)."""
     options: dict[str, Any] = {}
@@ -171,14 +154,6 @@ def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any])
                 f"option {name!r} is given twice with different values: {shown[0]} in the "
                 f"URL {_shown(url)} and {shown[1]} as a keyword; give it once"
             )
-
-
-def _pooled(pool: redis.ConnectionPool) -> Any:
-    """A connected connection of ``pool`` (redis-py 5 still wants a command name)."""
-    try:
-        return pool.get_connection()
-    except TypeError:  # pragma: no cover - redis-py < 5.3
-        return pool.get_connection("GET")
 
 
 class _DeadlineConnection:
@@ -273,7 +248,7 @@ class RedisStore(Store):
             self.sign_parts = sign
         connection = {k: v for k, v in self._given.items() if k not in _OWN_PARSERS}
         self._pool = redis.ConnectionPool.from_url(
-            self._url, **{**_CONNECTION_DEFAULTS, **_python_packer(), **connection}
+            self._url, **{**_CONNECTION_DEFAULTS, **_resp.python_packer(), **connection}
         )
         self._pool.connection_class = _bounded_class(self._pool.connection_class)
         try:  # unknown options fail here, not at the first command
@@ -311,7 +286,7 @@ class RedisStore(Store):
         """``work`` on a pooled connection's wire, and how many tries it took: a dropped
         connection is replaced and ``work`` runs again (``_ATTEMPTS`` in all)."""
         for attempt in range(1, _ATTEMPTS + 1):
-            conn = _pooled(self._pool)
+            conn = _resp.pooled(self._pool)
             try:
                 # each send and reply waits at most the socket timeout (or the time left)
                 wire = _resp.Wire(conn, _IN_FLIGHT, conn._bound)
