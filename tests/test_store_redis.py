@@ -512,7 +512,7 @@ READ_PART = 48 << 20
 
 def _read_ahead_job(url: str) -> dict[str, Any]:
     """Rank 0 streams 3 parts of 48 MiB: how many reads ran at once, and its peak memory."""
-    from gatherstore import _objects
+    from gatherstore._memory import READ_AHEAD
 
     store = gs.open_store(url)
     rank = gs.get_rank()
@@ -530,7 +530,7 @@ def _read_ahead_job(url: str) -> dict[str, Any]:
         "busiest": busiest,
         "growth": mem.growth,
         "reset": mem.reset,
-        "window": _objects.READ_AHEAD,
+        "window": READ_AHEAD,
     }
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 import gatherstore as gs
-from gatherstore._launch import expand_nodelist
+from gatherstore._slurm import expand_nodelist
 from gatherstore.testing.services import free_ports
 
 DESCRIBE_KEYS = {
@@ -385,16 +385,6 @@ def test_init_from_env_under_slurm(tmp_path: Path) -> None:
     assert (report["local_rank"], report["local_size"]) == (0, 1)
     assert (report["node_rank"], report["nnodes"]) == (0, 1)
     assert report["sum"] == 5
-
-
-def test_slurm_local_size_from_tasks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gatherstore._topology import _slurm_local_size
-
-    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
-    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),1")
-    assert [_slurm_local_size(node) for node in range(5)] == [2, 2, 2, 1, None]
-    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4")  # the step's layout wins
-    assert _slurm_local_size(0) == 4
 
 
 # --- SLURM node lists ---------------------------------------------------------------------------

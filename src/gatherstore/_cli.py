@@ -113,6 +113,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 # --- bench -----------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace) -> int:
+    if args.scale:
+        from ._bench import scale
+
+        return scale.main(args.scale)
+    if args.hosts:
+        from ._bench import hostbench
+
+        return hostbench.main()
     plan = bench.Plan(args.sizes, args.world, args.payloads, args.repeats, args.timeout)
     failed = bench.run(
         plan,
@@ -332,6 +340,20 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes moved to measure memcpy, /dev/shm and the Redis/S3 clients alone (1GB)",
     )
     p.add_argument("--timeout", type=_argtype(_seconds), default=900.0, help="per collective")
+    p.add_argument(
+        "--scale",
+        type=_argtype(_ints),
+        nargs="?",
+        const=[64, 256, 1024],
+        metavar="WORLDS",
+        help="instead: the control exchange with simulated ranks (64,256,1024)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        choices=[2],
+        help="instead: 200 MiB per rank across 2 simulated hosts (root; sshfs, Redis)",
+    )
     p.set_defaults(handler=_bench)
 
     p = sub.add_parser("check", help="check that a store works for every rank")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from . import _control as control
 from . import _topology as topology
 from ._config import Timeout, to_seconds
-from ._errors import MismatchError, RemoteRankError
+from ._errors import GatherError, MismatchError, RemoteRankError
 
 __all__ = [
     "all_gather_tensor",
@@ -40,6 +41,22 @@ _OPS = {
     "product": dist.ReduceOp.PRODUCT,
 }
 _warned: set[tuple[int, int]] = set()
+
+
+@contextlib.contextmanager
+def _process_group(what: str) -> Iterator[None]:
+    """Report the process group's own failures as a GatherError, not a raw torch error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, GatherError):
+            raise
+        cause = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise GatherError(
+            f"{what}: the process group failed: {cause}; "
+            "another rank died, stopped, or called a different collective (tensor collectives "
+            "wait for the process group's timeout; object collectives name the rank)"
+        ) from exc
 
 
 def _op(op: str) -> Any:
@@ -83,9 +100,11 @@ def barrier(timeout: Timeout = None) -> None:
         return
     if timeout is None:
         if _comm_device().type == "cuda":
-            dist.barrier(device_ids=[_comm_device().index or 0])
+            with _process_group("barrier"):
+                dist.barrier(device_ids=[_comm_device().index or 0])
         else:
-            dist.barrier()
+            with _process_group("barrier"):
+                dist.barrier()
         return
     control.exchange(b"", timeout=to_seconds(timeout), what="barrier")
 
@@ -118,7 +137,8 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum") -> Any:
         raise TypeError(f"all_reduce takes a tensor or a number, not {type(x).__name__}")
     if topology.is_distributed():
         moved = tensor.to(_comm_device())
-        dist.all_reduce(moved, op=reduce_op)
+        with _process_group("all_reduce"):
+            dist.all_reduce(moved, op=reduce_op)
         tensor = moved.to(tensor.device)
         if mean:
             tensor /= topology.get_world_size()
@@ -212,12 +232,13 @@ def _reduce_dict(d: Mapping[str, Any], op: str, dst: int | None) -> dict[str, An
     if topology.is_distributed():
         dev = _comm_device()
         flat = torch.cat([t.reshape(-1).to(dev, dtype) for t, _ in values.values()])
-        if dst is None:
-            dist.all_reduce(flat, op=reduce_op)
-        else:
-            dist.reduce(flat, dst=dst, op=reduce_op)
-            if topology.get_rank() != dst:
-                return dict(d)
+        with _process_group("all_reduce_dict" if dst is None else "reduce_dict"):
+            if dst is None:
+                dist.all_reduce(flat, op=reduce_op)
+            else:
+                dist.reduce(flat, dst=dst, op=reduce_op)
+        if dst is not None and topology.get_rank() != dst:
+            return dict(d)
         if mean:
             flat /= topology.get_world_size()
     else:
@@ -287,7 +308,8 @@ def all_gather_tensor(t: torch.Tensor | Number) -> torch.Tensor:
     padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=dev)
     padded[: tensor.shape[0]] = tensor
     slots = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(slots, padded)
+    with _process_group("all_gather_tensor"):
+        dist.all_gather(slots, padded)
     return torch.cat([s[:n] for s, n in zip(slots, sizes, strict=True)]).to(tensor.device)
 
 
@@ -309,7 +331,8 @@ def broadcast_tensor(t: torch.Tensor | None, src: int = 0) -> torch.Tensor:
         buf = t.detach().to(dev).contiguous()
     else:
         buf = torch.empty(shape, dtype=dtype, device=dev)
-    dist.broadcast(buf, src=src)
+    with _process_group("broadcast_tensor"):
+        dist.broadcast(buf, src=src)
     target = t.device if t is not None else dev
     return buf.to(target)
 
@@ -328,13 +351,21 @@ def rank_zero_only(fn: F) -> F:
     return one_rank_only(0)(fn)
 
 
-def one_rank_only(rank: int = 0, with_barrier: bool = False) -> Callable[[F], F]:
+def one_rank_only(
+    rank: int = 0, with_barrier: bool = False, timeout: Timeout = None
+) -> Callable[[F], F]:
     """Decorator: run on ``rank`` only (None elsewhere), then optionally wait for it.
 
     With ``with_barrier`` the other ranks wait on the control plane (never the
-    NCCL watchdog); if the function raises on ``rank``, the others raise
+    NCCL watchdog) for at most ``timeout`` seconds (None: the library default);
+    if the function raises on ``rank``, the others raise
     :class:`RemoteRankError` instead of waiting forever.
+
+    Raises:
+        GatherTimeout: with ``with_barrier``, ranks that did not arrive in time, named.
+        RemoteRankError: on the other ranks, when the function raised on ``rank``.
     """
+    seconds = to_seconds(timeout)
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -347,9 +378,9 @@ def one_rank_only(rank: int = 0, with_barrier: bool = False) -> Callable[[F], F]
                     result = fn(*args, **kwargs)
             except Exception as exc:
                 failure = f"{type(exc).__name__}: {exc}".encode()
-                control.exchange(failure, timeout=to_seconds(None), what="one_rank_only")
+                control.exchange(failure, timeout=seconds, what="one_rank_only")
                 raise
-            reported = control.exchange(failure, timeout=to_seconds(None), what="one_rank_only")
+            reported = control.exchange(failure, timeout=seconds, what="one_rank_only")
             if reported[rank]:
                 raise RemoteRankError(rank, reported[rank].decode(), context=fn.__name__)
             return result

@@ -3,10 +3,12 @@
 Every coordination step (status/size exchange, barriers with a timeout, the
 shared tmpdir path, the signing key) rides on :func:`exchange`: each rank
 publishes a few bytes under a key of the job's c10d store (the TCPStore that
-``init_process_group`` already runs), then waits, with its own timeout, for the
-keys of all ranks.  A timeout names exactly the ranks whose keys are missing,
-on every rank, and breaks nothing: unlike a gloo recv that times out (which
-closes the connection for good), a store wait can simply be given up.  Nothing
+``init_process_group`` already runs); the last rank to arrive gathers all keys
+once into one value, and every rank waits, with its own timeout, for that value
+(O(W) requests per exchange, not W reads by each of W ranks).  A timeout names
+exactly the ranks whose keys are missing, on every rank, and breaks nothing:
+unlike a gloo recv that times out (which closes the connection for good), a
+store wait can simply be given up.  Nothing
 here touches GPU memory or the NCCL watchdog.
 
 The bulk "collective" route of objects needs a real gloo group:
@@ -18,14 +20,20 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import struct
 from typing import Any
 
 import torch.distributed as dist
 
 from ._config import DEFAULT_TIMEOUT
-from ._errors import GatherError, GatherTimeout, MismatchError, RemoteRankError
+from ._errors import GatherTimeout, MismatchError, RemoteRankError
 
-__all__ = ["control_group", "exchange", "is_initialized", "reset"]
+__all__ = ["control_group", "exchange", "exchange_on", "is_initialized", "reset"]
+
+# the verdict key's value: every rank's value, or the ranks that were late
+_VALUES, _LATE = b"V", b"L"
+# how long ranks that timed out wait for the one rank judging who is late
+_JUDGE_GRACE = 5.0
 
 # the default group this state belongs to, its control store, gloo group, step counter
 _state: dict[str, Any] = {"world": None}
@@ -68,9 +76,14 @@ def reset() -> None:
 def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[bytes]:
     """Give every rank every rank's ``payload``, in rank order.
 
+    O(W) store requests per call for W ranks: each rank sets its key and counts
+    itself in; the last to arrive reads all keys once and publishes them as one
+    value, which every rank waits for.
+
     Raises:
         GatherTimeout: some ranks did not arrive within ``timeout`` seconds; its
             ``ranks`` are those ranks (the same on every rank that waited).
+        MismatchError: ranks were in different gatherstore calls at this step.
         RemoteRankError: the job's store went away (the process hosting it, rank 0 or
             the launcher, ended).
     """
@@ -78,40 +91,105 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
         return [payload]
     state = _current()
     state["step"] += 1
-    store, world = state["store"], dist.get_world_size()
-    prefix = f"{state['step']}/"
-    keys = [f"{prefix}{r}" for r in range(world)]
-    verdict = prefix + "late"
+    labelled = what.encode() + b"\0" + payload
     try:
-        store.set(keys[dist.get_rank()], what.encode() + b"\0" + payload)
-        try:
-            store.wait(keys, _dt.timedelta(seconds=timeout))
-            late: list[int] = []
-        except RuntimeError:
-            late = [r for r, key in enumerate(keys) if not store.check([key])]
-        # Every rank proposes its view; the first proposal wins, so all ranks agree
-        # even when a late rank arrives between one rank's timeout and another's wait.
-        decided = json.loads(store.compare_set(verdict, "", json.dumps(late)))
-        if decided:
-            _raise_late(what, decided, timeout)
-        labelled: list[bytes] = store.multi_get(keys)
-        done = prefix + "done" if _rank0_hosts_store() else ""
-        if store.add(prefix + "read", 1) == world:  # the last reader tidies up
-            for key in [*keys, verdict, prefix + "read"]:
-                store.delete_key(key)
-            if done and dist.get_rank() != 0:
-                store.set(done, b"")
-        elif done and dist.get_rank() == 0:
-            _outlive_readers(store, done, timeout)
-        return _unlabel(labelled, what)
-    except GatherError:
-        raise
+        outcome = exchange_on(
+            state["store"],
+            f"{state['step']}/",
+            dist.get_rank(),
+            dist.get_world_size(),
+            labelled,
+            timeout=timeout,
+            rank0_hosts=_rank0_hosts_store(),
+        )
     except RuntimeError as exc:
         raise RemoteRankError(
             0,
             f"the job's rendezvous store (hosted by rank 0 or its launcher) is unreachable: {exc}",
             context=what,
         ) from exc
+    if isinstance(outcome, list):
+        return _unlabel(outcome, what)
+    raise _late(what, outcome[1], timeout)
+
+
+def exchange_on(
+    store: Any,
+    prefix: str,
+    rank: int,
+    world: int,
+    value: bytes,
+    *,
+    timeout: float,
+    rank0_hosts: bool = False,
+) -> list[bytes] | tuple[str, list[int]]:
+    """One exchange among ``world`` ranks on a c10d ``store`` under ``prefix``.
+
+    Returns every rank's ``value`` in rank order, or ``("late", ranks)``: the
+    ranks missing at the first timeout, one verdict that every rank (a late one
+    included, once it arrives) returns.  The last rank to read deletes every key.
+
+    Raises:
+        RuntimeError: the store failed (torch's ``DistStoreError``).
+    """
+    keys = [f"{prefix}{r}" for r in range(world)]
+    verdict = prefix + "all"
+    store.set(keys[rank], value)
+    if store.add(prefix + "arrived", 1) == world:  # the last arriver gathers, once
+        store.compare_set(verdict, "", _pack(store.multi_get(keys)))
+    try:
+        store.wait([verdict], _dt.timedelta(seconds=timeout))
+    except RuntimeError:  # a timeout, or the store is gone (then the next call raises)
+        _judge(store, prefix, keys)
+    outcome = _unpack(store.get(verdict))
+    ok = isinstance(outcome, list)
+    if store.add(prefix + "read", 1) == world:  # the last reader tidies up
+        for key in [*keys, verdict, *(prefix + k for k in ("arrived", "judge", "read"))]:
+            store.delete_key(key)
+        if ok and rank0_hosts and rank != 0:
+            store.set(prefix + "done", b"")
+    elif ok and rank0_hosts and rank == 0:
+        _outlive_readers(store, prefix + "done", timeout)
+    return outcome
+
+
+def _judge(store: Any, prefix: str, keys: list[str]) -> None:
+    """After a timeout, decide the verdict: the ranks whose keys are missing.
+
+    One rank checks the W keys while the others wait a little for its verdict
+    (so a timeout costs O(W) requests too); the first proposal wins, so every
+    rank agrees even when a late rank arrives between two ranks' timeouts.
+    """
+    verdict = prefix + "all"
+    if store.add(prefix + "judge", 1) > 1:
+        try:
+            store.wait([verdict], _dt.timedelta(seconds=_JUDGE_GRACE))
+            return
+        except RuntimeError:  # the judge is gone or stuck: judge too
+            pass
+    late = [r for r, key in enumerate(keys) if not store.check([key])]
+    proposal = _LATE + json.dumps(late).encode() if late else _pack(store.multi_get(keys))
+    store.compare_set(verdict, "", proposal)
+
+
+def _pack(values: list[bytes]) -> bytes:
+    """Values as one: a count, their lengths, then their bytes."""
+    lengths = struct.pack(f"<I{len(values)}I", len(values), *map(len, values))
+    return _VALUES + lengths + b"".join(values)
+
+
+def _unpack(packed: bytes) -> list[bytes] | tuple[str, list[int]]:
+    """What :func:`_pack` packed, or ``("late", ranks)`` for a timeout verdict."""
+    if packed.startswith(_LATE):
+        return "late", list(json.loads(packed[len(_LATE) :]))
+    body = memoryview(packed)[len(_VALUES) :]
+    (count,) = struct.unpack_from("<I", body)
+    lengths = struct.unpack_from(f"<{count}I", body, 4)
+    values, offset = [], 4 * (count + 1)
+    for length in lengths:
+        values.append(bytes(body[offset : offset + length]))
+        offset += length
+    return values
 
 
 def _rank0_hosts_store() -> bool:
@@ -144,8 +222,8 @@ def _unlabel(labelled: list[bytes], what: str) -> list[bytes]:
     return list(payloads)
 
 
-def _raise_late(what: str, late: list[int], timeout: float) -> None:
-    raise GatherTimeout(
+def _late(what: str, late: list[int], timeout: float) -> GatherTimeout:
+    return GatherTimeout(
         f"{what}: ranks {late} did not arrive within {timeout:g} s; they are still busy, "
         "stuck, or have stopped (raise the timeout if they legitimately work longer)",
         ranks=late,

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import multiprocessing as mp
 import os
-import re
 import signal
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -19,13 +17,15 @@ import torch.distributed as dist
 
 from . import _control as control
 from . import _session as session
+from . import _signals as signals
+from . import _slurm as slurm
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
 
 __all__ = ["init_from_env", "launch", "shutdown"]
 
-_KILL_GRACE = 5.0
+_KILL_GRACE = 5.0  # seconds a stopped child has to clean up before SIGKILL
 
 
 def _pick_backend(requested: str, nproc_per_node: int) -> str:
@@ -72,6 +72,11 @@ def launch(
     its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
     and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
     lambdas and closures included.  ``timeout`` is the process group's timeout.
+
+    When a child fails or dies, or this process is interrupted (Ctrl-C), the
+    other children are stopped as torchrun does (SIGTERM, a grace period in
+    which they remove their job areas, then SIGKILL), and the job areas rank 0
+    published on the rendezvous store this process hosts are removed too.
 
     Returns:
         The local ranks' return values, in rank order.
@@ -148,6 +153,8 @@ def launch(
         _stop(procs)
         for conn in conns:
             conn.close()
+        if server is not None:  # what a stopped job left behind, rank 0 published here
+            session.sweep_published(server)
         del server  # stops the store's server, if this process hosted one
 
 
@@ -183,7 +190,7 @@ def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list
 
 
 def _stop(procs: list[Any]) -> None:
-    """Terminate children still alive, then kill those that ignore it."""
+    """Stop children as torchrun does: SIGTERM (they clean up), a grace period, SIGKILL."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
@@ -229,11 +236,15 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
 
     Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
     SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and MASTER_ADDR taken
-    from the first host of SLURM_JOB_NODELIST; MASTER_PORT defaults to 29500).
+    from the first host of the step's SLURM_STEP_NODELIST, else of the job's
+    SLURM_JOB_NODELIST; MASTER_PORT defaults to 29500).
 
     Returns:
         True when a group was joined (or already existed), False in a plain
         single process with none of those variables (the serial answers apply).
+
+    Raises:
+        ValueError: the variables are incomplete or a SLURM node list is malformed.
     """
     if topology.is_distributed():
         return True
@@ -245,13 +256,7 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local_rank = int(env.get("SLURM_LOCALID", "0"))
         if "MASTER_ADDR" not in env:
-            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-            if not nodelist:
-                raise ValueError(
-                    "SLURM job without SLURM_JOB_NODELIST or MASTER_ADDR: export "
-                    "MASTER_ADDR=<first node's hostname> before starting the job"
-                )
-            env["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
+            env["MASTER_ADDR"] = slurm.master_addr(env)
         env.setdefault("MASTER_PORT", "29500")
     else:
         return False
@@ -266,78 +271,27 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
     return True
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Hostnames of a SLURM node list, e.g. ``"gpu[01-03,07],cpu1"`` or ``"r[1-2]-n[1-4]"``.
-
-    Ranges keep the zero padding of their first number; several bracket groups
-    in one name expand to every combination, in order.
-
-    Raises:
-        ValueError: the list is malformed (unbalanced or nested brackets, empty
-            names or ranges, non-numeric or decreasing ranges).
-    """
-    hosts: list[str] = []
-    for name in _split_top_level(nodelist):
-        hosts += _expand_name(name, nodelist)
-    return hosts
-
-
-def _split_top_level(nodelist: str) -> list[str]:
-    """The comma-separated names of a node list (commas inside brackets kept)."""
-    names, depth, start = [], 0, 0
-    for i, char in enumerate(nodelist):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-        if depth not in (0, 1):
-            raise ValueError(f"SLURM node list {nodelist!r}: unbalanced or nested brackets")
-        if char == "," and depth == 0:
-            names.append(nodelist[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError(f"SLURM node list {nodelist!r}: unbalanced brackets")
-    names.append(nodelist[start:])
-    for name in names:
-        if not name or any(c.isspace() for c in name):
-            raise ValueError(
-                f"SLURM node list {nodelist!r} has an empty or blank host name; expected "
-                "names such as 'node[01-04,07],gpu1'"
-            )
-    return names
-
-
-def _expand_name(name: str, nodelist: str) -> list[str]:
-    """Every host of one name with bracket groups, e.g. ``"n[1-2]-ib"``."""
-    pieces = re.split(r"\[([^\]]*)\]", name)  # literal, ranges, literal, ..., literal
-    expanded = [pieces[0]]
-    for ranges, literal in zip(pieces[1::2], pieces[2::2], strict=True):
-        numbers: list[str] = []
-        for part in ranges.split(","):
-            first, dash, last = part.partition("-")
-            last = last if dash else first
-            digits = re.fullmatch(r"[0-9]+", first) and re.fullmatch(r"[0-9]+", last)
-            if not digits or int(first) > int(last):
-                raise ValueError(
-                    f"cannot parse SLURM node list {nodelist!r} at {part!r}: expected "
-                    "ranges such as [01-04,07]"
-                )
-            numbers += [f"{n:0{len(first)}d}" for n in range(int(first), int(last) + 1)]
-        expanded = [f"{head}{n}{literal}" for head in expanded for n in numbers]
-    return expanded
-
-
-def shutdown(*, wait: bool = True) -> None:
+def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     """Leave and destroy the process group (no-op without one).
 
     Rank 0 first removes the job areas gatherstore created in its stores; with
     ``wait`` (the default) every rank meets first, so no rank is still reading.
+    That meeting waits at most ``timeout`` seconds (default: the timeout of the
+    job's last call that used a store) for ranks that are gone; if rank 0 is
+    gone, this rank removes the areas itself.
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number of seconds.
     """
+    seconds = to_seconds(timeout) if timeout is not None else session.last_timeout()
     if topology.is_distributed():
         if wait and session.has_sessions():
-            with contextlib.suppress(GatherError):
-                control.exchange(b"", timeout=to_seconds(None), what="shutdown")
+            try:
+                control.exchange(b"", timeout=seconds or to_seconds(None), what="shutdown")
+            except GatherError as exc:
+                session.after_failure(exc)
         session.end_sessions()
+        signals.uninstall()
         dist.destroy_process_group()
     control.reset()
     topology.forget()

@@ -23,13 +23,13 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _gloo as gloo
 from . import _memory as memory
 from . import _serialize as serialize
 from . import _stream as stream_route
@@ -38,12 +38,13 @@ from ._config import Timeout, to_seconds
 from ._errors import (
     GatherError,
     IntegrityError,
+    MismatchError,
     RemoteRankError,
     StoreUnavailableError,
 )
-from ._memory import READ_AHEAD
+from ._parts import Parts
 from ._progress import Progress, log_call, wanted
-from ._session import JobSession, session_for
+from ._session import JobSession, after_failure, note_timeout, session_for
 from .stores.base import Store, deadline
 from .stores.file import TmpdirStore
 from .stores.registry import ROUTES, default_store, open_store
@@ -94,7 +95,12 @@ def _failure(exc: BaseException) -> bytes:
 
 def _agree(mine: bytes, *, timeout: float, what: str, error: BaseException | None) -> list[Any]:
     """Exchange statuses; if any rank failed, raise on every rank."""
-    statuses = [json.loads(s) for s in control.exchange(mine, timeout=timeout, what=what)]
+    try:
+        raw = control.exchange(mine, timeout=timeout, what=what)
+    except GatherError as exc:
+        after_failure(exc)
+        raise
+    statuses = [json.loads(s) for s in raw]
     failed = [r for r, s in enumerate(statuses) if not s["ok"]]
     if not failed:
         return statuses
@@ -115,16 +121,24 @@ class _Call:
     """One object collective on this rank: encode, agree, route, move, clean up."""
 
     def __init__(
-        self, what: str, store: str | Store | None, timeout: Timeout, progress: bool | None = None
+        self,
+        what: str,
+        store: str | Store | None,
+        timeout: Timeout,
+        progress: bool | None = None,
+        root: int | None = None,
     ) -> None:
         self.started = time.perf_counter()
         self.what = what
         self.progress = progress
         self.timeout = to_seconds(timeout)
         self.ends_at = time.monotonic() + self.timeout
+        note_timeout(self.timeout)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.target = _resolve(store)
+        # what every rank must agree on before any data moves: the route and the dst/src
+        self.shape = {"route": str(self.target), "root": root}
 
     def agree(
         self, prepare: Callable[[], Any], receivers: Sequence[int], *, send: bool = True
@@ -146,18 +160,24 @@ class _Call:
                 avail=memory.headroom(),
                 shm=memory.shm_free(),
                 node=socket.gethostname(),
+                call=self.shape,
+                broken=gloo.broken(),
             )
         except Exception as exc:
             error, mine = exc, _failure(exc)
         statuses = _agree(mine, timeout=self.timeout, what=self.what, error=error)
+        self._same_call(statuses)
         sizes = [int(s["size"]) for s in statuses]
         self.sizes = sizes
         self.total = sum(sizes)
+        broken = next((s["broken"] for s in statuses if s["broken"]), "")
         if self.target == "auto":
-            small = self.total <= AUTO_THRESHOLD
+            small = self.total <= AUTO_THRESHOLD and not broken
             # tmpdir is node-local: across nodes "auto" streams over the process group
             across = topology.get_nnodes() > 1
             self.target = "collective" if small else "stream" if across else _resolve("tmpdir")
+        if self.target in ("collective", "stream") and broken:
+            raise gloo.refuse(self.what, broken)
         if (
             isinstance(self.target, TmpdirStore)
             and self.target.url == "tmpdir"  # the base is gatherstore's choice: /dev/shm if it fits
@@ -174,7 +194,29 @@ class _Call:
         route = self.target if isinstance(self.target, str) else str(self.target)
         log_call(self.what, route, self.total, self.started)
 
+    def _same_call(self, statuses: list[Any]) -> None:
+        """Raise MismatchError on every rank when ranks disagree on the route or dst/src."""
+        shapes = [s["call"] for s in statuses]
+        if any(shape != shapes[0] for shape in shapes):
+            details = {
+                r: f"store={shape['route']!r}, dst/src={shape['root']}"
+                for r, shape in enumerate(shapes)
+            }
+            raise MismatchError(
+                f"{self.what}: ranks disagree on the store or the dst/src rank — {details}; "
+                "every rank must pass the same store and dst/src",
+                details=details,
+            )
+
     # --- the collective route ---------------------------------------------------
+    def transfer(self, start: gloo.Start) -> None:
+        """Run one gloo op on gatherstore's group within this call's timeout."""
+        try:
+            gloo.transfer(start, what=self.what, deadline=self.ends_at, timeout=self.timeout)
+        except GatherError as exc:
+            after_failure(exc)
+            raise
+
     def _packed(self, size: int) -> torch.Tensor:
         """This rank's sealed frame in a ``size``-byte tensor (the padding is never read)."""
         out = torch.empty(size, dtype=torch.uint8)
@@ -185,17 +227,18 @@ class _Call:
     def collective_all(self, sizes: list[int]) -> list[torch.Tensor]:
         longest = max(sizes)
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-        dist.all_gather(slots, self._packed(longest), group=control.control_group())
+        packed = self._packed(longest)
+        self.transfer(gloo.all_gather(slots, packed))
         return slots
 
     def collective_to(self, dst: int, sizes: list[int]) -> list[torch.Tensor] | None:
         longest = max(sizes)
-        group = control.control_group()
         if self.rank != dst:
-            dist.gather(self._packed(longest), None, dst=dst, group=group)
+            packed = self._packed(longest)
+            self.transfer(gloo.gather(None, packed, dst))
             return None
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-        dist.gather(slots[dst], slots, dst=dst, group=group)
+        self.transfer(gloo.gather(slots, slots[dst], dst))
         return slots
 
     def decode_slot(self, slot: torch.Tensor, size: int, rank: int) -> Any:
@@ -364,7 +407,7 @@ def all_gather_object(
     mine = _status(True)
     try:
         try:
-            out = list(_Parts(call, session, prefix, call.rank, obj, delete=False))
+            out = list(Parts(call, session, prefix, call.rank, obj, delete=False))
         except Exception as exc:
             error, mine = exc, _failure(exc)
         _agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
@@ -432,7 +475,7 @@ def gather_prepared(
 ) -> Iterator[Any] | None:
     """The gather behind the public calls: ``prepare()`` builds each rank's object,
     and its exceptions are reported to every rank instead of raised alone."""
-    call = _Call(what, store, timeout, progress)
+    call = _Call(what, store, timeout, progress, root=dst)
     others = [r for r in range(call.world) if r != dst]
     sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst)
     obj = call.own
@@ -451,103 +494,8 @@ def gather_prepared(
     if call.rank != dst:
         call.finish()
         return None
-    parts = _Parts(call, session, prefix, dst, obj)
+    parts = Parts(call, session, prefix, dst, obj)
     return parts if stream else iter(list(parts))
-
-
-class _Parts(Iterator[Any]):
-    """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
-
-    ``READ_AHEAD`` parts are read and verified at once in threads (the next one
-    is fetched while the current one is verified, and both while the consumer
-    decodes), so at most ``READ_AHEAD`` parts are held besides what the consumer
-    keeps (the window the memory check counts).  With ``delete`` each part is
-    deleted once read, and closing early deletes the rest.
-    """
-
-    def __init__(
-        self,
-        call: _Call,
-        session: JobSession,
-        prefix: str,
-        own_rank: int,
-        own: Any,
-        *,
-        delete: bool = True,
-    ) -> None:
-        self.call, self.session, self.prefix = call, session, prefix
-        self.own_rank, self.own, self.delete = own_rank, own, delete
-        self.todo = [r for r in range(call.world) if r != own_rank]
-        self.next_rank = 0
-        self.closed = False
-        self.pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="gatherstore-read")
-        self.ahead: dict[int, Future[serialize.Verified]] = {}
-        incoming = sum(call.sizes) - call.sizes[own_rank]
-        self.progress = Progress(
-            call.what,
-            len(self.todo),
-            incoming,
-            # all_gather_object reads on every rank: one bar, on rank 0
-            enabled=(delete or call.rank == 0) and wanted(call.progress, incoming),
-        )
-        self._prefetch()
-
-    def _prefetch(self) -> None:
-        """Keep the next ``READ_AHEAD`` parts being read."""
-        for rank in self.todo[:READ_AHEAD]:
-            if rank not in self.ahead:
-                self.ahead[rank] = self.pool.submit(
-                    self.call.fetch, self.session, self.prefix, rank
-                )
-
-    def __iter__(self) -> _Parts:
-        return self
-
-    def __next__(self) -> Any:
-        rank = self.next_rank
-        if rank >= self.call.world:
-            self.close()
-            raise StopIteration
-        self.next_rank += 1
-        if rank == self.own_rank:
-            return self.own
-        with self.call.deadline():  # the clean-up after a failure too
-            try:
-                self._prefetch()  # this part and the next ones
-                future = self.ahead.pop(rank)
-                self.todo.remove(rank)
-                try:
-                    value = serialize.load(future.result())
-                    self.progress.update(self.call.sizes[rank])
-                    return value
-                finally:
-                    if self.delete:
-                        self.session.store.discard(self.call.key(self.prefix, rank))
-            except BaseException:
-                self.close()
-                raise
-
-    def close(self) -> None:
-        """Stop reading ahead; with ``delete``, delete the parts not read yet."""
-        if self.closed:
-            return
-        self.closed = True
-        self.next_rank = self.call.world
-        self.progress.close()
-        self.call.finish()
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.ahead.clear()
-        if self.delete:
-            # best effort: a store that fails now is left to end_job and its TTLs
-            with self.call.deadline(), contextlib.suppress(StoreUnavailableError):
-                for rank in self.todo:
-                    self.session.store.discard(self.call.key(self.prefix, rank))
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            return
 
 
 def broadcast_object(
@@ -557,12 +505,12 @@ def broadcast_object(
     _serial_check(src, "broadcast_object")
     if not topology.is_distributed():
         return obj
-    call = _Call("broadcast_object", store, timeout)
+    call = _Call("broadcast_object", store, timeout, root=src)
     receivers = [r for r in range(call.world) if r != src]
     sizes = call.agree(lambda: obj, receivers, send=call.rank == src)
     if call.target == "collective":
         buf = call._packed(sizes[src])
-        dist.broadcast(buf, src=src, group=control.control_group())
+        call.transfer(gloo.broadcast(buf, src))
         call.finish()
         return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
     if call.target == "stream":

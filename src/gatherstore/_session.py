@@ -6,12 +6,17 @@ every rank checks it sees the marker, else every rank raises
 StoreNotSharedError.  When the store's parts are signed, rank 0 draws a random
 key and broadcasts it over the gloo control group; it is never written to any
 store.  The job's area is removed when the process group is shut down (or at
-exit on rank 0).
+exit on rank 0).  When the job is stopped from outside, whoever outlives rank
+0 sweeps: every rank on SIGTERM/SIGINT (see ``_signals``), a rank that finds
+rank 0 late or its rendezvous store gone (:func:`after_failure`), and the
+``gs.launch`` parent, which hosts the rendezvous store and reads there the
+areas rank 0 published (:func:`sweep_published`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -20,17 +25,38 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
 from . import _control as control
-from ._errors import RemoteRankError, StoreNotSharedError, StoreUnavailableError
+from . import _gloo as gloo
+from . import _signals as signals
+from ._errors import (
+    GatherError,
+    GatherTimeout,
+    RemoteRankError,
+    StoreNotSharedError,
+    StoreUnavailableError,
+)
 from .stores.base import Store
 
-__all__ = ["MARKER", "JobSession", "end_sessions", "has_sessions", "session_for"]
+__all__ = [
+    "MARKER",
+    "JobSession",
+    "abandon",
+    "after_failure",
+    "end_sessions",
+    "has_sessions",
+    "last_timeout",
+    "note_timeout",
+    "session_for",
+    "sweep_published",
+]
 
 MARKER = "marker"
 _VISIBILITY_WAIT = 2.0
+_PUBLISHED = "gatherstore-areas"  # counter key on the launcher's store; areas at "<key>/<n>"
 
 
 @dataclass
@@ -42,6 +68,7 @@ class JobSession:
     store: Store
     key: bytes | None
     calls: int = 0
+    published: str = ""  # key of this area on the launcher's store (rank 0 only)
 
     def next_call(self) -> str:
         """A key prefix unique to this (job, call); identical on every rank."""
@@ -49,12 +76,8 @@ class JobSession:
         return f"call-{self.calls}"
 
 
-# (default group, {store identity: session})
-_sessions: dict[str, Any] = {"world": None, "by_store": {}}
-
-
-def _identity(store: Store) -> str:
-    return f"{type(store).__qualname__}|{store.url}|{id(store)}"
+# (default group, {store: session} keyed by store equality, the last call's timeout)
+_sessions: dict[str, Any] = {"world": None, "by_store": {}, "timeout": None}
 
 
 def session_for(store: Store, timeout: float) -> JobSession:
@@ -67,7 +90,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
     world = dist.group.WORLD
     if _sessions["world"] is not world:
         _sessions.update(world=world, by_store={})
-    cached: JobSession | None = _sessions["by_store"].get(_identity(store))
+    cached: JobSession | None = _sessions["by_store"].get(store)
     if cached is not None:
         return cached
     rank = dist.get_rank()
@@ -107,11 +130,46 @@ def session_for(store: Store, timeout: float) -> JobSession:
             store=str(store),
         )
     if job.sign_parts:
-        session.key = _shared_key()
-    _sessions["by_store"][_identity(store)] = session
+        session.key = _shared_key(timeout)
+    _sessions["by_store"][store] = session
+    signals.install(abandon)  # a stopped job removes its areas (where the user has no handler)
     if rank == 0:
+        session.published = _publish(session)
         atexit.register(_end, session)
     return session
+
+
+def _launcher_store() -> Any | None:
+    """The rendezvous store itself (no prefix) when a launcher hosts it, else None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _publish(session: JobSession) -> str:
+    """Publish the area on the launcher's rendezvous store (``gs.launch`` sweeps it if the
+    job is stopped); returns the key, "" when no launcher hosts the store."""
+    with contextlib.suppress(Exception):  # best effort: the signal handlers sweep too
+        launcher = _launcher_store()
+        if launcher is not None:
+            key = f"{_PUBLISHED}/{launcher.add(_PUBLISHED, 1)}"
+            launcher.set(key, cloudpickle.dumps((session.base, session.locator)))
+            return key
+    return ""
+
+
+def sweep_published(launcher: Any) -> None:
+    """In ``gs.launch``'s parent, after its children stopped: end every area still published."""
+    for n in range(1, int(launcher.add(_PUBLISHED, 0)) + 1):
+        key = f"{_PUBLISHED}/{n}"
+        with contextlib.suppress(Exception):  # best effort, like `_end`
+            if launcher.check([key]):
+                base, locator = cloudpickle.loads(launcher.get(key))
+                base.end_job(locator)
+                launcher.delete_key(key)
 
 
 def _sees_marker(job: Store) -> bool:
@@ -122,16 +180,25 @@ def _sees_marker(job: Store) -> bool:
     return True
 
 
-def _shared_key() -> bytes:
+def _shared_key(timeout: float) -> bytes:
     """32 random bytes from rank 0, broadcast over the gloo control group."""
     buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
-    dist.broadcast(buf, src=0, group=control.control_group())
+    gloo.transfer(
+        gloo.broadcast(buf, 0),
+        what="store setup (signing key)",
+        deadline=time.monotonic() + timeout,
+        timeout=timeout,
+    )
     return bytes(buf.numpy())
 
 
-def _end(session: JobSession) -> None:
+def _end(session: JobSession, *, unpublish: bool = True) -> None:
     try:
         session.base.end_job(session.locator)
+        if session.published and unpublish:
+            launcher = _launcher_store()
+            if launcher is not None:
+                launcher.delete_key(session.published)
     except Exception:  # best effort at exit; `gatherstore gc` removes leftovers
         return
 
@@ -141,11 +208,51 @@ def has_sessions() -> bool:
     return bool(_sessions.get("by_store"))
 
 
+def note_timeout(timeout: float) -> None:
+    """Remember the timeout of the job's latest object call (``shutdown`` waits no longer)."""
+    _sessions["timeout"] = timeout
+
+
+def last_timeout() -> float | None:
+    """The timeout of the job's latest object call (None before any)."""
+    value: float | None = _sessions.get("timeout")
+    return value
+
+
 def end_sessions() -> None:
     """Remove every job area this rank 0 created (called by ``shutdown``)."""
-    by_store: dict[str, JobSession] = _sessions.get("by_store", {})
+    by_store: dict[Store, JobSession] = _sessions.get("by_store", {})
     if control.is_initialized() and dist.get_rank() == 0:
         for session in by_store.values():
             _end(session)
-            atexit.unregister(_end)
-    _sessions.update(world=None, by_store={})
+        atexit.unregister(_end)
+    _sessions.update(world=None, by_store={}, timeout=None)
+
+
+def after_failure(exc: BaseException) -> None:
+    """After a failed exchange: if rank 0 (the areas' creator) is late or its
+    rendezvous store is gone, this surviving rank sweeps the job's areas.
+
+    A late rank 0 counts too: the job cannot go on in step without it, and a
+    frozen rank 0 that is killed later would leave its areas to the TTLs.
+    """
+    cause = exc.__cause__
+    gone = isinstance(exc, RemoteRankError) and exc.rank == 0 and isinstance(cause, RuntimeError)
+    late = isinstance(exc, GatherTimeout) and 0 in exc.ranks
+    if late or (gone and not isinstance(cause, GatherError)):
+        abandon()
+
+
+def abandon() -> None:
+    """Remove every job area this job uses, from any rank, and forget them.
+
+    For a job that is being stopped, or whose rank 0 (the areas' creator) is
+    gone: whoever outlives the creator sweeps.  Safe to run on several ranks
+    at once and from a thread.
+    """
+    by_store: dict[Store, JobSession] = _sessions.get("by_store", {})
+    _sessions.update(world=None, by_store={}, timeout=None)
+    for session in list(by_store.values()):
+        # not the rendezvous store: its one client may be blocked in the main thread
+        _end(session, unpublish=False)
+    atexit.unregister(_end)

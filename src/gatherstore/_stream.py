@@ -12,7 +12,8 @@ chunk straight into the buffer of the part it returns:
 
 Every send and receive waits at most for the time the call has left: a rank
 that is killed or frozen makes the waiting side raise :class:`GatherTimeout`
-naming it, instead of hanging on the process group's own timeout.
+naming it, instead of hanging on the process group's own timeout, and marks
+gatherstore's gloo group broken (later calls that need it refuse at once).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _gloo as gloo
 from ._errors import GatherTimeout
 
 __all__ = ["CHUNK", "broadcast", "receive", "send"]
@@ -40,10 +42,10 @@ def _wait(work: Any, peer: int, deadline: float, what: str, timeout: float) -> N
         if left <= 0 or not work.wait(timeout=_dt.timedelta(seconds=left)):
             raise RuntimeError("timed out")
     except RuntimeError as exc:
+        how_on = gloo.mark_broken(what, f"rank {peer} did not stream within {timeout:g} s")
         raise GatherTimeout(
             f"{what}: rank {peer} did not stream its part of the call within {timeout:g} s; "
-            "it is busy, stuck or gone (gatherstore's gloo group cannot be reused after "
-            "this: end the job, or pass store= a shared store to go on)",
+            f"it is busy, stuck or gone; {how_on}",
             ranks=[peer],
             timeout=timeout,
         ) from exc

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _slurm as slurm
 from ._config import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -57,14 +58,7 @@ _LAUNCHERS = {
         "GROUP_RANK",
         "GROUP_WORLD_SIZE",
     ),
-    "slurm": (
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "SLURM_LOCALID",
-        None,
-        "SLURM_NODEID",
-        "SLURM_NNODES",
-    ),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", None, None, None, None),  # rest: _slurm.layout
     "openmpi": (
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
@@ -193,30 +187,18 @@ def _from_env() -> _Layout | None:
     if name is None:
         return None
     rank_var, world_var, lrank_var, lsize_var, node_var, nnodes_var = _LAUNCHERS[name]
-    env = os.environ
+    env, rank, world = os.environ, dist.get_rank(), dist.get_world_size()
     try:
-        if int(env[rank_var]) != dist.get_rank() or int(env[world_var]) != dist.get_world_size():
+        if int(env[rank_var]) != rank or int(env[world_var]) != world:
             return None
-        node_rank = int(env[node_var]) if node_var else None
-        local_size = int(env[lsize_var]) if lsize_var else _slurm_local_size(node_rank)
-        nnodes = int(env[nnodes_var]) if nnodes_var else None
-        if node_rank is None or nnodes is None or local_size is None:
-            return None
-        return _Layout(int(env[lrank_var]), local_size, node_rank, nnodes)
+        if name == "slurm":
+            found = slurm.layout(env, rank, world)
+            return None if found is None else _Layout(*found)
+        names = (lrank_var, lsize_var, node_var, nnodes_var)
+        values = [int(env[var]) for var in names if var is not None]
+        return _Layout(*values) if len(values) == len(names) else None
     except (KeyError, ValueError):
         return None
-
-
-def _slurm_local_size(node_rank: int | None) -> int | None:
-    """Tasks on this node from SLURM_TASKS_PER_NODE, e.g. ``"2(x3),1"``."""
-    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
-    if spec is None or node_rank is None:
-        return None
-    counts: list[int] = []
-    for item in spec.split(","):
-        count, _, repeat = item.partition("(x")
-        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
-    return counts[node_rank] if node_rank < len(counts) else None
 
 
 def _from_hostnames() -> _Layout:

@@ -552,6 +552,19 @@ class Store(ABC):
     def __reduce__(self) -> tuple[Any, ...]:
         return (_reopen, (type(self), self.url, self._options(), self.__dict__.get("_sign")))
 
+    def _identity(self) -> tuple[Any, ...]:
+        """What makes two stores the same place: class, URL, options, signing."""
+        return (type(self), self.url, self._options(), self.sign_parts)
+
+    def __eq__(self, other: object) -> bool:
+        """Same class, URL and options mean the same store (one job area per store)."""
+        if not isinstance(other, Store):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.url))
+
 
 def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | None) -> Store:
     return cls.from_url(url, **options, **({} if sign is None else {"sign": sign}))
@@ -609,3 +622,6 @@ class ScopedStore(Store):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ScopedStore, (self.parent, self.prefix))
+
+    def _identity(self) -> tuple[Any, ...]:
+        return (*self.parent._identity(), self.prefix)

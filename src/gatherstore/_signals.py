@@ -1,0 +1,130 @@
+"""Clean up when a job is stopped from outside: SIGTERM (launchers) and SIGINT (Ctrl-C).
+
+A launcher that stops a job (``gs.launch``, torchrun, SLURM) sends SIGTERM,
+waits a grace period, then SIGKILL.  A rank then removes the job's areas in
+its stores and ends as the default action would: SIGTERM kills the process
+with that signal, SIGINT raises KeyboardInterrupt.  Handlers are installed
+only where the user has not installed their own.
+
+Python runs signal handlers in the main thread between bytecodes, so a rank
+blocked in a C++ wait (a store wait, a gloo op) would run its handler only
+after the grace period.  A watcher thread, woken through ``signal.set_wakeup_fd``,
+therefore cleans up at once and, for SIGTERM, ends the process with that
+signal's default action right away (the launcher's grace period is not spent
+waiting for a C++ call); for SIGINT the handler raises KeyboardInterrupt when
+the main thread gets to it.  Without a free wakeup fd (e.g. asyncio holds
+it) the handler alone cleans up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+__all__ = ["install", "uninstall"]
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_DEFAULTS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+
+# cleanup, the handlers we replaced, the watcher's pipe and thread
+_state: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def install(cleanup: Callable[[], None]) -> None:
+    """Run ``cleanup`` once on SIGTERM/SIGINT, then end as the default handler would.
+
+    Only in the main thread, and only for signals whose handler is still the default.
+    """
+    if _state or threading.current_thread() is not threading.main_thread():
+        return
+    replaced = {
+        sig: signal.signal(sig, _handle)
+        for sig in _SIGNALS
+        if signal.getsignal(sig) is _DEFAULTS[sig]
+    }
+    if not replaced:
+        return
+    _state.update(cleanup=cleanup, replaced=replaced, done=False)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    if previous != -1:  # someone else's (e.g. asyncio's): give it back
+        signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
+        return
+    thread = threading.Thread(
+        target=_watch, args=(read_end, set(replaced)), name="gatherstore-signals", daemon=True
+    )
+    _state.update(pipe=(read_end, write_end), thread=thread)
+    thread.start()
+
+
+def uninstall() -> None:
+    """Put back the handlers :func:`install` replaced and stop the watcher."""
+    if not _state or threading.current_thread() is not threading.main_thread():
+        return
+    for sig, previous in _state["replaced"].items():
+        if signal.getsignal(sig) is _handle:
+            signal.signal(sig, previous)
+    if "pipe" in _state:
+        read_end, write_end = _state["pipe"]
+        current = signal.set_wakeup_fd(-1)
+        if current != write_end:  # not ours any more: leave it be
+            signal.set_wakeup_fd(current)
+        os.close(write_end)  # the watcher reads EOF and ends
+        _state["thread"].join(timeout=5)
+        os.close(read_end)
+    _state.clear()
+
+
+def _run_cleanup() -> None:
+    with _lock:
+        if not _state or _state["done"]:
+            return
+        _state["done"] = True
+        with contextlib.suppress(Exception):  # best effort: the launcher sweeps too
+            _state["cleanup"]()
+
+
+def _watch(read_end: int, signals: set[int]) -> None:
+    while True:
+        try:
+            data = os.read(read_end, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        if any(byte in signals for byte in data):
+            _run_cleanup()
+        if signal.SIGTERM in signals and signal.SIGTERM in data:
+            _die(signal.SIGTERM)
+
+
+def _die(signum: int) -> None:
+    """End the process with ``signum``'s default action, from any thread.
+
+    ``signal.signal`` only works in the main thread, which may be blocked in
+    C++; libc's ``signal`` restores the default action from here.
+    """
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal(signum, None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+
+
+def _handle(signum: int, frame: FrameType | None) -> None:
+    _run_cleanup()
+    if signum == signal.SIGINT:
+        _state["done"] = False  # the program may go on: clean up again next time
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -1,0 +1,98 @@
+"""The control exchange: one gather per call, one verdict everywhere, no key left behind."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+import gatherstore as gs
+from gatherstore._bench import scale
+from gatherstore._control import exchange_on
+from gatherstore.testing.services import free_ports
+
+
+def test_simulated_ranks_agree_and_leave_no_key() -> None:
+    world = 24
+
+    def body(store: Any, rank: int) -> list[Any]:
+        out = []
+        for step in range(3):
+            out.append(exchange_on(store, f"{step}/", rank, world, b"r%d" % rank, timeout=30))
+        return out
+
+    results, server = scale.simulate(world, body)
+    expected = [b"r%d" % r for r in range(world)]
+    assert all(result == [expected] * 3 for result in results), results
+    assert server.num_keys() == 0
+
+
+@pytest.mark.timeout(60)
+def test_simulated_late_ranks_get_the_verdict_of_the_first_timeout() -> None:
+    """Ranks time out after 1 s while ranks 5 and 9 arrive at 2 s: everyone, the late
+    ranks too, names [5, 9]; rank 0 waits 30 s but adopts the verdict; nothing remains."""
+    world, late = 12, (5, 9)
+
+    def body(store: Any, rank: int) -> Any:
+        if rank in late:
+            time.sleep(2)
+        timeout = 30 if rank == 0 else 1
+        return exchange_on(store, "x/", rank, world, b"v", timeout=timeout)
+
+    began = time.monotonic()
+    results, server = scale.simulate(world, body)
+    assert results == [("late", [5, 9])] * world
+    assert time.monotonic() - began < 20  # rank 0 did not wait out its own 30 s
+    assert server.num_keys() == 0
+
+
+@pytest.mark.parametrize("algorithm", list(scale.ALGORITHMS))
+def test_scale_bench_runs(algorithm: str) -> None:
+    assert scale.run_exchange(algorithm, 8, repeats=1) > 0
+
+
+# --- real gloo groups -------------------------------------------------------------------------
+
+
+def _exchange_job() -> dict[str, Any]:
+    from gatherstore import _control as control
+
+    rank, out = gs.get_rank(), {}
+    out["values"] = control.exchange(b"%d" % rank, timeout=30, what="values")
+    # rank 2 is 2 s late; rank 1 gives up after 1 s, rank 0 would wait 20 s
+    if rank == 2:
+        time.sleep(2)
+    try:
+        control.exchange(b"", timeout={0: 20, 1: 1, 2: 20}[rank], what="late")
+    except gs.GatherTimeout as exc:
+        out["late"] = exc.ranks
+    try:
+        control.exchange(b"", timeout=30, what="other" if rank == 1 else "mine")
+    except gs.GatherError as exc:
+        out["mismatch"] = type(exc).__name__
+    out["after"] = control.exchange(b"%d" % rank, timeout=30, what="after")
+    control.exchange(b"", timeout=30, what="sync")  # every earlier call has been tidied
+    steps = control._current()["step"]
+    store = control._current()["store"]
+    names = ["arrived", "all", "read", "judge", "done", *map(str, range(gs.get_world_size()))]
+    out["left"] = [
+        f"{step}/{name}"
+        for step in range(1, steps - 1)
+        for name in names
+        if store.check([f"{step}/{name}"])
+    ]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_exchange_in_a_gloo_group_hosted_by_rank_0() -> None:
+    results = gs.launch(
+        _exchange_job, nproc_per_node=3, backend="gloo", master_port=free_ports()[0]
+    )
+    for out in results:
+        assert out["values"] == [b"0", b"1", b"2"]
+        assert out["late"] == [2]
+        assert out["mismatch"] == "MismatchError"
+        assert out["after"] == [b"0", b"1", b"2"]
+        assert out["left"] == []

@@ -1,0 +1,177 @@
+"""Two hosts (network namespaces on this machine): launch, torchrun and SLURM starts across
+them, object gathers through every shared store, node-local stores refused.
+
+The hosts come from :mod:`gatherstore._bench.hosts` (root, ``ip``, sshfs, sshd); without
+them these tests are skipped, unless the environment variable CI is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_slurm import slurm_step_env, without_launchers
+
+from gatherstore._bench.hosts import Hosts, unavailable
+from gatherstore.testing.services import free_ports
+
+NPROC = 2  # ranks per host
+
+JOB = """
+import json, sys
+import gatherstore as gs
+
+
+def work(shared, redis_url):
+    rank = gs.get_rank()
+    obj = {"rank": rank, "data": bytes(1000 * (rank + 1))}
+    out = {"rank": rank, "node": gs.get_node_rank(), "nnodes": gs.get_nnodes(),
+           "local": [gs.get_local_rank(), gs.get_local_size()]}
+    for name, spec in (("file", "file://" + shared), ("redis", redis_url),
+                       ("auto", "auto"), ("collective", "collective")):
+        got = gs.gather_object(obj, store=spec, timeout=60)
+        out[name] = None if got is None else [[o["rank"], len(o["data"])] for o in got]
+    try:
+        gs.gather_object(obj, store="tmpdir", timeout=60)
+        out["tmpdir"] = None
+    except gs.GatherError as exc:
+        out["tmpdir"] = type(exc).__name__
+    out["after"] = gs.all_gather_object(rank, timeout=60)
+    return out
+
+
+if __name__ == "__main__":
+    mode, shared, redis_url = sys.argv[1:4]
+    if mode == "launch":
+        node, port = int(sys.argv[4]), int(sys.argv[5])
+        results = gs.launch(work, nproc_per_node=2, nnodes=2, node_rank=node,
+                            master_addr=sys.argv[6], master_port=port, backend="gloo",
+                            args=(shared, redis_url))
+    else:
+        assert gs.init_from_env(backend="gloo", timeout=60)
+        results = [work(shared, redis_url)]
+        gs.shutdown()
+    print("RESULT " + json.dumps(results), flush=True)
+"""
+
+
+def require_hosts() -> None:
+    """Skip where this machine cannot build hosts; under CI, fail instead."""
+    reason = unavailable()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    """Two simulated hosts, torn down after this module (also on failure or Ctrl-C)."""
+    require_hosts()
+    with Hosts() as built:
+        (built.workdir / "job.py").write_text(JOB)
+        yield built
+
+
+def run_on_hosts(hosts: Hosts, starts: list[tuple[int, list[str], dict[str, str]]]) -> list[Any]:
+    """Run each ``(host, argv, env)`` at once; every RESULT line's ranks, flattened."""
+    procs = []
+    for index, argv, env in starts:
+        host_env = {**without_launchers(), "GLOO_SOCKET_IFNAME": hosts[index].device, **env}
+        procs.append(
+            hosts[index].popen(
+                argv,
+                env=host_env,
+                cwd=hosts.workdir,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        done = [proc.communicate(timeout=150) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    errors = [err[-3000:] for proc, (_, err) in zip(procs, done, strict=True) if proc.returncode]
+    assert not errors, "\n".join(errors)
+    results = []
+    for out, _ in done:  # a line per process (torchrun: one per local rank)
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                results += json.loads(line.split("RESULT ", 1)[1])
+    return results
+
+
+def check(results: list[dict[str, Any]], hosts: Hosts) -> None:
+    """Every rank's gathers and refusals; nothing left on either host or the share."""
+    world = 2 * NPROC
+    assert [r["rank"] for r in results] == list(range(world))
+    assert [r["node"] for r in results] == [0, 0, 1, 1]
+    assert all(r["nnodes"] == 2 and r["local"][1] == NPROC for r in results)
+    gathered = [[rank, 1000 * (rank + 1)] for rank in range(world)]
+    for r in results:
+        for name in ("file", "redis", "auto", "collective"):
+            assert r[name] == (gathered if r["rank"] == 0 else None), (name, r)
+        assert r["tmpdir"] == "StoreNotSharedError"
+        assert r["after"] == list(range(world))
+    for host in hosts.hosts:
+        assert [p.name for p in (host.root / "shm").iterdir()] == []
+        assert [p.name for p in (host.root / "tmp").iterdir() if "gatherstore" in p.name] == []
+    assert list(hosts.shared.iterdir()) == []
+
+
+def job(hosts: Hosts, mode: str, *more: str) -> list[str]:
+    return [sys.executable, "job.py", mode, str(hosts.shared), hosts.redis_url, *more]
+
+
+@pytest.mark.timeout(180)
+def test_launch_on_two_hosts(hosts: Hosts) -> None:
+    port = str(free_ports()[0])
+    starts = [
+        (node + 1, job(hosts, "launch", str(node), port, hosts[1].addr), {}) for node in (0, 1)
+    ]
+    check(run_on_hosts(hosts, starts), hosts)
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_on_two_hosts(hosts: Hosts) -> None:
+    port = str(free_ports()[0])
+    starts = []
+    for node in (0, 1):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        torchrun += ["--nproc-per-node", str(NPROC), "--node-rank", str(node)]
+        torchrun += ["--master-addr", hosts[1].addr, "--master-port", port]
+        starts.append((node + 1, torchrun + job(hosts, "env")[1:], {}))
+    results = run_on_hosts(hosts, starts)
+    check(sorted(results, key=lambda r: r["rank"]), hosts)
+
+
+@pytest.mark.timeout(180)
+def test_slurm_step_on_two_hosts(hosts: Hosts) -> None:
+    """Independent tasks with SLURM's variables only; the step's first node is host 1."""
+    port = free_ports()[0]
+    starts = [
+        (rank // NPROC + 1, job(hosts, "env"), slurm_step_env(rank, [2, 2], hosts[1].addr, port))
+        for rank in range(2 * NPROC)
+    ]
+    check(run_on_hosts(hosts, starts), hosts)
+
+
+def test_hosts_are_torn_down() -> None:
+    """Building and closing leaves no namespace, mount or directory behind."""
+    require_hosts()
+    with Hosts(subnet="10.77.1") as built:
+        names = [host.netns for host in built.hosts]
+        workdir = built.workdir
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names)
+    assert str(workdir) not in Path("/proc/self/mounts").read_text()
+    assert not workdir.exists()
