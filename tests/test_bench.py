@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,9 +15,10 @@ import pytest
 import torch
 
 import gatherstore as gs
-from gatherstore._bench import baselines, payloads, report, runner
+from gatherstore._bench import baselines, clients, payloads, report, runner
 from gatherstore._bench.cases import BASELINE, Case, select
 from gatherstore._bench.measure import PeakMemory
+from gatherstore.testing.plugin import S3Endpoint
 
 GS_CASES = ["gs.collective", "gs.tmpdir-shm", "gs.iter-tmpdir-shm", "gs.tmpdir-disk", "gs.file"]
 ALL_CASES = [BASELINE, "torch.gather_object", "mmengine.collect_results_cpu", *GS_CASES]
@@ -133,6 +135,69 @@ def test_ratios_and_table() -> None:
     assert "0.25" in text and "gs.s3 skipped" in text
     lines = report.json_lines(records, limits).splitlines()
     assert json.loads(lines[0])["kind"] == "ceilings" and len(lines) == 4
+
+
+def test_service_shares_and_client_ceiling_lines() -> None:
+    redis_case = {**record("gs.redis", 1.0, 100), "service": "redis"}
+    ceilings = {"memcpy_gbps": 1.0, "redis_default_gbps": 0.05, "redis_fast_gbps": 0.2}
+    runner._ratios([redis_case])  # no baseline: no ratios
+    runner._fractions(redis_case, ceilings)
+    assert redis_case["of_client"] == pytest.approx(2.0)
+    assert redis_case["of_fast"] == pytest.approx(0.5)
+    limits = {
+        **ceilings,
+        "shm_gbps": None,
+        "shm_write_gbps": None,
+        "shm_read_gbps": None,
+        "pickle_dumps_gbps": 0.2,
+        "pickle_loads_gbps": 0.3,
+        "redis_default_write_gbps": 0.1,
+        "redis_default_read_gbps": 0.1,
+        "redis_fast_write_gbps": 0.4,
+        "redis_fast_read_gbps": 0.4,
+    }
+    text = report.table([redis_case], limits, [])
+    assert "redis_default: write 0.10 GB/s, read 0.10 GB/s, both 0.05 GB/s" in text
+    assert "redis_fast: write 0.40 GB/s" in text and "s3_default" not in text
+    assert "%client" in text and "200%" in text and "50%" in text
+
+
+@pytest.mark.timeout(120)
+def test_client_ceilings_on_real_services(
+    gatherstore_redis_url: str, gatherstore_s3: S3Endpoint
+) -> None:
+    import redis
+
+    s3fs = pytest.importorskip("s3fs")
+    nbytes = 9 << 20  # 3 Redis values (the last one short), 1 S3 part
+    found = clients.measure_redis(gatherstore_redis_url, nbytes)
+    names = ["redis_default", "redis_pipelined", "redis_fast"]
+    if found.keys() & {"redis_hiredis_packer_gbps"}:
+        names.append("redis_hiredis_packer")
+    for name in names:
+        for what in ("write_", "read_", ""):
+            assert found.pop(f"{name}_{what}gbps") > 0
+    assert not found
+    client = redis.Redis.from_url(gatherstore_redis_url)
+    assert list(client.scan_iter(match="gatherstore-ceiling-*")) == []  # nothing left behind
+    client.close()
+    found = clients.measure_s3(gatherstore_s3.storage_options, nbytes)
+    clients_run = ["default", "fast"] + (["obstore"] if importlib.util.find_spec("obstore") else [])
+    assert sorted(found) == sorted(
+        f"s3_{name}_{what}gbps" for name in clients_run for what in ("write_", "read_", "")
+    )
+    fs = s3fs.S3FileSystem(**gatherstore_s3.storage_options, skip_instance_cache=True)
+    assert not [b for b in fs.ls("") if "gatherstore-ceiling-" in b]  # its bucket is gone
+
+
+def test_client_ceilings_are_measured_once_per_service_and_failures_are_notes() -> None:
+    chosen = [
+        Case("gs.tmpdir-shm", "gather_object", "tmpdir:///dev/shm", service="shm"),
+        Case("gs.redis", "gather_object", "redis://127.0.0.1:1/0", service="redis"),
+    ]
+    notes: list[str] = []
+    assert clients.measure(chosen, 1 << 20, notes) == {}
+    assert len(notes) == 1 and notes[0].startswith("redis ceiling not measured: ConnectionError")
 
 
 def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:

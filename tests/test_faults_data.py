@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import gatherstore as gs
+from gatherstore._memory import READ_AHEAD
 from gatherstore.stores.fsspec import FsspecStore
 from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import services
@@ -122,6 +123,11 @@ def test_frozen_then_killed_s3_ends_every_call_within_its_timeout(tmp_path: Path
 
 
 # --- 2. tampered parts: replayed, swapped, truncated, planted ------------------------------
+#: The tampering sender: the first rank past dst's read-ahead window, whose part dst
+#: reads only after the tampering (the ranks before it are read ahead at once).
+TAMPERER = READ_AHEAD + 1
+
+
 def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
     """Each call: every rank writes, a sender alters the stored bytes, then dst reads."""
     from gatherstore import _serialize as serialize
@@ -148,19 +154,20 @@ def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
         job.discard(f"{key}-planted")
         return value
 
-    # rank 2 alters its own part: dst reads rank 1's ahead already, rank 2's only after
+    # TAMPERER alters its own part after dst started reading ahead the ranks before it
+    t = TAMPERER
     tampers: dict[str, Any] = {
-        "clean": lambda p: saved.update(old=raw(f"{p}/2")),
-        "replayed": lambda p: replace(f"{p}/2", saved["old"]),  # from the call before
-        "swapped": lambda p: replace(f"{p}/2", raw(f"{p}/1")),  # rank 1's, same call
-        "truncated": lambda p: replace(f"{p}/2", raw(f"{p}/2")[:5000]),
-        "planted": lambda p: replace(f"{p}/2", planted(f"{p}/2")),  # signed without the key
+        "clean": lambda p: saved.update(old=raw(f"{p}/{t}")),
+        "replayed": lambda p: replace(f"{p}/{t}", saved["old"]),  # from the call before
+        "swapped": lambda p: replace(f"{p}/{t}", raw(f"{p}/1")),  # rank 1's, same call
+        "truncated": lambda p: replace(f"{p}/{t}", raw(f"{p}/{t}")[:5000]),
+        "planted": lambda p: replace(f"{p}/{t}", planted(f"{p}/{t}")),  # signed without the key
     }
     out: list[tuple[str, Any]] = []
     for name, tamper in tampers.items():
         parts = gs.gather_iter(obj, store=store, timeout=30)
         job = session_for(store, 30).store
-        if rank == 2:
+        if rank == TAMPERER:
             tamper(f"call-{session_for(store, 30).calls}")
         gs.barrier()
         start = time.monotonic()
@@ -177,19 +184,19 @@ def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def _check_tampering(results: list[Any]) -> None:
     dst = dict(results[0])
-    clean = [(r, 100_000 * r) for r in range(3)]
+    clean = [(r, 100_000 * r) for r in range(TAMPERER + 1)]
     assert dst["clean"] == clean
     for name in ("replayed", "swapped", "truncated", "planted"):
         kind, named, message, _ = dst[name]
-        assert (kind, named) == ("IntegrityError", 2), (name, dst[name])
-        assert "rank 2" in message, message
-    assert dst["after"] == [0, 1, 2]
+        assert (kind, named) == ("IntegrityError", TAMPERER), (name, dst[name])
+        assert f"rank {TAMPERER}" in message, message
+    assert dst["after"] == list(range(TAMPERER + 1))
 
 
 @pytest.mark.timeout(120)
 def test_tampered_parts_in_a_file_store_fail_naming_the_rank(tmp_path: Path) -> None:
     results = gs.launch(
-        _tamper_job, nproc_per_node=3, backend="gloo", args=(f"file://{tmp_path}", {})
+        _tamper_job, nproc_per_node=TAMPERER + 1, backend="gloo", args=(f"file://{tmp_path}", {})
     )
     _check_tampering(results)
     assert list(tmp_path.iterdir()) == []  # the job area is gone
@@ -198,7 +205,9 @@ def test_tampered_parts_in_a_file_store_fail_naming_the_rank(tmp_path: Path) -> 
 @pytest.mark.timeout(120)
 def test_tampered_parts_in_redis_fail_naming_the_rank() -> None:
     with services.start_redis() as server:
-        results = gs.launch(_tamper_job, nproc_per_node=3, backend="gloo", args=(server.url, {}))
+        results = gs.launch(
+            _tamper_job, nproc_per_node=TAMPERER + 1, backend="gloo", args=(server.url, {})
+        )
         _check_tampering(results)
         assert RedisStore(server.url)._client.dbsize() == 0  # no key left
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import uuid
@@ -21,7 +23,8 @@ import redis
 from _jobs import check_object_collectives, object_collectives_job
 
 import gatherstore as gs
-from gatherstore.stores.base import Store
+from gatherstore._bench.measure import PeakMemory
+from gatherstore.stores.base import KeyExistsError, Store
 from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import StoreTests, services
 
@@ -335,6 +338,10 @@ def test_unix_socket(tmp_path: Any) -> None:
         assert isinstance(store, RedisStore) and store.url == f"unix://{sock}"
         store.put("k", b"over a unix socket")
         assert bytes(pickle.loads(pickle.dumps(store)).get("k") or b"") == b"over a unix socket"
+        big = os.urandom(9 << 20)  # 3 chunks, pipelined over the socket
+        store.put("big", big)
+        assert bytes(store.get("big") or b"") == big
+        store.discard("big")
         client = redis.Redis(unix_socket_path=str(sock), db=2)
         assert client.keys() == [b"u/k"] and 0 < client.ttl(b"u/k") <= 60
         client.close()
@@ -352,3 +359,212 @@ def test_tls_url_is_understood() -> None:
     clone = pickle.loads(pickle.dumps(store))
     assert clone._pool.connection_kwargs["password"] == PASSWORD
     assert clone._options() == {"ssl_cert_reqs": "none"}
+
+
+# --- the pipelined wire ------------------------------------------------------------------------
+
+
+class _CuttingProxy:
+    """A TCP proxy to Redis that, once armed, cuts the next ``times`` replies carrying
+    ``marker``: it forwards ``keep`` bytes of each and closes that connection (a real
+    dropped link)."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urllib.parse.urlsplit(upstream)
+        self.target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.marker: bytes | None = None
+        self.keep = self.times = 0
+        self.cuts = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, marker: bytes, keep: int = 0, times: int = 1) -> None:
+        with self.lock:
+            self.marker, self.keep, self.times = marker, keep, times
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                with self.lock:
+                    cut = replies and self.marker is not None and self.marker in data
+                    if cut:
+                        self.cuts, self.times = self.cuts + 1, self.times - 1
+                        self.marker = self.marker if self.times else None
+                if cut:
+                    dst.sendall(data[: self.keep])
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def proxy(gatherstore_redis_url: str) -> Iterator[_CuttingProxy]:
+    proxy = _CuttingProxy(gatherstore_redis_url)
+    yield proxy
+    proxy.close()
+
+
+def test_retried_set_that_landed_is_the_writers_own(
+    proxy: _CuttingProxy, gatherstore_redis_url: str, prefix: str
+) -> None:
+    """The link drops after the SET NX landed, before its reply: the retry's nil reply is
+    the writer's own value, not a KeyExistsError."""
+    store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix, chunk_size=4096)
+    try:
+        store.put("warm", b"x")  # connected and authenticated before the link is cut
+        proxy.arm(b"+OK")
+        assert store.put("inline", b"mine") == 4
+        proxy.arm(b"+OK")
+        data = os.urandom(20_000)  # 5 chunks in flight, then the manifest
+        assert store.put("chunked", data) == len(data)
+        assert proxy.cuts == 2
+        assert bytes(store.get("inline") or b"") == b"mine"
+        assert bytes(store.get("chunked") or b"") == data
+        with pytest.raises(KeyExistsError):  # somebody else's value is still refused
+            store.put("inline", b"other")
+    finally:
+        store.delete("")
+        store.close()
+    assert _raw_keys(gatherstore_redis_url, prefix) == []
+
+
+def test_replies_cut_midway_are_read_again_then_unavailable(
+    proxy: _CuttingProxy, prefix: str
+) -> None:
+    store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix)
+    try:
+        data = os.urandom(3 << 20)
+        store.put("k", data)
+        reply = b"$%d\r\n" % ((3 << 20) + 64)  # the value's bulk reply (with its header)
+        proxy.arm(reply, keep=1000)  # the reply ends after 1000 bytes: read again
+        assert bytes(store.get("k") or b"") == data and proxy.cuts == 1
+        proxy.arm(reply, keep=1000, times=3)  # every try is cut
+        with pytest.raises(gs.StoreUnavailableError, match="closed the connection") as info:
+            store.get("k")
+        assert isinstance(info.value.__cause__, redis.ConnectionError)
+        assert proxy.cuts == 4
+        assert bytes(store.get("k") or b"") == data  # a fresh connection, nothing half-read
+    finally:
+        store.delete("")
+        store.close()
+
+
+@pytest.mark.timeout(120)
+def test_values_go_out_and_come_back_without_copies(redis_url: str, prefix: str) -> None:
+    """A 256 MiB part: sent from its own buffer, received into one preallocated buffer."""
+    store = RedisStore(redis_url, key_prefix=prefix)
+    size = 256 << 20
+    part = np.random.default_rng(2).integers(0, 255, size=size, dtype=np.uint8)
+    crc = zlib.crc32(part.data)
+    try:
+        with PeakMemory() as put:
+            store.put("part", part.data)
+        if not put.reset:
+            pytest.skip("/proc/self/clear_refs is not writable here")
+        del part
+        with PeakMemory() as get:
+            value = store.get("part")
+        assert value is not None and zlib.crc32(value) == crc
+        del value
+    finally:
+        store.delete("")
+        store.close()
+    assert put.growth < 0.05 * size, put.growth / size  # no join, no packed copy
+    assert get.growth < 1.05 * size, get.growth / size  # the value, nothing else
+
+
+def test_large_values_never_use_hiredis_packer(redis_url: str) -> None:
+    """hiredis' command packer copies every value; the store must keep redis-py's own."""
+    pytest.importorskip("hiredis")
+    store = RedisStore(redis_url)
+    try:
+        connection = store._pool.get_connection()
+        try:
+            assert isinstance(connection._command_packer, redis.connection.PythonRespSerializer)
+        finally:
+            store._pool.release(connection)
+    finally:
+        store.close()
+
+
+READ_PART = 48 << 20
+
+
+def _read_ahead_job(url: str) -> dict[str, Any]:
+    """Rank 0 streams 3 parts of 48 MiB: how many reads ran at once, and its peak memory."""
+    from gatherstore._memory import READ_AHEAD
+
+    store = gs.open_store(url)
+    rank = gs.get_rank()
+    part = np.full(READ_PART, rank, dtype=np.uint8)
+    busiest = 0
+    seen = []
+    with PeakMemory() as mem:
+        for got in gs.gather_iter(part, store=store, timeout=120):
+            reading = [t for t in threading.enumerate() if t.name.startswith("gatherstore-read")]
+            busiest = max(busiest, len(reading))
+            seen.append(int(got[0]) if got.nbytes == READ_PART and (got == got[0]).all() else -1)
+            del got
+    return {
+        "seen": seen,
+        "busiest": busiest,
+        "growth": mem.growth,
+        "reset": mem.reset,
+        "window": READ_AHEAD,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_destination_reads_ahead_within_a_window(redis_url: str, prefix: str) -> None:
+    """Parts are fetched ahead, READ_AHEAD at most: memory stays within that window."""
+    url = f"{redis_url}?key_prefix={prefix}"
+    first, *others = gs.launch(_read_ahead_job, nproc_per_node=4, backend="gloo", args=(url,))
+    assert first["seen"] == [0, 1, 2, 3]
+    assert 1 <= first["busiest"] <= first["window"] == 2
+    if first["reset"]:  # its own part, the one the loop holds and the window
+        assert first["growth"] < (first["window"] + 1.2) * READ_PART, first["growth"] / READ_PART
+    assert [o["seen"] for o in others] == [[], [], []]
+    assert _raw_keys(redis_url, prefix) == []
+
+
+def test_a_chunked_value_is_read_once_and_deleted_by_name(redis_url: str, prefix: str) -> None:
+    """get then discard: one GET per chunk and one of the manifest, nothing read twice."""
+    store = RedisStore(redis_url, key_prefix=prefix, chunk_size=4096)
+    client = _raw(redis_url)
+
+    def calls() -> dict[str, int]:
+        stats = client.info("commandstats")
+        return {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("get", "getrange")}
+
+    try:
+        store.put("k", os.urandom(20_000))  # 5 chunks
+        before = calls()
+        assert store.get("k") is not None
+        store.discard("k")
+        after = calls()
+        assert after["get"] - before["get"] == 6 and after["getrange"] == before["getrange"]
+        assert _raw_keys(redis_url, prefix) == []
+    finally:
+        client.close()
+        store.delete("")
+        store.close()

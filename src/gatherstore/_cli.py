@@ -337,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
         "--ceiling-size",
         type=_argtype(parse_size),
         default=1 << 30,
-        help="bytes moved to measure memcpy and /dev/shm (1GB)",
+        help="bytes moved to measure memcpy, /dev/shm and the Redis/S3 clients alone (1GB)",
     )
     p.add_argument("--timeout", type=_argtype(_seconds), default=900.0, help="per collective")
     p.add_argument(

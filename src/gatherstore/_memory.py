@@ -23,6 +23,9 @@ from .stores.file import TmpdirStore
 
 __all__ = ["SHM", "NodeNeed", "check", "headroom", "in_ram", "route_need", "shm_free", "shortfalls"]
 
+#: Parts a reader fetches and verifies at once: its window besides what it returns.
+READ_AHEAD = 2
+
 SHM = "/dev/shm"
 _UNLIMITED = 1 << 62
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -139,7 +142,7 @@ def route_need(
     The collective route gives every receiver ``W`` slots of the largest part
     (plus a send buffer in an all-gather) and every sender one padded part.  A
     store route gives each receiver a private copy of what it reads, plus a
-    window of two parts; on /dev/shm the written parts take RAM too, which a
+    window of ``READ_AHEAD`` parts; on /dev/shm the written parts take RAM too, which a
     gather frees as it reads (the copies replace them) and an all-gather does not.
     """
     world, largest, total = len(sizes), max(sizes, default=0), sum(sizes)
@@ -148,7 +151,9 @@ def route_need(
         ram = sum(largest * (world + all_receive) for _ in mine)
         ram += sum(largest for r in ranks if r not in receivers and sizes[r])
         return NodeNeed(ram, 0)
-    reads = sum(total - sizes[r] for r in mine) + (0 if all_receive or not mine else 2 * largest)
+    reads = sum(total - sizes[r] for r in mine) + (
+        0 if all_receive or not mine else READ_AHEAD * largest
+    )
     if route != "shm":
         return NodeNeed(reads, 0)
     written = sum(sizes[r] for r in ranks)

@@ -1,4 +1,4 @@
-"""Reading a stored gather back: parts in rank order, one read ahead, deleted once read."""
+"""Reading a stored gather back: parts in rank order, read ahead, deleted once read."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _serialize as serialize
 from ._errors import GatherError
+from ._memory import READ_AHEAD
 from ._progress import Progress, wanted
 from ._session import JobSession
 from .stores.base import END_JOB_TIMEOUT, Store, deadline
@@ -22,10 +23,11 @@ __all__ = ["Parts"]
 class Parts(Iterator[Any]):
     """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
 
-    While one part is unpickled the next is read and verified in a thread, so
-    at most two parts are held besides what the consumer keeps.  With
-    ``delete`` each part is deleted once read, and closing early deletes the
-    rest.
+    ``READ_AHEAD`` parts are read and verified at once in threads (the next one
+    is fetched while the current one is verified, and both while the consumer
+    decodes), so at most ``READ_AHEAD`` parts are held besides what the consumer
+    keeps (the window the memory check counts).  With ``delete`` each part is
+    deleted once read, and closing early deletes the rest.
     """
 
     def __init__(
@@ -43,7 +45,7 @@ class Parts(Iterator[Any]):
         self.todo = [r for r in range(call.world) if r != own_rank]
         self.next_rank = 0
         self.closed = False
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gatherstore-read")
+        self.pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="gatherstore-read")
         self.ahead: dict[int, Future[serialize.Verified]] = {}
         incoming = sum(call.sizes) - call.sizes[own_rank]
         self.progress = Progress(
@@ -56,12 +58,12 @@ class Parts(Iterator[Any]):
         self._prefetch()
 
     def _prefetch(self) -> None:
-        for rank in self.todo[:2]:
+        """Keep the next ``READ_AHEAD`` parts being read."""
+        for rank in self.todo[:READ_AHEAD]:
             if rank not in self.ahead:
                 self.ahead[rank] = self.pool.submit(
                     self.call.fetch, self.session, self.prefix, rank
                 )
-                return
 
     def __iter__(self) -> Parts:
         return self
@@ -76,9 +78,9 @@ class Parts(Iterator[Any]):
             return self.own
         with self.call.deadline():  # the clean-up after a failure too
             try:
+                self._prefetch()  # this part and the next ones
                 future = self.ahead.pop(rank)
                 self.todo.remove(rank)
-                self._prefetch()
                 try:
                     value = serialize.load(future.result())
                     self.progress.update(self.call.sizes[rank])

@@ -2,7 +2,8 @@
 
 Modules: ``payloads`` (synthetic data), ``baselines`` (torch.distributed,
 mmengine), ``cases`` (what is compared), ``ceilings`` (the machine's limits),
-``runner`` (fresh processes per case), ``report`` (table, JSON lines, chart).
+``clients`` (Redis and S3 client libraries alone), ``runner`` (fresh processes
+per case), ``report`` (table, JSON lines, chart).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from . import cases, ceilings, report
+from . import cases, ceilings, clients, report
 from .runner import Plan, run_cases
 
 __all__ = ["Plan", "run"]
@@ -42,6 +43,7 @@ def run(
     with cases.reachable(redis, s3, services) as (found, notes, workdir):
         chosen = cases.select(found, patterns)
         limits = ceilings.measure(ceiling_bytes)
+        limits.update(clients.measure(chosen, ceiling_bytes, notes))
         records = run_cases(plan, chosen, workdir, limits, progress)
     if json_path == "-":
         out.write(report.json_lines(records, limits))

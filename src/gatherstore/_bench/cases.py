@@ -30,6 +30,8 @@ class Case:
     store: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     impl: str = ""
+    #: whose ceiling bounds it: "shm", "redis", "s3" (see ``clients``) or none
+    service: str = ""
 
 
 def _disk_base() -> str:
@@ -48,8 +50,9 @@ def _baselines() -> list[Case]:
 def _local(workdir: Path) -> list[Case]:
     cases = [Case("gs.collective", "gather_object", "collective")]
     if os.access("/dev/shm", os.W_OK):
-        cases.append(Case("gs.tmpdir-shm", "gather_object", "tmpdir:///dev/shm"))
-        cases.append(Case("gs.iter-tmpdir-shm", "gather_iter", "tmpdir:///dev/shm"))
+        shm = "tmpdir:///dev/shm"
+        cases.append(Case("gs.tmpdir-shm", "gather_object", shm, service="shm"))
+        cases.append(Case("gs.iter-tmpdir-shm", "gather_iter", shm, service="shm"))
     cases.append(Case("gs.tmpdir-disk", "gather_object", f"tmpdir://{_disk_base()}"))
     file_dir = workdir / "file-store"
     file_dir.mkdir()
@@ -78,7 +81,7 @@ def _remote(
     if redis:
         try:
             open_store(redis).close()
-            cases.append(Case("gs.redis", "gather_object", redis))
+            cases.append(Case("gs.redis", "gather_object", redis, service="redis"))
         except Exception as exc:
             notes.append(f"gs.redis skipped: {type(exc).__name__}: {exc}")
     if s3:
@@ -92,7 +95,7 @@ def _remote(
             stack.callback(fs.rm, bucket, recursive=True)
             url = f"s3://{bucket}/parts"
             open_store(url, **options).close()
-            cases.append(Case("gs.s3", "gather_object", url, options))
+            cases.append(Case("gs.s3", "gather_object", url, options, service="s3"))
         except Exception as exc:
             notes.append(f"gs.s3 skipped: {type(exc).__name__}: {exc}")
     return cases

@@ -26,6 +26,8 @@ _COLUMNS = [
     ("mem/ref", ">"),
     ("%memcpy", ">"),
     ("%pickle", ">"),
+    ("%client", ">"),
+    ("%fast", ">"),
 ]
 
 
@@ -51,6 +53,8 @@ def _row(r: dict[str, Any]) -> list[str]:
         _num(r["mem_ratio"], ".2f"),
         _pct(r["of_memcpy"]),
         _pct(r["of_pickle_dumps"]),
+        _pct(r.get("of_client")),
+        _pct(r.get("of_fast")),
     ]
 
 
@@ -62,6 +66,31 @@ def _gbps(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} GB/s"
 
 
+#: (key prefix in the ceilings, what it measured) of each client ceiling line.
+_CLIENT_LINES = [
+    ("redis_default", "redis-py defaults, one SET then one GET per 4 MiB value"),
+    ("redis_pipelined", "redis-py pipelines of 4 values, its Python packer, 1 MiB reads"),
+    ("redis_hiredis_packer", "the same with hiredis' command packer"),
+    ("redis_fast", "gatherstore's wire: 4 in flight, values sent and received in place"),
+    ("s3_default", "s3fs defaults, pipe_file then cat_file"),
+    ("s3_fast", "s3fs as gatherstore sets it: 16 MiB objects, 4 in flight, unhashed"),
+    ("s3_obstore", "obstore in the same shape, for comparison"),
+]
+
+
+def _client_lines(ceilings: dict[str, Any]) -> list[str]:
+    """One line per measured client ceiling: write, read and write+read GB/s."""
+    lines = []
+    for prefix, what in _CLIENT_LINES:
+        if f"{prefix}_gbps" in ceilings:
+            lines.append(
+                f"  {prefix}: write {_gbps(ceilings[f'{prefix}_write_gbps'])}, read "
+                f"{_gbps(ceilings[f'{prefix}_read_gbps'])}, both "
+                f"{_gbps(ceilings[f'{prefix}_gbps'])} ({what})"
+            )
+    return lines
+
+
 def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: list[str]) -> str:
     """The results as an aligned text table with the ceilings above and notes below."""
     rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in records]
@@ -71,6 +100,7 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
         f"{_gbps(ceilings['shm_write_gbps'])}, read {_gbps(ceilings['shm_read_gbps'])}; "
         f"pickle.dumps {_gbps(ceilings['pickle_dumps_gbps'])} "
         f"(loads {_gbps(ceilings['pickle_loads_gbps'])}) of detections",
+        *_client_lines(ceilings),
         "",
     ]
     for row in rows:
@@ -87,7 +117,9 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
         "peak: VmHWM growth over RSS before the call (dst = rank 0, other = worst other rank);",
         f"time/ref, mem/ref (worst rank): relative to ref = {BASELINE}, same payload/size/W;",
         "%memcpy / %pickle: GB/s as a fraction of the ceilings above (%pickle can pass 100%:",
-        "ranks serialise in parallel, rank 0 never serialises its own part).",
+        "ranks serialise in parallel, rank 0 never serialises its own part);",
+        "%client / %fast: GB/s as a fraction of the store's service used by its client library",
+        "alone, same bytes, write then read (defaults / fast settings; /dev/shm for tmpdir).",
         *impls,
         *notes,
     ]

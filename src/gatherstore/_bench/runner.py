@@ -135,9 +135,20 @@ def _ratios(records: list[dict[str, Any]]) -> None:
         r["mem_ratio"] = _worst(r) / _worst(ref) if done and ref and _worst(ref) else None
 
 
+#: The ceilings a case's service is compared with: (client library's defaults, fast settings).
+_SERVICE_CEILINGS = {
+    "shm": ("shm_gbps", None),
+    "redis": ("redis_default_gbps", "redis_fast_gbps"),
+    "s3": ("s3_default_gbps", "s3_fast_gbps"),
+}
+
+
 def _fractions(record: dict[str, Any], ceilings: dict[str, float | None]) -> None:
-    for name in ("memcpy", "shm", "pickle_dumps"):
-        limit = ceilings.get(f"{name}_gbps")
+    """The case's GB/s as a share of the machine's and of its service's ceilings."""
+    client, fast = _SERVICE_CEILINGS.get(record.get("service") or "", (None, None))
+    names = {"memcpy": "memcpy_gbps", "shm": "shm_gbps", "pickle_dumps": "pickle_dumps_gbps"}
+    for name, key in [*names.items(), ("client", client), ("fast", fast)]:
+        limit = ceilings.get(key) if key else None
         record[f"of_{name}"] = record["gbps"] / limit if limit and "gbps" in record else None
 
 
@@ -173,6 +184,7 @@ def run_cases(
             "kind": "case",
             "case": case.name,
             "store": case.store or None,
+            "service": case.service or None,
             "impl": case.impl or "gatherstore",
             "payload": kind,
             "size": label,

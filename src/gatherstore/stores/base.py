@@ -48,6 +48,7 @@ _HEADER = struct.Struct("<8sBxxxxxxxQQ")  # magic, kind, total payload, chunk co
 HEADER_SIZE = 64
 _INLINE, _CHUNKED = 0, 1
 CHUNKS = ".chunks"
+_LAYOUTS_KEPT = 256  # chunk layouts remembered between get and discard
 #: Shortest timeout handed to a backend once the deadline is (nearly) over: a
 #: socket timeout of 0 would mean "non-blocking", not "fail now".
 MIN_TIMEOUT = 0.05
@@ -200,6 +201,23 @@ class Store(ABC):
         if keys:
             self._delete(keys)
 
+    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """``_write`` of each (key, buffers), in order; backends that can keep a bounded
+        number of writes in flight override it."""
+        return [self._write(key, buffers) for key, buffers in items]
+
+    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
+        """Read each key's value into its view when the sizes match; per item the value's
+        size (None: absent).  Backends override it to keep a bounded number of reads
+        in flight, straight into the views."""
+        sizes: list[int | None] = []
+        for key, view in items:
+            raw = self._read(key)
+            sizes.append(None if raw is None else _nbytes(raw))
+            if raw is not None and _nbytes(raw) == len(view):
+                view[:] = memoryview(raw).cast("B")
+        return sizes
+
     def _read_head(self, key: str, size: int) -> Buffer | None:
         """At least the first ``size`` bytes at ``key`` (more is fine), or None when absent.
 
@@ -325,12 +343,14 @@ class Store(ABC):
         if self._exists(key):
             raise self._exists_error(key)
         chunk_dir = f"{key}{CHUNKS}/{uuid.uuid4().hex}/"
-        sizes: list[int] = []
         try:
-            for i, run in enumerate(_split(buffers, self.max_value_size)):
-                if not self._write(f"{chunk_dir}{i:08d}", run):
-                    raise self._exists_error(f"{chunk_dir}{i:08d}")
-                sizes.append(sum(len(v) for v in run))
+            runs = list(_split(buffers, self.max_value_size))
+            names = [f"{chunk_dir}{i:08d}" for i in range(len(runs))]
+            written = self._write_many(list(zip(names, runs, strict=True)))
+            for name, wrote in zip(names, written, strict=True):
+                if not wrote:
+                    raise self._exists_error(name)
+            sizes = [sum(len(v) for v in run) for run in runs]
             manifest = struct.pack(f"<{len(sizes)}Q", *sizes) + chunk_dir.encode()
             if not self._write(key, [_header(_CHUNKED, total, len(sizes)), manifest]):
                 raise self._exists_error(key)
@@ -382,12 +402,34 @@ class Store(ABC):
             kind, total, count, body = self._parse(key, raw)
             if kind == _INLINE:
                 return body
+            layout = self._chunk_layout(key, count, body)
+            layouts = self._layouts()
+            if len(layouts) >= _LAYOUTS_KEPT:  # values read but never discarded here
+                layouts.clear()
+            layouts[key] = [chunk for chunk, _ in layout]  # discard reads it no more
             out = bytearray(total)
-            pos = 0
-            for chunk in self._iter_chunk_values(key, count, body):
-                out[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
+            view, pos, places = memoryview(out), 0, []
+            for chunk, size in layout:
+                places.append((chunk, view[pos : pos + size]))
+                pos += size
+            for (chunk, place), n in zip(places, self._read_many_into(places), strict=True):
+                self._check_chunk(key, chunk, len(place), n)
             return out
+
+    def _check_chunk(self, key: str, chunk: str, size: int, got: int | None) -> None:
+        """Raise when a chunk of ``key`` is gone (``got`` None) or not ``size`` bytes."""
+        if got is None:
+            raise GatherError(
+                f"value {key!r} in store {self} lost its chunk {chunk!r}: deleted, "
+                "or it expired (raise the store's ttl)"
+            )
+        if got != size:
+            raise self._corrupt(key, f"truncated: chunk {chunk!r} has {got} of {size} bytes")
+
+    def _layouts(self) -> dict[str, list[str]]:
+        """Chunk keys of the values ``get`` read, until ``discard`` deletes them."""
+        layouts: dict[str, list[str]] = self.__dict__.setdefault("_read_layouts", {})
+        return layouts
 
     def iter_chunks(self, key: str) -> Iterator[memoryview]:
         """Stream the value at ``key`` chunk by chunk (one chunk in memory at a time).
@@ -409,15 +451,8 @@ class Store(ABC):
     def _iter_chunk_values(self, key: str, count: int, body: memoryview) -> Iterator[memoryview]:
         for chunk_key, size in self._chunk_layout(key, count, body):
             raw = self._read(chunk_key)
-            if raw is None:
-                raise GatherError(
-                    f"value {key!r} in store {self} lost its chunk {chunk_key!r}: deleted, "
-                    "or it expired (raise the store's ttl)"
-                )
-            if _nbytes(raw) != size:
-                raise self._corrupt(
-                    key, f"truncated: chunk {chunk_key!r} has {_nbytes(raw)} of {size} bytes"
-                )
+            self._check_chunk(key, chunk_key, size, None if raw is None else _nbytes(raw))
+            assert raw is not None
             yield memoryview(raw).cast("B")
 
     def exists(self, key: str) -> bool:
@@ -464,6 +499,10 @@ class Store(ABC):
         """
         self._check_key(key)
         with self._mapped(f"delete {key!r}"):
+            known = self._layouts().pop(key, None)
+            if known is not None:  # read by get: its chunks are known
+                self._delete([key, *known])
+                return
             head = self._read_head(key, HEADER_SIZE)
             if head is None:
                 return
@@ -564,6 +603,12 @@ class ScopedStore(Store):
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         return self.parent._read_head(self.prefix + key, size)
+
+    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        return self.parent._write_many([(self.prefix + k, b) for k, b in items])
+
+    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
+        return self.parent._read_many_into([(self.prefix + k, v) for k, v in items])
 
     @property
     def url(self) -> str:

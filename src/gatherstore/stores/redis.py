@@ -4,7 +4,11 @@ Every value is one Redis string written with ``SET key value NX PX <ttl>``:
 create-only, atomic (a reader sees the whole value or nothing) and expiring, so
 a crashed job leaves nothing behind for good.  Values above ``chunk_size``
 (default 4 MiB; at most 512 MiB, Redis's limit for one value) are chunked by
-the base class, each chunk a key with the same TTL.
+the base class, each chunk a key with the same TTL.  Values travel on a
+pipelined wire (``_resp``): 4 SETs or GETs in flight per connection, values
+sent from the caller's buffers and received straight into the reader's buffer;
+a SET retried after a dropped connection that finds its own first try in place
+counts as written.
 
 A job's keys are also named in an index (a Redis set beside the job's
 prefix, same TTL), so that the job's end deletes exactly those keys instead
@@ -31,16 +35,16 @@ from __future__ import annotations
 
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import redis
 import redis.backoff
 import redis.connection
 import redis.retry
 
+from . import _resp
 from .base import (
-    CHUNKS,
     END_JOB_TIMEOUT,
     JOB_AREA,
     Buffer,
@@ -73,6 +77,9 @@ _BATCH = 1000  # keys per SCAN step, per UNLINK and per SPOP
 _INDEX = ".keys"  # suffix of a job's index: "<prefix>gatherstore/<job>.keys"
 _GLOB_SPECIALS = "\\*?[]"
 _connection: Any = redis.connection  # redis-py's helpers, untyped
+_IN_FLIGHT = 4  # SETs or GETs sent ahead of their replies on one connection
+_ATTEMPTS = 3  # tries of a wire batch when the connection drops
+_T = TypeVar("_T")
 
 
 def _shown(url: str) -> str:
@@ -91,23 +98,6 @@ def _to_bool(value: str) -> bool:
 def _glob_escape(text: str) -> str:
     """``text`` as a literal in a Redis glob pattern (SCAN MATCH)."""
     return "".join(f"\\{c}" if c in _GLOB_SPECIALS else c for c in text)
-
-
-def _python_packer() -> dict[str, Any]:
-    """Connection option that sends large values straight from their buffers.
-
-    With hiredis installed, redis-py packs commands with ``hiredis.pack_command``,
-    which first copies every memoryview into bytes and then the whole command
-    into one more buffer; redis-py's pure-Python packer sends them as they are.
-    Replies are still parsed by hiredis.
-    """
-    try:
-        if not _connection.HIREDIS_AVAILABLE:
-            return {}
-        encode = _connection.Encoder("utf-8", "strict", decode_responses=False).encode
-        return {"command_packer": _connection.PythonRespSerializer(6000, encode)}
-    except AttributeError:  # pragma: no cover - other redis-py layouts
-        return {}
 
 
 def _parse_query(url: str, query: str) -> tuple[dict[str, Any], bool | None]:
@@ -258,7 +248,7 @@ class RedisStore(Store):
             self.sign_parts = sign
         connection = {k: v for k, v in self._given.items() if k not in _OWN_PARSERS}
         self._pool = redis.ConnectionPool.from_url(
-            self._url, **{**_CONNECTION_DEFAULTS, **_python_packer(), **connection}
+            self._url, **{**_CONNECTION_DEFAULTS, **_resp.python_packer(), **connection}
         )
         self._pool.connection_class = _bounded_class(self._pool.connection_class)
         try:  # unknown options fail here, not at the first command
@@ -292,18 +282,94 @@ class RedisStore(Store):
         job, inside, _ = rest.partition("/")
         return f"{root}/{job}{_INDEX}" if root == JOB_AREA and job and inside else None
 
+    def _wire(self, work: Callable[[_resp.Wire], _T]) -> tuple[_T, int]:
+        """``work`` on a pooled connection's wire, and how many tries it took: a dropped
+        connection is replaced and ``work`` runs again (``_ATTEMPTS`` in all)."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            conn = _resp.pooled(self._pool)
+            try:
+                # each send and reply waits at most the socket timeout (or the time left)
+                wire = _resp.Wire(conn, _IN_FLIGHT, conn._bound)
+                return work(wire), attempt
+            except (ConnectionError, redis.ConnectionError):
+                conn.disconnect()
+                if attempt == _ATTEMPTS:
+                    raise
+            except BaseException:
+                conn.disconnect()  # left mid-reply
+                raise
+            finally:
+                self._pool.release(conn)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-        # one SET is atomic; a single buffer goes out as is, several are joined once
-        value: bytes | memoryview = views[0] if len(views) == 1 else b"".join(views)
-        index = self._index_of(key)
-        if index is None:
-            return bool(self._client.set(self._key(key), value, nx=True, px=self._ttl_ms))
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(self._key(key), value, nx=True, px=self._ttl_ms)
-        pipe.sadd(self._key(index), self._key(key))
-        pipe.pexpire(self._key(index), self._ttl_ms)
-        return bool(pipe.execute()[0])
+        return self._write_many([(key, buffers)])[0]
+
+    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """``SET NX PX`` of every item, pipelined; each value is one atomic SET.
+
+        A key of a job area is first added to the job's index (``SADD``, and the
+        index's TTL reset), so the index never misses a key that exists.
+        """
+        sets = [
+            (self._key(key), [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes])
+            for key, buffers in items
+        ]
+        indexes = [self._index_of(key) for key, _ in items]
+        commands = []
+        for (key, views), index in zip(sets, indexes, strict=True):
+            command = _resp.pack_set(key, views, self._ttl_ms)
+            if index is not None:
+                name = self._key(index)
+                ttl = b"%d" % self._ttl_ms
+                command = [
+                    *_resp.pack(b"SADD", name, key),
+                    *_resp.pack(b"PEXPIRE", name, ttl),
+                    *command,
+                ]
+            commands.append(command)
+
+        def reply(wire: _resp.Wire, i: int) -> bytes:
+            if indexes[i] is not None:
+                wire.line(), wire.line()  # the SADD's and the PEXPIRE's
+            return wire.line()
+
+        replies, tries = self._wire(lambda wire: wire.run(commands, lambda i: reply(wire, i)))
+        # a nil reply means the key exists: after a retry, maybe the first try's own value
+        return [
+            reply == b"+OK" or (tries > 1 and self._holds(key, views))
+            for (key, views), reply in zip(sets, replies, strict=True)
+        ]
+
+    def _holds(self, key: bytes, views: Sequence[memoryview]) -> bool:
+        """Whether ``key`` holds exactly the concatenation of ``views``."""
+        got = self._get_many([key], [None])[0][1]
+        if got is None:
+            return False
+        whole, pos = memoryview(got), 0
+        for view in views:
+            if whole[pos : pos + len(view)] != view:
+                return False
+            pos += len(view)
+        return pos == len(whole)
+
+    def _get_many(
+        self, keys: Sequence[bytes], places: Sequence[memoryview | None]
+    ) -> list[tuple[int | None, Any]]:
+        commands = [_resp.pack(b"GET", key) for key in keys]
+        return self._wire(lambda wire: wire.run(commands, lambda i: wire.bulk(places[i])))[0]
+
+    def _read(self, key: str) -> Buffer | None:
+        """The value in a new bytearray (writable: arrays and tensors decode in place)."""
+        self._renew(key)
+        value: Buffer | None = self._get_many([self._key(key)], [None])[0][1]
+        return value
+
+    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
+        if items:
+            self._renew(items[0][0])
+        got = self._get_many([self._key(k) for k, _ in items], [view for _, view in items])
+        return [size for size, _ in got]
 
     def _renew(self, key: str) -> None:
         """Every ``ttl / 4`` s of reading a job area: reset the TTL of every key it indexes."""
@@ -330,15 +396,6 @@ class RedisStore(Store):
                     break
                 self._client.unlink(*names)
             self._client.unlink(index)
-
-    def _read(self, key: str) -> Buffer | None:
-        self._renew(key)
-        value: bytes | None = self._client.get(self._key(key))  # type: ignore[assignment]
-        if value is None:
-            return None
-        if f"{CHUNKS}/" in key:  # a chunk: the base copies it into one bytearray anyway
-            return value
-        return bytearray(value)  # writable: arrays and tensors are rebuilt without copies
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         head: bytes = self._client.getrange(self._key(key), 0, size - 1)  # type: ignore[assignment]

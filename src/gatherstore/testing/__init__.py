@@ -76,16 +76,18 @@ class StoreTests:
         assert bytes(chunked.get("k") or b"") == b"first"
 
     def test_failed_put_leaves_nothing(self, chunked: Store, monkeypatch: Any) -> None:
-        real = chunked._write
-        calls = []
+        real = chunked._write_many
+        calls: list[str] = []
 
-        def failing(key: str, buffers: Any) -> bool:
-            calls.append(key)
-            if len(calls) == 3:
+        def failing(items: Any) -> list[bool]:  # the first two chunks land, then a failure
+            room = max(2 - len(calls), 0)
+            calls.extend(key for key, _ in items)
+            if len(calls) > 2:
+                real(items[:room])
                 raise OSError("disk went away")
-            return real(key, buffers)
+            return real(items)
 
-        monkeypatch.setattr(chunked, "_write", failing)
+        monkeypatch.setattr(chunked, "_write_many", failing)
         with pytest.raises(Exception, match="disk went away"):
             chunked.put("k", b"y" * 5000)
         monkeypatch.undo()

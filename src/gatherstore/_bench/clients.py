@@ -1,0 +1,257 @@
+"""The network services' ceilings: each client library alone, on the bytes the cases move.
+
+For Redis and S3 the bench measures, once per run, what the client library
+does with the same number of bytes without gatherstore: with its default
+settings (one blocking SET/GET per 4 MiB value; s3fs's ``pipe_file`` and
+``cat_file``) and with the fastest settings gatherstore uses (several values
+or parts in flight, large socket reads, no payload hashing on ``http://``).
+gatherstore's throughput is then reported as a share of both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .cases import Case
+
+__all__ = ["REDIS_VALUE", "S3_PART", "measure", "measure_redis", "measure_s3"]
+
+#: Bytes per Redis value (gatherstore's default chunk size) and per S3 part or range.
+REDIS_VALUE = 4 << 20
+S3_PART = 16 << 20
+_DEPTH = 4  # values or parts in flight in the fast settings
+_TTL_MS = 600_000
+
+
+def _rates(prefix: str, nbytes: int, write: float, read: float) -> dict[str, float]:
+    """GB/s (1e9 bytes/s) of a write, a read and both in sequence."""
+    gb = nbytes / 1e9
+    return {
+        f"{prefix}_write_gbps": gb / write,
+        f"{prefix}_read_gbps": gb / read,
+        f"{prefix}_gbps": gb / (write + read),
+    }
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _source(nbytes: int) -> memoryview:
+    """``nbytes`` of incompressible bytes (services must not profit from zeros)."""
+    return memoryview(np.random.default_rng(0).bytes(nbytes))
+
+
+def _slices(nbytes: int, step: int) -> list[tuple[int, int]]:
+    return [(start, min(start + step, nbytes)) for start in range(0, nbytes, step)]
+
+
+# --- Redis ---------------------------------------------------------------------------------------
+def _redis_pass(client: Any, src: memoryview, depth: int, keys: list[bytes]) -> tuple[float, float]:
+    """Seconds to SET every value (``depth`` per round trip), then GET them back."""
+    spans = _slices(len(src), REDIS_VALUE)
+    out = bytearray(len(src))
+
+    def write() -> None:
+        for i in range(0, len(spans), depth):
+            pipe = client.pipeline(transaction=False)
+            for key, (a, b) in zip(keys[i : i + depth], spans[i : i + depth], strict=True):
+                pipe.set(key, src[a:b], px=_TTL_MS)
+            pipe.execute()
+
+    def read() -> None:
+        for i in range(0, len(spans), depth):
+            pipe = client.pipeline(transaction=False)
+            for key in keys[i : i + depth]:
+                pipe.get(key)
+            for value, (a, b) in zip(pipe.execute(), spans[i : i + depth], strict=True):
+                out[a:b] = value
+
+    try:
+        return _timed(write), _timed(read)
+    finally:
+        client.unlink(*keys)
+
+
+def _redis_wire(url: str, src: memoryview, prefix: str) -> tuple[float, float]:
+    """Seconds of gatherstore's wire: every value SET, then GET, 4 in flight, no copies."""
+    from ..stores.redis import RedisStore
+
+    spans = _slices(len(src), REDIS_VALUE)
+    store = RedisStore(url, key_prefix=prefix, ttl=_TTL_MS / 1000)
+    out = memoryview(bytearray(len(src)))
+    keys = [f"{i}" for i in range(len(spans))]
+    try:
+        write = _timed(
+            lambda: store._write_many(
+                [(k, [src[a:b]]) for k, (a, b) in zip(keys, spans, strict=True)]
+            )
+        )
+        read = _timed(
+            lambda: store._read_many_into(
+                [(k, out[a:b]) for k, (a, b) in zip(keys, spans, strict=True)]
+            )
+        )
+        return write, read
+    finally:
+        store.delete("")
+        store.close()
+
+
+def measure_redis(url: str, nbytes: int) -> dict[str, float]:
+    """Redis ceilings of ``nbytes`` in 4 MiB values, written then read back.
+
+    ``redis_default``: redis-py as installed (hiredis packs and parses when
+    present), one SET or GET per round trip; ``redis_pipelined``: redis-py
+    pipelines of 4, its Python command packer, 1 MiB socket reads;
+    ``redis_hiredis_packer`` (with hiredis): the same with hiredis' packer, which
+    copies every value before it is sent; ``redis_fast``: gatherstore's wire.
+    """
+    import redis
+
+    from ..stores._resp import python_packer
+
+    src = _source(nbytes)
+    run = uuid.uuid4().hex
+    keys = [f"gatherstore-ceiling-{run}-{i}".encode() for i in range(-(-nbytes // REDIS_VALUE))]
+    pipelined = {"socket_read_size": 1 << 20}
+    packer = python_packer()
+    variants: list[tuple[str, dict[str, Any], int]] = [
+        ("redis_default", {}, 1),
+        ("redis_pipelined", {**pipelined, **packer}, _DEPTH),
+    ]
+    if packer:  # hiredis is installed: prove that its packer is the slower one
+        variants.append(("redis_hiredis_packer", pipelined, _DEPTH))
+    out: dict[str, float] = {}
+    for name, options, depth in variants:
+        client = redis.Redis.from_url(url, **options)
+        try:
+            write, read = _redis_pass(client, src, depth, keys)
+        finally:
+            client.close()
+        out.update(_rates(name, nbytes, write, read))
+    out.update(_rates("redis_fast", nbytes, *_redis_wire(url, src, f"gatherstore-ceiling-{run}/")))
+    return out
+
+
+# --- S3 ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _bucket(options: dict[str, Any]) -> Iterator[str]:
+    """A fresh bucket, removed with everything in it afterwards."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    bucket = f"gatherstore-ceiling-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    try:
+        yield bucket
+    finally:
+        fs.rm(bucket, recursive=True)
+
+
+def _s3_default(options: dict[str, Any], path: str, src: memoryview) -> tuple[float, float]:
+    """s3fs as it comes: ``pipe_file`` of the bytes, ``cat_file`` back."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    data = bytes(src)
+    return _timed(lambda: fs.pipe_file(path, data)), _timed(lambda: fs.cat_file(path))
+
+
+def _s3_fast(options: dict[str, Any], prefix: str, src: memoryview) -> tuple[float, float]:
+    """gatherstore's settings: 16 MiB create-only objects, 4 PUTs then 4 GETs in flight."""
+    import s3fs
+
+    from ..stores.fsspec import fast_s3_options
+
+    fs = s3fs.S3FileSystem(**fast_s3_options(options), skip_instance_cache=True)
+    spans = _slices(len(src), S3_PART)
+    out = memoryview(bytearray(len(src)))
+
+    def put(span: tuple[int, int]) -> None:
+        fs.pipe_file(f"{prefix}/{span[0]}", bytes(src[span[0] : span[1]]), mode="create")
+
+    def get(span: tuple[int, int]) -> None:
+        out[span[0] : span[1]] = fs.cat_file(f"{prefix}/{span[0]}")
+
+    with ThreadPoolExecutor(_DEPTH) as pool:
+        return _timed(lambda: list(pool.map(put, spans))), _timed(
+            lambda: list(pool.map(get, spans))
+        )
+
+
+def _s3_obstore(options: dict[str, Any], prefix: str, src: memoryview) -> tuple[float, float]:
+    """obstore (Rust ``object_store``) in gatherstore's shape, for the client shoot-out:
+    16 MiB create-only objects, 4 PUTs then 4 GETs in flight, unsigned payload."""
+    obstore = importlib.import_module("obstore")
+    stores = importlib.import_module("obstore.store")
+    endpoint = str((options.get("client_kwargs") or {}).get("endpoint_url", ""))
+    bucket, _, base = prefix.partition("/")
+    store = stores.S3Store(
+        bucket,
+        endpoint=endpoint,
+        access_key_id=options["key"],
+        secret_access_key=options["secret"],
+        region="us-east-1",
+        virtual_hosted_style_request=False,
+        unsigned_payload=endpoint.startswith("http://"),
+        client_options={"allow_http": endpoint.startswith("http://")},
+    )
+    spans = _slices(len(src), S3_PART)
+    out = memoryview(bytearray(len(src)))
+
+    def put(span: tuple[int, int]) -> None:
+        obstore.put(store, f"{base}/{span[0]}", src[span[0] : span[1]], mode="create")
+
+    def get(span: tuple[int, int]) -> None:
+        out[span[0] : span[1]] = memoryview(obstore.get(store, f"{base}/{span[0]}").bytes())
+
+    with ThreadPoolExecutor(_DEPTH) as pool:
+        return _timed(lambda: list(pool.map(put, spans))), _timed(
+            lambda: list(pool.map(get, spans))
+        )
+
+
+def measure_s3(options: dict[str, Any], nbytes: int) -> dict[str, float]:
+    """S3 ceilings of ``nbytes``: s3fs's defaults (one object) and the fast settings,
+    and obstore in the same shape when it is installed (the client shoot-out).
+
+    ``options``: s3fs storage options (endpoint and credentials).
+    """
+    src = _source(nbytes)
+    out: dict[str, float] = {}
+    runs = [("s3_default", _s3_default), ("s3_fast", _s3_fast)]
+    if importlib.util.find_spec("obstore") and {"key", "secret"} <= options.keys():
+        runs.append(("s3_obstore", _s3_obstore))
+    with _bucket(options) as bucket:
+        for name, run in runs:
+            write, read = run(options, f"{bucket}/{name}", src)
+            out.update(_rates(name, nbytes, write, read))
+    return out
+
+
+def measure(chosen: list[Case], nbytes: int, notes: list[str]) -> dict[str, float]:
+    """The ceilings of the services the ``chosen`` cases use; a failure becomes a note."""
+    out: dict[str, float] = {}
+    for case in chosen:
+        if case.service not in ("redis", "s3") or any(k.startswith(case.service) for k in out):
+            continue
+        try:
+            if case.service == "redis":
+                out.update(measure_redis(case.store, nbytes))
+            else:
+                out.update(measure_s3(case.options, nbytes))
+        except Exception as exc:
+            notes.append(f"{case.service} ceiling not measured: {type(exc).__name__}: {exc}")
+    return out
