@@ -12,10 +12,11 @@ from ._errors import GatherError
 from ._memory import READ_AHEAD
 from ._progress import Progress, wanted
 from ._session import JobSession
-from .stores.base import END_JOB_TIMEOUT, Store, deadline
+from .stores.base import Store
+from .stores.deadline import END_JOB_TIMEOUT, deadline
 
 if TYPE_CHECKING:
-    from ._objects import _Call
+    from ._call import Call
 
 __all__ = ["Parts"]
 
@@ -32,7 +33,7 @@ class Parts(Iterator[Any]):
 
     def __init__(
         self,
-        call: _Call,
+        call: Call,
         session: JobSession,
         prefix: str,
         own_rank: int,

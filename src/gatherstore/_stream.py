@@ -22,15 +22,21 @@ import datetime as _dt
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from . import _control as control
 from . import _gloo as gloo
+from . import _serialize as serialize
 from ._errors import GatherTimeout
+from ._progress import Progress, wanted
 
-__all__ = ["CHUNK", "broadcast", "receive", "send"]
+if TYPE_CHECKING:
+    from ._call import Call
+
+__all__ = ["CHUNK", "broadcast", "broadcast_from", "gather_to", "receive", "send"]
 
 #: Bytes per point-to-point message (``GATHERSTORE_STREAM_CHUNK`` overrides it).
 CHUNK = int(os.environ.get("GATHERSTORE_STREAM_CHUNK", str(16 << 20)))
@@ -136,3 +142,57 @@ def broadcast(
         work = dist.broadcast(piece, src, group=group, async_op=True)
         _wait(work, src, deadline, what, timeout)
     return part
+
+
+# --- one object collective's use of the route ------------------------------------------
+def _limits(call: Call) -> dict[str, Any]:
+    return {"deadline": call.ends_at, "what": call.what, "timeout": call.timeout}
+
+
+def _segments(call: Call) -> list[memoryview]:
+    return [] if call.frame is None else call.frame.seal(None).segments
+
+
+def gather_to(call: Call, dst: int) -> Iterator[Any] | None:
+    """Send this rank's part to ``dst``; on ``dst``, every part in rank order as it
+    arrives (its own object in place)."""
+    group = control.control_group()
+    if call.rank != dst:
+        send(_segments(call), call.sizes[call.rank], dst, group, **_limits(call))
+        call.frame = None
+        call.finish()
+        return None
+    return _gathered(call, dst, group)
+
+
+def _gathered(call: Call, dst: int, group: Any) -> Iterator[Any]:
+    incoming = call.total - call.sizes[dst]
+    progress = Progress(
+        call.what, call.world - 1, incoming, enabled=wanted(call.progress, incoming)
+    )
+    received = receive(call.sizes, dst, group, **_limits(call))
+    try:
+        for rank in range(call.world):
+            if rank == dst:
+                yield call.own
+                continue
+            _, part = next(received)
+            progress.update(len(part))
+            yield serialize.decode(memoryview(part), rank=rank, where=call.what)
+    finally:
+        progress.close()
+        call.finish()
+
+
+def broadcast_from(call: Call, src: int) -> Any:
+    """``src``'s part on this rank, broadcast chunk by chunk (``src``: its own object)."""
+    part = broadcast(
+        _segments(call) if call.rank == src else None,
+        call.sizes[src],
+        src,
+        control.control_group(),
+        **_limits(call),
+    )
+    if part is None:
+        return call.own
+    return serialize.decode(memoryview(part), rank=src, where=call.what)

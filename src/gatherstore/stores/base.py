@@ -18,7 +18,6 @@ sizes) last, so a reader never sees a partial value.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import struct
 import time
 import urllib.parse
@@ -28,69 +27,29 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from .._errors import GatherError, GatherTimeout, StoreUnavailableError
+from .deadline import END_JOB_TIMEOUT, deadline, expired
+from .layout import CHUNKED as _CHUNKED
+from .layout import CHUNKS, HEADER_SIZE, Buffer
+from .layout import HEADER as _HEADER
+from .layout import INLINE as _INLINE
+from .layout import MAGIC as _MAGIC
+from .layout import header as _header
+from .layout import nbytes as _nbytes
+from .layout import split as _split
 
 __all__ = [
+    "CHUNKS",
+    "HEADER_SIZE",
     "JOB_AREA",
     "Buffer",
     "KeyExistsError",
     "Store",
-    "deadline",
     "hide_password",
     "job_directory",
     "job_keys",
-    "time_left",
 ]
 
-Buffer = bytes | bytearray | memoryview
-
-_MAGIC = b"GSTORE\x00\x01"
-_HEADER = struct.Struct("<8sBxxxxxxxQQ")  # magic, kind, total payload, chunk count
-HEADER_SIZE = 64
-_INLINE, _CHUNKED = 0, 1
-CHUNKS = ".chunks"
 _LAYOUTS_KEPT = 256  # chunk layouts remembered between get and discard
-#: Shortest timeout handed to a backend once the deadline is (nearly) over: a
-#: socket timeout of 0 would mean "non-blocking", not "fail now".
-MIN_TIMEOUT = 0.05
-#: Seconds :meth:`Store.end_job` may take when no deadline is in force.
-END_JOB_TIMEOUT = 10.0
-
-_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "gatherstore_store_deadline", default=None
-)
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Bound every store operation in this block to end within ``seconds``.
-
-    Nested deadlines keep the earlier one.  A thread started inside the block
-    inherits it only through ``contextvars.copy_context().run``.
-    """
-    end = time.monotonic() + seconds
-    outer = _deadline.get()
-    token = _deadline.set(end if outer is None else min(outer, end))
-    try:
-        yield
-    finally:
-        _deadline.reset(token)
-
-
-def time_left(default: float | None = None) -> float | None:
-    """Seconds left before the deadline in force (at least ``MIN_TIMEOUT``), capped at
-    ``default``; ``default`` when no deadline is in force."""
-    end = _deadline.get()
-    if end is None:
-        return default
-    left = max(end - time.monotonic(), MIN_TIMEOUT)
-    return left if default is None else min(left, default)
-
-
-def _expired() -> bool:
-    end = _deadline.get()
-    return end is not None and time.monotonic() >= end
-
-
 #: Every job area is named after this: ``gatherstore/<job>/`` keys in key-value and
 #: object stores, ``gatherstore-<job>-*`` directories in filesystem stores.
 JOB_AREA = "gatherstore"
@@ -126,32 +85,6 @@ def hide_password(url: str) -> str:
         host = f"{host}:{parts.port}"
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urllib.parse.urlunsplit(parts._replace(netloc=user + host))
-
-
-def _header(kind: int, total: int, count: int) -> bytes:
-    return _HEADER.pack(_MAGIC, kind, total, count).ljust(HEADER_SIZE, b"\0")
-
-
-def _nbytes(buf: Buffer) -> int:
-    return memoryview(buf).nbytes
-
-
-def _split(buffers: Sequence[Buffer], limit: int) -> Iterator[list[memoryview]]:
-    """Regroup ``buffers`` into runs of at most ``limit`` bytes, without copying."""
-    run: list[memoryview] = []
-    room = limit
-    for buf in buffers:
-        view = memoryview(buf).cast("B")
-        while len(view):
-            take = view[:room]
-            run.append(take)
-            view = view[len(take) :]
-            room -= len(take)
-            if room == 0:
-                yield run
-                run, room = [], limit
-    if run:
-        yield run
 
 
 class Store(ABC):
@@ -282,7 +215,7 @@ class Store(ABC):
     @contextlib.contextmanager
     def _mapped(self, action: str) -> Iterator[None]:
         """Map backend errors to gatherstore's, once, chained with ``from``."""
-        if _expired():
+        if expired():
             raise self._unavailable(action, "no time left in the call's timeout")
         try:
             yield
@@ -290,7 +223,7 @@ class Store(ABC):
             raise
         except self.unavailable_errors as exc:
             why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if _expired():
+            if expired():
                 why = f"no answer within the call's timeout ({why})"
             raise self._unavailable(action, why) from exc
 
@@ -532,6 +465,8 @@ class Store(ABC):
 
     def scoped(self, prefix: str) -> Store:
         """A view of this store in which every key lives under ``prefix``."""
+        from .scoped import ScopedStore
+
         return ScopedStore(self, prefix)
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -568,60 +503,3 @@ class Store(ABC):
 
 def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | None) -> Store:
     return cls.from_url(url, **options, **({} if sign is None else {"sign": sign}))
-
-
-class ScopedStore(Store):
-    """A view of a parent store whose keys all live under a prefix."""
-
-    def __init__(self, parent: Store, prefix: str) -> None:
-        self.parent = parent
-        self.prefix = prefix.strip("/") + "/"
-        self.max_value_size = parent.max_value_size  # type: ignore[misc]
-        self.unavailable_errors = parent.unavailable_errors  # type: ignore[misc]
-        self.reachable_by_others = parent.reachable_by_others  # type: ignore[misc]
-        self.poll_interval = parent.poll_interval  # type: ignore[misc]
-        self.sign_parts = parent.sign_parts
-
-    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        return self.parent._write(self.prefix + key, buffers)
-
-    def _read(self, key: str) -> Buffer | None:
-        return self.parent._read(self.prefix + key)
-
-    def _exists(self, key: str) -> bool:
-        return self.parent._exists(self.prefix + key)
-
-    def _list(self, prefix: str) -> Iterable[str]:
-        n = len(self.prefix)
-        return (k[n:] for k in self.parent._list(self.prefix + prefix))
-
-    def _delete(self, keys: Sequence[str]) -> None:
-        self.parent._delete([self.prefix + k for k in keys])
-
-    def _delete_prefix(self, prefix: str) -> None:
-        self.parent._delete_prefix(self.prefix + prefix)
-
-    def _read_head(self, key: str, size: int) -> Buffer | None:
-        return self.parent._read_head(self.prefix + key, size)
-
-    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        return self.parent._write_many([(self.prefix + k, b) for k, b in items])
-
-    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
-        return self.parent._read_many_into([(self.prefix + k, v) for k, v in items])
-
-    @property
-    def url(self) -> str:
-        return self.parent.url
-
-    def __str__(self) -> str:
-        return f"{self.parent} [{self.prefix}]"
-
-    def close(self) -> None:
-        self.parent.close()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ScopedStore, (self.parent, self.prefix))
-
-    def _identity(self) -> tuple[Any, ...]:
-        return (*self.parent._identity(), self.prefix)

@@ -13,7 +13,7 @@ endpoint the payload is not hashed for the SigV4 signature (TLS is absent
 anyway, and gatherstore signs and verifies every part itself), and botocore
 computes no per-request CRC32 unless the service requires one.
 
-Inside a store deadline (see :func:`gatherstore.stores.base.deadline`) every
+Inside a store deadline (see :func:`gatherstore.stores.deadline.deadline`) every
 request of an asynchronous filesystem (s3fs, gcsfs, adlfs) is cancelled when
 the call's time is up (S3 values up to 16 MiB go up in one PUT for that); S3
 clients also get connect/read timeouts and a retry budget of their own
@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from .base import MIN_TIMEOUT, Buffer, Store, time_left
+from .base import Buffer, Store
+from .deadline import MIN_TIMEOUT, time_left
 
 __all__ = ["FsspecStore"]
 

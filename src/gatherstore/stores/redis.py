@@ -44,15 +44,8 @@ import redis.connection
 import redis.retry
 
 from . import _resp
-from .base import (
-    END_JOB_TIMEOUT,
-    JOB_AREA,
-    Buffer,
-    Store,
-    deadline,
-    hide_password,
-    time_left,
-)
+from .base import JOB_AREA, Buffer, Store, hide_password
+from .deadline import END_JOB_TIMEOUT, deadline, time_left
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_TTL", "MAX_CHUNK_SIZE", "RedisStore"]
 
@@ -159,7 +152,7 @@ def _check_conflicts(url: str, in_url: dict[str, Any], keywords: dict[str, Any])
 class _DeadlineConnection:
     """Mixin for a redis-py connection class: every socket wait ends by the deadline.
 
-    The configured timeouts stay the ceiling; inside :func:`~.base.deadline`
+    The configured timeouts stay the ceiling; inside :func:`~.deadline.deadline`
     connects, sends and reads wait at most the time the call has left.
     """
 

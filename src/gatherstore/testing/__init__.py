@@ -28,7 +28,8 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from .._errors import GatherError, GatherTimeout, IntegrityError, StoreUnavailableError
-from ..stores.base import CHUNKS, HEADER_SIZE, KeyExistsError, Store, deadline
+from ..stores.base import CHUNKS, HEADER_SIZE, KeyExistsError, Store
+from ..stores.deadline import deadline
 from ..stores.registry import open_store
 
 __all__ = ["StoreTests"]
