@@ -264,7 +264,7 @@ def test_after_a_frozen_rank_resumes_later_calls_fail_fast_or_work(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=lambda s: s.name)
 def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
     shm: Path, redis_url: str, sig: signal.Signals
 ) -> None:

@@ -21,6 +21,8 @@ import datetime as _dt
 import json
 import os
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -34,6 +36,9 @@ __all__ = ["control_group", "exchange", "exchange_on", "is_initialized", "reset"
 _VALUES, _LATE = b"V", b"L"
 # how long ranks that timed out wait for the one rank judging who is late
 _JUDGE_GRACE = 5.0
+#: Seconds past an exchange's timeout after which its store host counts as frozen
+#: (an exchange may take up to _JUDGE_GRACE more than its timeout to agree on a verdict).
+HOST_GRACE = 2 * _JUDGE_GRACE
 
 # the default group this state belongs to, its control store, gloo group, step counter
 _state: dict[str, Any] = {"world": None}
@@ -92,16 +97,22 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
     state = _current()
     state["step"] += 1
     labelled = what.encode() + b"\0" + payload
-    try:
-        outcome = exchange_on(
+    rank, hosts = dist.get_rank(), _rank0_hosts_store()
+
+    def run() -> list[bytes] | tuple[str, list[int]]:
+        return exchange_on(
             state["store"],
             f"{state['step']}/",
-            dist.get_rank(),
+            rank,
             dist.get_world_size(),
             labelled,
             timeout=timeout,
-            rank0_hosts=_rank0_hosts_store(),
+            rank0_hosts=hosts,
         )
+
+    try:
+        # rank 0 hosting the store cannot wait on a frozen host: itself
+        outcome = run() if rank == 0 and hosts else _bounded(run, timeout, what, hosts)
     except RuntimeError as exc:
         raise RemoteRankError(
             0,
@@ -111,6 +122,43 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
     if isinstance(outcome, list):
         return _unlabel(outcome, what)
     raise _late(what, outcome[1], timeout)
+
+
+def _bounded(
+    run: Callable[[], list[bytes] | tuple[str, list[int]]],
+    timeout: float,
+    what: str,
+    rank0_hosts: bool,
+) -> list[bytes] | tuple[str, list[int]]:
+    """``run()`` in a thread, given up on after ``timeout`` plus :data:`HOST_GRACE` s.
+
+    A c10d store client waits on a frozen (stopped, not dead) store host for the
+    store's own timeout, whatever the timeout of the wait: bounding the exchange
+    here makes a frozen host fail the call in time instead of hanging it.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = run()
+        except BaseException as exc:  # handed over to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="gatherstore-exchange", daemon=True)
+    thread.start()
+    thread.join(timeout + HOST_GRACE)
+    if thread.is_alive():
+        host = "rank 0, which hosts" if rank0_hosts else "the launcher, which hosts"
+        raise GatherTimeout(
+            f"{what}: {host} the job's rendezvous store, did not answer within "
+            f"{timeout + HOST_GRACE:g} s; it is frozen or unreachable (end the job: its "
+            "process group cannot go on without that store)",
+            ranks=[0] if rank0_hosts else [],
+            timeout=timeout,
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
 
 
 def exchange_on(
