@@ -7,6 +7,7 @@ them these tests are skipped, unless the environment variable CI is set.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -18,14 +19,24 @@ from typing import Any
 import pytest
 from test_slurm import slurm_step_env, without_launchers
 
+from gatherstore._bench import hostbench
 from gatherstore._bench.hosts import Hosts, unavailable
 from gatherstore.testing.services import free_ports
 
 NPROC = 2  # ranks per host
 
 JOB = """
-import json, sys
+import json, os, signal, sys, time
 import gatherstore as gs
+
+
+def crash(shared, redis_url):
+    rank = gs.get_rank()
+    for spec in ("file://" + shared, redis_url):
+        gs.all_gather_object(rank, store=spec, timeout=30)
+    if rank == 3:  # the last rank, on host 2, dies after the job used both stores
+        os.kill(os.getpid(), signal.SIGKILL)
+    gs.gather_object(rank, store="file://" + shared, timeout=10)
 
 
 def work(shared, redis_url):
@@ -48,6 +59,18 @@ def work(shared, redis_url):
 
 if __name__ == "__main__":
     mode, shared, redis_url = sys.argv[1:4]
+    if mode == "crash":
+        node, port = int(sys.argv[4]), int(sys.argv[5])
+        start = time.monotonic()
+        try:
+            gs.launch(crash, nproc_per_node=2, nnodes=2, node_rank=node, master_addr=sys.argv[6],
+                      master_port=port, backend="gloo", args=(shared, redis_url))
+            error = None
+        except gs.GatherError as exc:
+            error = {"type": type(exc).__name__, "rank": getattr(exc, "rank", None),
+                     "message": str(exc)}
+        print("CRASH " + json.dumps({"error": error, "seconds": time.monotonic() - start}))
+        sys.exit(0)
     if mode == "launch":
         node, port = int(sys.argv[4]), int(sys.argv[5])
         results = gs.launch(work, nproc_per_node=2, nnodes=2, node_rank=node,
@@ -163,6 +186,53 @@ def test_slurm_step_on_two_hosts(hosts: Hosts) -> None:
         for rank in range(2 * NPROC)
     ]
     check(run_on_hosts(hosts, starts), hosts)
+
+
+@pytest.mark.timeout(240)
+def test_a_crash_on_one_host_ends_both_launchers_in_time(hosts: Hosts) -> None:
+    """Rank 3 (host 2) is SIGKILLed after the job used the file store and Redis: each
+    host's gs.launch returns within the call's timeout plus a few seconds, naming it."""
+    port = str(free_ports()[0])
+    procs = [
+        hosts[node + 1].popen(
+            job(hosts, "crash", str(node), port, hosts[1].addr),
+            env={**without_launchers(), "GLOO_SOCKET_IFNAME": hosts[node + 1].device},
+            cwd=hosts.workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        done = [proc.communicate(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    reports = []
+    for out, err in done:
+        lines = [line for line in out.splitlines() if line.startswith("CRASH ")]
+        assert lines, err[-3000:]
+        reports.append(json.loads(lines[0].split("CRASH ", 1)[1]))
+    host1, host2 = reports
+    assert host2["error"]["type"] == "RemoteRankError" and host2["error"]["rank"] == 3
+    assert "SIGKILL" in host2["error"]["message"]
+    assert host1["error"] is not None and "3" in host1["error"]["message"], host1
+    assert host1["seconds"] < 30 + 10 + 30, "the call's timeout plus a few seconds (loaded CI)"
+    assert list(hosts.shared.iterdir()) == [], "the job area on the shared mount is swept"
+
+
+@pytest.mark.timeout(300)
+def test_bench_hosts_prints_the_table() -> None:
+    """``gatherstore bench --hosts 2`` at a small size: every case, right results."""
+    require_hosts()
+    out = io.StringIO()
+    assert hostbench.main(size=2 << 20, out=out, subnet="10.77.2") == 0
+    table = out.getvalue()
+    for case in hostbench.CASES:
+        assert case in table
+    assert "wrong result" not in table
 
 
 def test_hosts_are_torn_down() -> None:

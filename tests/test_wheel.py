@@ -100,5 +100,7 @@ def test_fresh_environment_without_extras(
         "gatherstore._errors",
         "gatherstore.stores",
         "gatherstore.stores.base",
+        "gatherstore.stores.deadline",
+        "gatherstore.stores.layout",
         "gatherstore.stores.registry",
     ]

@@ -96,13 +96,13 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", **extra}
 
 
-def main(size: int = 200 << 20, out: TextIO = sys.stdout) -> int:
-    """Run every case on two fresh simulated hosts and print the table; 0."""
+def main(size: int = 200 << 20, out: TextIO = sys.stdout, subnet: str = "10.77.0") -> int:
+    """Run every case on two fresh simulated hosts (on ``subnet``) and print the table; 0."""
     from ..testing.services import free_ports
 
     out.write(f"2 hosts x {NPROC} ranks, {format_bytes(size)} per rank gathered to rank 0\n")
     out.write(f"{'case':<26}{'time':>9}{'ratio':>8}{'dst peak':>12}{'others peak':>13}\n")
-    with Hosts() as hosts:
+    with Hosts(subnet) as hosts:
         baseline = None
         for case in CASES:
             ranks = _case(hosts, case, size, free_ports()[0])

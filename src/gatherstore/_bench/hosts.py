@@ -67,9 +67,20 @@ class Host:
             self.binds.append((root / name, target))
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this host (its network and mounts)."""
-        mounts = " && ".join(f"mount --bind {source} {target}" for source, target in self.binds)
-        script = f'{mounts} && exec "$@"'
+        """``argv`` run inside this host (its network and mounts).
+
+        gatherstore itself stays importable when it lives under /tmp (a checkout
+        there): its directory is bound outside /tmp first and put on PYTHONPATH.
+        """
+        steps = []
+        package_root = Path(__file__).resolve().parents[2]
+        if Path("/tmp") in package_root.parents:
+            stash = self.root / "package"
+            stash.mkdir(exist_ok=True)
+            steps.append(f"mount --bind {package_root} {stash}")
+            steps.append(f'export PYTHONPATH="{stash}${{PYTHONPATH:+:$PYTHONPATH}}"')
+        steps += [f"mount --bind {source} {target}" for source, target in self.binds]
+        script = " && ".join(steps) + ' && exec "$@"'
         return ["ip", "netns", "exec", self.netns, "sh", "-c", script, "sh", *argv]
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
