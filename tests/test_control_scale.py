@@ -9,7 +9,7 @@ import pytest
 
 import gatherstore as gs
 from gatherstore._bench import scale
-from gatherstore._control import exchange_on
+from gatherstore._control import Outcome, _pack, _unpack, exchange_on
 from gatherstore.testing.services import free_ports
 
 
@@ -23,8 +23,58 @@ def test_simulated_ranks_agree_and_leave_no_key() -> None:
         return out
 
     results, server = scale.simulate(world, body)
-    expected = [b"r%d" % r for r in range(world)]
+    expected = Outcome(values=[b"r%d" % r for r in range(world)])
     assert all(result == [expected] * 3 for result in results), results
+    assert server.num_keys() == 0
+
+
+def test_equal_values_are_sent_once() -> None:
+    values = [b"same"] * 1000 + [b"other"] + [b"same"] * 23
+    packed = _pack(values)
+    assert len(packed) < 64
+    assert _unpack(packed) == values
+    assert _unpack(_pack([])) == []
+    assert _unpack(_pack([b"", b"a", b""])) == [b"", b"a", b""]
+
+
+def test_a_summary_reaches_every_rank_and_the_values_only_the_full_ranks() -> None:
+    """The last arriver summarises once; rank 3 alone gets every value; nothing remains."""
+    world, calls = 16, []
+
+    def summarize(values: list[bytes]) -> bytes:
+        calls.append(len(values))
+        return b"%d" % sum(int(v) for v in values)
+
+    def body(store: Any, rank: int) -> Any:
+        return exchange_on(
+            store, "s/", rank, world, b"%d" % rank, timeout=30, summarize=summarize, full=[3]
+        )
+
+    results, server = scale.simulate(world, body)
+    total = b"%d" % sum(range(world))
+    values = [b"%d" % r for r in range(world)]
+    assert results == [
+        Outcome(values=values if rank == 3 else None, summary=total) for rank in range(world)
+    ]
+    assert calls == [world]
+    assert server.num_keys() == 0
+
+
+def test_a_summary_that_declines_or_fails_sends_every_value() -> None:
+    world = 6
+
+    def body(store: Any, rank: int) -> Any:
+        def summarize(values: list[bytes]) -> bytes | None:
+            if rank % 2:
+                raise ValueError("a bug in the summary")
+            return None
+
+        return exchange_on(
+            store, "n/", rank, world, b"v%d" % rank, timeout=30, summarize=summarize, full=[]
+        )
+
+    results, server = scale.simulate(world, body)
+    assert results == [Outcome(values=[b"v%d" % r for r in range(world)])] * world
     assert server.num_keys() == 0
 
 
@@ -42,7 +92,7 @@ def test_simulated_late_ranks_get_the_verdict_of_the_first_timeout() -> None:
 
     began = time.monotonic()
     results, server = scale.simulate(world, body)
-    assert results == [("late", [5, 9])] * world
+    assert results == [Outcome(late=[5, 9])] * world
     assert time.monotonic() - began < 20  # rank 0 did not wait out its own 30 s
     assert server.num_keys() == 0
 

@@ -43,7 +43,7 @@ from .stores.deadline import deadline
 from .stores.file import TmpdirStore
 from .stores.registry import ROUTES, default_store, open_store
 
-__all__ = ["AUTO_THRESHOLD", "Call", "agree", "failure", "resolve", "status"]
+__all__ = ["AUTO_THRESHOLD", "Call", "agree", "facts", "failure", "resolve", "status"]
 
 #: Totals up to this many bytes go over the process group with ``store="auto"``
 #: (``GATHERSTORE_AUTO_THRESHOLD`` overrides it).  Measured with 4 gloo ranks on
@@ -89,9 +89,16 @@ def agree(mine: bytes, *, timeout: float, what: str, error: BaseException | None
         after_failure(exc)
         raise
     statuses = [json.loads(s) for s in raw]
+    _raise_failures(statuses, what, error)
+    return statuses
+
+
+def _raise_failures(statuses: list[Any], what: str, error: BaseException | None) -> None:
+    """Raise when a rank reported a failure: ``error`` on the rank that had it, on the
+    others the first failed rank's error."""
     failed = [r for r, s in enumerate(statuses) if not s["ok"]]
     if not failed:
-        return statuses
+        return
     if error is not None:
         raise error
     first = statuses[failed[0]]
@@ -103,6 +110,26 @@ def agree(mine: bytes, *, timeout: float, what: str, error: BaseException | None
     raise RemoteRankError(
         failed[0], first["error"], remote_traceback=first.get("tb", ""), ranks=failed, context=what
     )
+
+
+def facts(statuses: list[Any], receivers: Sequence[int], root: int | None) -> dict[str, Any] | None:
+    """What every rank decides a call's route and memory check from, computed once
+    from every rank's status: ``total`` and ``longest`` part, the ``root``'s part
+    size, a ``broken`` gloo group, and each route's per-node memory shortfalls.
+    None when a rank failed or ranks are in different calls (every rank then needs
+    every status, to raise the same error)."""
+    if not all(s["ok"] for s in statuses) or any(
+        s["call"] != statuses[0]["call"] for s in statuses
+    ):
+        return None
+    sizes = [int(s["size"]) for s in statuses]
+    return {
+        "total": sum(sizes),
+        "longest": max(sizes),
+        "root": 0 if root is None else sizes[root],
+        "broken": next((s["broken"] for s in statuses if s["broken"]), ""),
+        "short": {r: memory.shortfalls(r, statuses, sizes, receivers) for r in memory.ROUTES},
+    }
 
 
 class Call:
@@ -126,18 +153,29 @@ class Call:
         self.world = dist.get_world_size()
         self.target = resolve(store)
         # what every rank must agree on before any data moves: the route and the dst/src
+        self.root = root
         self.shape = {"route": str(self.target), "root": root}
 
     def agree(
-        self, prepare: Callable[[], Any], receivers: Sequence[int], *, send: bool = True
+        self,
+        prepare: Callable[[], Any],
+        receivers: Sequence[int],
+        *,
+        send: bool = True,
+        full: Sequence[int] | None = None,
     ) -> list[int]:
         """Build this rank's object (``self.own``), encode it when it is sent, exchange sizes.
 
-        Returns every rank's part size (0 for ranks that send nothing).
+        ``receivers`` read parts (their memory is checked); ``full`` (default: every
+        rank) need every rank's part size: only they get every rank's status, the
+        others a summary (O(W) bytes in all for a gather, not W²).  Returns the part
+        sizes (0 for ranks that send nothing; outside ``full`` only this rank's and
+        the root's are known, the others read as 0).
         """
         self.frame: serialize.Frame | None = None
         self.own: Any = None
         error: BaseException | None = None
+        root = self.root
         try:
             self.own = prepare()
             if send:
@@ -153,12 +191,39 @@ class Call:
             )
         except Exception as exc:
             error, mine = exc, failure(exc)
-        statuses = agree(mine, timeout=self.timeout, what=self.what, error=error)
-        self._same_call(statuses)
-        sizes = [int(s["size"]) for s in statuses]
-        self.sizes = sizes
-        self.total = sum(sizes)
-        broken = next((s["broken"] for s in statuses if s["broken"]), "")
+
+        def summarize(raw: list[bytes]) -> bytes | None:
+            found = facts([json.loads(s) for s in raw], receivers, root)
+            return None if found is None else json.dumps(found).encode()
+
+        try:
+            raw, summary = control.exchange_summary(
+                mine, timeout=self.timeout, what=self.what, summarize=summarize, full=full
+            )
+        except GatherError as exc:
+            after_failure(exc)
+            raise
+        statuses = None if raw is None else [json.loads(s) for s in raw]
+        if summary is None:  # every rank has every status: a failure or mismatch raises here
+            assert statuses is not None
+            _raise_failures(statuses, self.what, error)
+            self._same_call(statuses)
+        found = json.loads(summary) if summary else facts(statuses or [], receivers, root)
+        assert found is not None
+        if statuses is not None:
+            self.sizes = [int(s["size"]) for s in statuses]
+        else:
+            self.sizes = [0] * self.world
+            if root is not None:
+                self.sizes[root] = found["root"]
+            self.sizes[self.rank] = self.frame.nbytes if self.frame else 0
+        self.total, self.longest = int(found["total"]), int(found["longest"])
+        self._route(found["broken"], found["short"])
+        return self.sizes
+
+    def _route(self, broken: str, short: dict[str, list[str]]) -> None:
+        """Settle ``self.target`` ("auto" by total size and node count; off /dev/shm when
+        it lacks room) and check that it fits in memory, the same way on every rank."""
         if self.target == "auto":
             small = self.total <= AUTO_THRESHOLD and not broken
             # tmpdir is node-local: across nodes "auto" streams over the process group
@@ -171,11 +236,10 @@ class Call:
             and self.target.url == "tmpdir"  # the base is gatherstore's choice: /dev/shm if it fits
             and not os.environ.get("GATHERSTORE_TMPDIR")
             and memory.in_ram(self.target)
-            and memory.shortfalls("shm", statuses, sizes, receivers)
+            and short["shm"]
         ):
             self.target = resolve(f"tmpdir://{tempfile.gettempdir()}")
-        memory.check(self.what, self.target, statuses, sizes, receivers)
-        return sizes
+        memory.check(self.what, self.target, self.total, short)
 
     def finish(self) -> None:
         """Log this call's one DEBUG line: route, bytes, seconds."""
@@ -213,19 +277,17 @@ class Call:
         return out
 
     def collective_all(self, sizes: list[int]) -> list[torch.Tensor]:
-        longest = max(sizes)
-        slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-        packed = self._packed(longest)
+        slots = [torch.empty(self.longest, dtype=torch.uint8) for _ in sizes]
+        packed = self._packed(self.longest)
         self.transfer(gloo.all_gather(slots, packed))
         return slots
 
     def collective_to(self, dst: int, sizes: list[int]) -> list[torch.Tensor] | None:
-        longest = max(sizes)
         if self.rank != dst:
-            packed = self._packed(longest)
+            packed = self._packed(self.longest)
             self.transfer(gloo.gather(None, packed, dst))
             return None
-        slots = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+        slots = [torch.empty(self.longest, dtype=torch.uint8) for _ in sizes]
         self.transfer(gloo.gather(slots, slots[dst], dst))
         return slots
 

@@ -5,7 +5,11 @@ shared tmpdir path, the signing key) rides on :func:`exchange`: each rank
 publishes a few bytes under a key of the job's c10d store (the TCPStore that
 ``init_process_group`` already runs); the last rank to arrive gathers all keys
 once into one value, and every rank waits, with its own timeout, for that value
-(O(W) requests per exchange, not W reads by each of W ranks).  A timeout names
+(O(W) requests per exchange, not W reads by each of W ranks).  Equal values are
+sent once, so an exchange where every rank says the same (a barrier, "written")
+costs O(W) bytes, and :func:`exchange_summary` sends every rank only a summary
+computed once, and all values only to the ranks that need them (a gather's
+destination): O(W) bytes where an all-gather of statuses costs W².  A timeout names
 exactly the ranks whose keys are missing, on every rank, and breaks nothing:
 unlike a gloo recv that times out (which closes the connection for good), a
 store wait can simply be given up.  Nothing
@@ -22,7 +26,8 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -30,10 +35,33 @@ import torch.distributed as dist
 from ._config import DEFAULT_TIMEOUT
 from ._errors import GatherTimeout, MismatchError, RemoteRankError
 
-__all__ = ["control_group", "exchange", "exchange_on", "is_initialized", "reset"]
+__all__ = [
+    "Outcome",
+    "control_group",
+    "exchange",
+    "exchange_on",
+    "exchange_summary",
+    "is_initialized",
+    "reset",
+]
 
-# the verdict key's value: every rank's value, or the ranks that were late
-_VALUES, _LATE = b"V", b"L"
+# the verdict key's value: every rank's value, a summary of them, or the ranks that were late
+_VALUES, _SUMMARY, _LATE = b"V", b"S", b"L"
+
+#: Computes, on one rank, what every rank needs from all values (None: send all values).
+Summarize = Callable[[list[bytes]], bytes | None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank got from an exchange: every value (``values``; None where only
+    the summary was sent to it), the ``summary``, or the ranks that were ``late``."""
+
+    values: list[bytes] | None = None
+    summary: bytes | None = None
+    late: list[int] | None = None
+
+
 # how long ranks that timed out wait for the one rank judging who is late
 _JUDGE_GRACE = 5.0
 #: Seconds past an exchange's timeout after which its store host counts as frozen
@@ -92,14 +120,38 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
         RemoteRankError: the job's store went away (the process hosting it, rank 0 or
             the launcher, ended).
     """
+    values, _ = exchange_summary(payload, timeout=timeout, what=what)
+    assert values is not None
+    return values
+
+
+def exchange_summary(
+    payload: bytes,
+    *,
+    timeout: float,
+    what: str = "exchange",
+    summarize: Summarize | None = None,
+    full: Collection[int] | None = None,
+) -> tuple[list[bytes] | None, bytes | None]:
+    """:func:`exchange`, where every rank gets ``summarize(payloads)`` (computed once,
+    on one rank) and only the ranks in ``full`` (default: all) get the payloads.
+
+    Returns ``(payloads or None, summary or None)``.  Where ``summarize`` returns
+    None (say, a rank reported a failure) or raises, every rank gets the payloads
+    and no summary.  Raises as :func:`exchange` does.
+    """
     if not is_initialized() or dist.get_world_size() == 1:
-        return [payload]
+        return [payload], _summary(summarize, [payload])
     state = _current()
     state["step"] += 1
     labelled = what.encode() + b"\0" + payload
     rank, hosts = dist.get_rank(), _rank0_hosts_store()
 
-    def run() -> list[bytes] | tuple[str, list[int]]:
+    def summarize_labelled(values: list[bytes]) -> bytes | None:
+        labels, payloads = _split(values)
+        return None if len(set(labels)) > 1 else _summary(summarize, payloads)
+
+    def run() -> Outcome:
         return exchange_on(
             state["store"],
             f"{state['step']}/",
@@ -108,6 +160,8 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
             labelled,
             timeout=timeout,
             rank0_hosts=hosts,
+            summarize=summarize_labelled if summarize else None,
+            full=full,
         )
 
     try:
@@ -119,17 +173,28 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
             f"the job's rendezvous store (hosted by rank 0 or its launcher) is unreachable: {exc}",
             context=what,
         ) from exc
-    if isinstance(outcome, list):
-        return _unlabel(outcome, what)
-    raise _late(what, outcome[1], timeout)
+    if outcome.late is not None:
+        raise _late(what, outcome.late, timeout)
+    values = None if outcome.values is None else _unlabel(outcome.values, what)
+    return values, outcome.summary
+
+
+def _summary(summarize: Summarize | None, values: list[bytes]) -> bytes | None:
+    """``summarize(values)``; None when there is none or it fails (all values go out then)."""
+    if summarize is None:
+        return None
+    try:
+        return summarize(values)
+    except Exception:  # a summary is an optimisation: every rank can still decide from all values
+        return None
 
 
 def _bounded(
-    run: Callable[[], list[bytes] | tuple[str, list[int]]],
+    run: Callable[[], Outcome],
     timeout: float,
     what: str,
     rank0_hosts: bool,
-) -> list[bytes] | tuple[str, list[int]]:
+) -> Outcome:
     """``run()`` in a thread, given up on after ``timeout`` plus :data:`HOST_GRACE` s.
 
     A c10d store client waits on a frozen (stopped, not dead) store host for the
@@ -158,7 +223,8 @@ def _bounded(
         )
     if "error" in box:
         raise box["error"]
-    return box["value"]  # type: ignore[no-any-return]
+    outcome: Outcome = box["value"]
+    return outcome
 
 
 def exchange_on(
@@ -170,38 +236,68 @@ def exchange_on(
     *,
     timeout: float,
     rank0_hosts: bool = False,
-) -> list[bytes] | tuple[str, list[int]]:
+    summarize: Summarize | None = None,
+    full: Collection[int] | None = None,
+) -> Outcome:
     """One exchange among ``world`` ranks on a c10d ``store`` under ``prefix``.
 
-    Returns every rank's ``value`` in rank order, or ``("late", ranks)``: the
-    ranks missing at the first timeout, one verdict that every rank (a late one
-    included, once it arrives) returns.  The last rank to read deletes every key.
+    Returns every rank's ``value`` in rank order (with ``summarize``: the summary,
+    and the values only on the ranks in ``full``, default all), or the ranks missing
+    at the first timeout: one verdict that every rank (a late one included, once
+    it arrives) returns.  The last rank to read deletes every key.
 
     Raises:
         RuntimeError: the store failed (torch's ``DistStoreError``).
     """
     keys = [f"{prefix}{r}" for r in range(world)]
     verdict = prefix + "all"
+    full = range(world) if full is None else full
     store.set(keys[rank], value)
     if store.add(prefix + "arrived", 1) == world:  # the last arriver gathers, once
-        store.compare_set(verdict, "", _pack(store.multi_get(keys)))
+        store.compare_set(verdict, "", _proposal(store, prefix, keys, summarize, full))
     try:
         store.wait([verdict], _dt.timedelta(seconds=timeout))
     except RuntimeError:  # a timeout, or the store is gone (then the next call raises)
-        _judge(store, prefix, keys)
-    outcome = _unpack(store.get(verdict))
-    ok = isinstance(outcome, list)
+        _judge(store, prefix, keys, summarize, full)
+    outcome = _read(store, prefix, rank in full)
     if store.add(prefix + "read", 1) == world:  # the last reader tidies up
-        for key in [*keys, verdict, *(prefix + k for k in ("arrived", "judge", "read"))]:
+        for key in [*keys, verdict, *(prefix + k for k in ("arrived", "judge", "read", "full"))]:
             store.delete_key(key)
-        if ok and rank0_hosts and rank != 0:
+        if outcome.late is None and rank0_hosts and rank != 0:
             store.set(prefix + "done", b"")
-    elif ok and rank0_hosts and rank == 0:
+    elif outcome.late is None and rank0_hosts and rank == 0:
         _outlive_readers(store, prefix + "done", timeout)
     return outcome
 
 
-def _judge(store: Any, prefix: str, keys: list[str]) -> None:
+def _proposal(
+    store: Any, prefix: str, keys: list[str], summarize: Summarize | None, full: Collection[int]
+) -> bytes:
+    """The verdict once every key is in: all values, or a summary (the values go
+    to a key of their own first, for the ranks in ``full``)."""
+    values = store.multi_get(keys)
+    summary = _summary(summarize, values)
+    if summary is None:
+        return _pack(values)
+    if full:
+        store.set(prefix + "full", _pack(values))
+    return _SUMMARY + summary
+
+
+def _read(store: Any, prefix: str, full: bool) -> Outcome:
+    """This rank's outcome from the verdict (and the values' key, for a rank in ``full``)."""
+    packed = store.get(prefix + "all")
+    if packed.startswith(_LATE):
+        return Outcome(late=list(json.loads(packed[len(_LATE) :])))
+    if packed.startswith(_SUMMARY):
+        values = _unpack(store.get(prefix + "full")) if full else None
+        return Outcome(values=values, summary=packed[len(_SUMMARY) :])
+    return Outcome(values=_unpack(packed))
+
+
+def _judge(
+    store: Any, prefix: str, keys: list[str], summarize: Summarize | None, full: Collection[int]
+) -> None:
     """After a timeout, decide the verdict: the ranks whose keys are missing.
 
     One rank checks the W keys while the others wait a little for its verdict
@@ -216,27 +312,47 @@ def _judge(store: Any, prefix: str, keys: list[str]) -> None:
         except RuntimeError:  # the judge is gone or stuck: judge too
             pass
     late = [r for r, key in enumerate(keys) if not store.check([key])]
-    proposal = _LATE + json.dumps(late).encode() if late else _pack(store.multi_get(keys))
-    store.compare_set(verdict, "", proposal)
+    if late:
+        store.compare_set(verdict, "", _LATE + json.dumps(late).encode())
+    else:
+        store.compare_set(verdict, "", _proposal(store, prefix, keys, summarize, full))
 
 
 def _pack(values: list[bytes]) -> bytes:
-    """Values as one: a count, their lengths, then their bytes."""
-    lengths = struct.pack(f"<I{len(values)}I", len(values), *map(len, values))
-    return _VALUES + lengths + b"".join(values)
+    """Values as one, each distinct value once: the runs of equal values (index into
+    the distinct ones, length), the distinct values' lengths, then their bytes.
+    When every rank sends the same bytes this is O(1), not O(W)."""
+    distinct: dict[bytes, int] = {}
+    runs: list[int] = []
+    for value in values:
+        index = distinct.setdefault(value, len(distinct))
+        if runs and runs[-2] == index:
+            runs[-1] += 1
+        else:
+            runs += [index, 1]
+    head = struct.pack(
+        f"<II{len(runs)}I{len(distinct)}I",
+        len(runs) // 2,
+        len(distinct),
+        *runs,
+        *map(len, distinct),
+    )
+    return _VALUES + head + b"".join(distinct)
 
 
-def _unpack(packed: bytes) -> list[bytes] | tuple[str, list[int]]:
-    """What :func:`_pack` packed, or ``("late", ranks)`` for a timeout verdict."""
-    if packed.startswith(_LATE):
-        return "late", list(json.loads(packed[len(_LATE) :]))
+def _unpack(packed: bytes) -> list[bytes]:
+    """What :func:`_pack` packed."""
     body = memoryview(packed)[len(_VALUES) :]
-    (count,) = struct.unpack_from("<I", body)
-    lengths = struct.unpack_from(f"<{count}I", body, 4)
-    values, offset = [], 4 * (count + 1)
+    count, kinds = struct.unpack_from("<II", body)
+    runs = struct.unpack_from(f"<{2 * count}I", body, 8)
+    lengths = struct.unpack_from(f"<{kinds}I", body, 8 + 8 * count)
+    distinct, offset = [], 8 + 8 * count + 4 * kinds
     for length in lengths:
-        values.append(bytes(body[offset : offset + length]))
+        distinct.append(bytes(body[offset : offset + length]))
         offset += length
+    values: list[bytes] = []
+    for index, run in zip(runs[::2], runs[1::2], strict=True):
+        values += [distinct[index]] * run
     return values
 
 
@@ -257,9 +373,15 @@ def _outlive_readers(store: Any, done: str, timeout: float) -> None:
     store.delete_key(done)
 
 
+def _split(labelled: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """(labels, payloads) of labelled values."""
+    pairs = [value.split(b"\0", 1) for value in labelled]
+    return [label for label, _ in pairs], [payload for _, payload in pairs]
+
+
 def _unlabel(labelled: list[bytes], what: str) -> list[bytes]:
     """Payloads without their labels; ranks that were in another call make every rank raise."""
-    labels, payloads = zip(*(value.split(b"\0", 1) for value in labelled), strict=True)
+    labels, payloads = _split(labelled)
     if len(set(labels)) > 1:
         calls = {rank: label.decode() for rank, label in enumerate(labels)}
         raise MismatchError(
@@ -267,7 +389,7 @@ def _unlabel(labelled: list[bytes], what: str) -> list[bytes]:
             "every rank must make the same collective calls in the same order",
             details=calls,
         )
-    return list(payloads)
+    return payloads
 
 
 def _late(what: str, late: list[int], timeout: float) -> GatherTimeout:

@@ -3,9 +3,10 @@
 The kernel kills a process that outgrows its memory cgroup, and /dev/shm
 holds its files in the same RAM, so before any data moves every rank reports
 its node's headroom (``MemAvailable``, capped by every enclosing cgroup's
-limit minus its usage, v1 and v2) and the free space of /dev/shm; every rank
-then computes the same per-node need of the chosen route and raises
-:class:`~gatherstore.InsufficientMemoryError` together when it does not fit.
+limit minus its usage, v1 and v2) and the free space of /dev/shm; one rank
+computes each route's per-node shortfalls (:func:`shortfalls`) for all, and
+every rank raises :class:`~gatherstore.InsufficientMemoryError` together
+(:func:`check`) when the chosen route does not fit.
 """
 
 from __future__ import annotations
@@ -21,12 +22,25 @@ from ._errors import InsufficientMemoryError
 from .stores.base import Store
 from .stores.file import TmpdirStore
 
-__all__ = ["SHM", "NodeNeed", "check", "headroom", "in_ram", "route_need", "shm_free", "shortfalls"]
+__all__ = [
+    "ROUTES",
+    "SHM",
+    "NodeNeed",
+    "check",
+    "headroom",
+    "in_ram",
+    "route_need",
+    "route_of",
+    "shm_free",
+    "shortfalls",
+]
 
 #: Parts a reader fetches and verifies at once: its window besides what it returns.
 READ_AHEAD = 2
 
 SHM = "/dev/shm"
+#: The kinds of route whose memory need differs (see :func:`route_need`).
+ROUTES = ("collective", "shm", "store")
 _UNLIMITED = 1 << 62
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -146,10 +160,11 @@ def route_need(
     gather frees as it reads (the copies replace them) and an all-gather does not.
     """
     world, largest, total = len(sizes), max(sizes, default=0), sum(sizes)
-    mine = [r for r in ranks if r in receivers]
+    receiving = set(receivers)
+    mine = [r for r in ranks if r in receiving]
     if route == "collective":
         ram = sum(largest * (world + all_receive) for _ in mine)
-        ram += sum(largest for r in ranks if r not in receivers and sizes[r])
+        ram += sum(largest for r in ranks if r not in receiving and sizes[r])
         return NodeNeed(ram, 0)
     reads = sum(total - sizes[r] for r in mine) + (
         0 if all_receive or not mine else READ_AHEAD * largest
@@ -158,6 +173,11 @@ def route_need(
         return NodeNeed(reads, 0)
     written = sum(sizes[r] for r in ranks)
     return NodeNeed(written + reads if all_receive else max(written, reads), written)
+
+
+def route_of(target: Store | str) -> str:
+    """The kind of route (one of :data:`ROUTES`) ``target`` is, for its memory need."""
+    return "collective" if target == "collective" else "shm" if in_ram(target) else "store"
 
 
 def in_ram(store: Store | str) -> bool:
@@ -192,24 +212,20 @@ def shortfalls(
     return out
 
 
-def check(
-    what: str,
-    target: Store | str,
-    statuses: Sequence[Any],
-    sizes: Sequence[int],
-    receivers: Sequence[int],
-) -> None:
-    """Raise on every rank alike (same inputs) when ``target`` would outgrow a node's memory.
+def check(what: str, target: Store | str, total: int, short: dict[str, list[str]]) -> None:
+    """Raise on every rank alike when ``target`` would outgrow a node's memory.
+
+    ``short`` maps each of :data:`ROUTES` to its :func:`shortfalls` (computed once,
+    on one rank, and the same everywhere); ``total`` is the bytes gathered.
 
     Raises:
         InsufficientMemoryError: names the nodes, what they need and what they have.
     """
-    route = "collective" if target == "collective" else "shm" if in_ram(target) else "store"
-    short = shortfalls(route, statuses, sizes, receivers)
-    if short:
+    found = short[route_of(target)]
+    if found:
         raise InsufficientMemoryError(
-            f"{what} of {sum(sizes) / 2**30:.2f} GiB over {target} would not fit: "
-            f"{'; '.join(short)} (free memory, capped by the memory cgroup). Use "
+            f"{what} of {total / 2**30:.2f} GiB over {target} would not fit: "
+            f"{'; '.join(found)} (free memory, capped by the memory cgroup). Use "
             "gs.gather_iter (one part in memory at a time), gather less per call, or raise "
             "the job's memory limit"
         )

@@ -153,7 +153,7 @@ def gather_prepared(
     and its exceptions are reported to every rank instead of raised alone."""
     call = Call(what, store, timeout, progress, root=dst)
     others = [r for r in range(call.world) if r != dst]
-    sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst)
+    sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst, full=[dst])
     obj = call.own
     if call.target == "collective":
         slots = call.collective_to(dst, sizes)
@@ -183,7 +183,7 @@ def broadcast_object(
         return obj
     call = Call("broadcast_object", store, timeout, root=src)
     receivers = [r for r in range(call.world) if r != src]
-    sizes = call.agree(lambda: obj, receivers, send=call.rank == src)
+    sizes = call.agree(lambda: obj, receivers, send=call.rank == src, full=())
     if call.target == "collective":
         buf = call._packed(sizes[src])
         call.transfer(gloo.broadcast(buf, src))

@@ -6,7 +6,10 @@ the store's host sees the same requests a real job's would.  Every point is the
 slowest rank's time for one exchange of ``value_bytes`` per rank, median of
 ``repeats``.  ``"all-read-all"`` is the previous algorithm (every rank reads all
 W keys: O(W²) reads on the store's host); ``"gather-once"`` is the current one
-(:func:`gatherstore._control.exchange_on`).
+(:func:`gatherstore._control.exchange_on`) as an all-gather exchange uses it
+(every rank gets all W values: O(W) requests, W² bytes); ``"summary"`` is a
+gather's status exchange (rank 0 gets all values, the others a 64-byte summary:
+O(W) requests and bytes).
 
 Run ``python -m gatherstore._bench.scale`` (or ``gatherstore bench --scale``).
 """
@@ -24,7 +27,7 @@ from typing import Any, TextIO
 
 import torch.distributed as dist
 
-from .._control import exchange_on
+from .._control import Outcome, exchange_on
 
 __all__ = ["ALGORITHMS", "main", "run_exchange", "simulate"]
 
@@ -33,6 +36,12 @@ Exchange = Callable[[Any, str, int, int, bytes, float], Any]
 
 def _gather_once(store: Any, prefix: str, rank: int, world: int, value: bytes, t: float) -> Any:
     return exchange_on(store, prefix, rank, world, value, timeout=t)
+
+
+def _summary(store: Any, prefix: str, rank: int, world: int, value: bytes, t: float) -> Any:
+    return exchange_on(
+        store, prefix, rank, world, value, timeout=t, summarize=lambda _: bytes(64), full=[0]
+    )
 
 
 def _all_read_all(store: Any, prefix: str, rank: int, world: int, value: bytes, t: float) -> Any:
@@ -44,10 +53,14 @@ def _all_read_all(store: Any, prefix: str, rank: int, world: int, value: bytes, 
     if store.add(prefix + "read", 1) == world:
         for key in [*keys, prefix + "read"]:
             store.delete_key(key)
-    return values
+    return Outcome(values=values)
 
 
-ALGORITHMS: dict[str, Exchange] = {"all-read-all": _all_read_all, "gather-once": _gather_once}
+ALGORITHMS: dict[str, Exchange] = {
+    "all-read-all": _all_read_all,
+    "gather-once": _gather_once,
+    "summary": _summary,
+}
 
 
 def simulate(
@@ -100,9 +113,14 @@ def run_exchange(algorithm: str, world: int, *, value_bytes: int = 120, repeats:
         for step in range(repeats):
             start.wait()
             began = time.perf_counter()
-            values = exchange(store, f"{step}/", rank, world, bytes([rank % 256]) * value_bytes, 60)
+            got = exchange(store, f"{step}/", rank, world, bytes([rank % 256]) * value_bytes, 60)
             times.append(time.perf_counter() - began)
-            if [v[:1] for v in values] != [bytes([r % 256]) for r in range(world)]:
+            expected = [bytes([r % 256]) for r in range(world)]
+            if (
+                got.summary is None
+                if got.values is None
+                else [v[:1] for v in got.values] != expected
+            ):
                 raise RuntimeError(f"rank {rank} got wrong values at step {step}")
         return times
 
