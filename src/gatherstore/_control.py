@@ -244,7 +244,8 @@ def exchange_on(
     Returns every rank's ``value`` in rank order (with ``summarize``: the summary,
     and the values only on the ranks in ``full``, default all), or the ranks missing
     at the first timeout: one verdict that every rank (a late one included, once
-    it arrives) returns.  The last rank to read deletes every key.
+    it arrives) returns.  Each rank deletes its own key once it has read the
+    verdict, and the last rank to read deletes the rest.
 
     Raises:
         RuntimeError: the store failed (torch's ``DistStoreError``).
@@ -260,8 +261,9 @@ def exchange_on(
     except RuntimeError:  # a timeout, or the store is gone (then the next call raises)
         _judge(store, prefix, keys, summarize, full)
     outcome = _read(store, prefix, rank in full)
-    if store.add(prefix + "read", 1) == world:  # the last reader tidies up
-        for key in [*keys, verdict, *(prefix + k for k in ("arrived", "judge", "read", "full"))]:
+    store.delete_key(keys[rank])  # the verdict is out: nothing reads the rank keys again
+    if store.add(prefix + "read", 1) == world:  # the last reader tidies up the rest
+        for key in [verdict, *(prefix + k for k in ("arrived", "judge", "read", "full"))]:
             store.delete_key(key)
         if outcome.late is None and rank0_hosts and rank != 0:
             store.set(prefix + "done", b"")
