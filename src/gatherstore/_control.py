@@ -21,6 +21,7 @@ The bulk "collective" route of objects needs a real gloo group:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -245,7 +246,8 @@ def exchange_on(
     and the values only on the ranks in ``full``, default all), or the ranks missing
     at the first timeout: one verdict that every rank (a late one included, once
     it arrives) returns.  Each rank deletes its own key once it has read the
-    verdict, and the last rank to read deletes the rest.
+    values' verdict (so no rank deletes W keys in a row), and the last rank to read
+    deletes the rest.
 
     Raises:
         RuntimeError: the store failed (torch's ``DistStoreError``).
@@ -261,9 +263,11 @@ def exchange_on(
     except RuntimeError:  # a timeout, or the store is gone (then the next call raises)
         _judge(store, prefix, keys, summarize, full)
     outcome = _read(store, prefix, rank in full)
-    store.delete_key(keys[rank])  # the verdict is out: nothing reads the rank keys again
+    if outcome.late is None:  # the values are out: nothing reads this rank's key again
+        store.delete_key(keys[rank])
     if store.add(prefix + "read", 1) == world:  # the last reader tidies up the rest
-        for key in [verdict, *(prefix + k for k in ("arrived", "judge", "read", "full"))]:
+        left = keys if outcome.late is not None else []  # a late rank's gathering may read them
+        for key in [*left, verdict, *(prefix + k for k in ("arrived", "judge", "read", "full"))]:
             store.delete_key(key)
         if outcome.late is None and rank0_hosts and rank != 0:
             store.set(prefix + "done", b"")
@@ -316,8 +320,12 @@ def _judge(
     late = [r for r, key in enumerate(keys) if not store.check([key])]
     if late:
         store.compare_set(verdict, "", _LATE + json.dumps(late).encode())
-    else:
-        store.compare_set(verdict, "", _proposal(store, prefix, keys, summarize, full))
+        return
+    # every rank arrived, so the last of them publishes; step in only if it does not
+    with contextlib.suppress(RuntimeError):
+        store.wait([verdict], _dt.timedelta(seconds=_JUDGE_GRACE))
+        return
+    store.compare_set(verdict, "", _proposal(store, prefix, keys, summarize, full))
 
 
 def _pack(values: list[bytes]) -> bytes:
