@@ -110,6 +110,13 @@ def _exchange_job() -> dict[str, Any]:
 
     rank, out = gs.get_rank(), {}
     out["values"] = control.exchange(b"%d" % rank, timeout=30, what="values")
+    out["summary"] = control.exchange_summary(
+        b"%d" % rank,
+        timeout=30,
+        what="summary",
+        summarize=lambda values: b"%d" % sum(map(int, values)),
+        full=[1],
+    )
     # rank 2 is 2 s late; rank 1 gives up after 1 s, rank 0 would wait 20 s
     if rank == 2:
         time.sleep(2)
@@ -125,7 +132,8 @@ def _exchange_job() -> dict[str, Any]:
     control.exchange(b"", timeout=30, what="sync")  # every earlier call has been tidied
     steps = control._current()["step"]
     store = control._current()["store"]
-    names = ["arrived", "all", "read", "judge", "done", *map(str, range(gs.get_world_size()))]
+    names = ["arrived", "all", "full", "read", "judge", "done"]
+    names += [str(r) for r in range(gs.get_world_size())]
     out["left"] = [
         f"{step}/{name}"
         for step in range(1, steps - 1)
@@ -140,8 +148,9 @@ def test_exchange_in_a_gloo_group_hosted_by_rank_0() -> None:
     results = gs.launch(
         _exchange_job, nproc_per_node=3, backend="gloo", master_port=free_ports()[0]
     )
-    for out in results:
+    for rank, out in enumerate(results):
         assert out["values"] == [b"0", b"1", b"2"]
+        assert out["summary"] == ([b"0", b"1", b"2"] if rank == 1 else None, b"3")
         assert out["late"] == [2]
         assert out["mismatch"] == "MismatchError"
         assert out["after"] == [b"0", b"1", b"2"]
