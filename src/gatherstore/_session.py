@@ -55,7 +55,9 @@ __all__ = [
 ]
 
 MARKER = "marker"
-_VISIBILITY_WAIT = 2.0
+# how long a rank looks for rank 0's marker: a share seen through a loaded network
+# filesystem may lag by seconds, but a store that is not shared must fail fast
+_VISIBILITY_WAIT = (2.0, 10.0)
 _PUBLISHED = "gatherstore-areas"  # counter key on the launcher's store; areas at "<key>/<n>"
 
 
@@ -115,7 +117,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
         raise RemoteRankError(0, reply["error"], context=f"setting up store {store}")
     job = store.join_job(reply["locator"])
     session = JobSession(store, reply["locator"], job, None)
-    seen = rank == 0 or _sees_marker(job)
+    seen = rank == 0 or _sees_marker(job, timeout)
     flags = control.exchange(b"1" if seen else b"0", timeout=timeout, what="store check")
     blind = [r for r, flag in enumerate(flags) if flag != b"1"]
     if blind:
@@ -172,9 +174,11 @@ def sweep_published(launcher: Any) -> None:
                 launcher.delete_key(key)
 
 
-def _sees_marker(job: Store) -> bool:
+def _sees_marker(job: Store, timeout: float) -> bool:
+    """Whether rank 0's marker shows up within a sixth of ``timeout`` (2 to 10 s)."""
+    shortest, longest = _VISIBILITY_WAIT
     try:
-        job.wait([MARKER], _VISIBILITY_WAIT)
+        job.wait([MARKER], min(max(shortest, timeout / 6), longest, timeout))
     except Exception:
         return False
     return True
