@@ -1,5 +1,6 @@
 """Two hosts (network namespaces on this machine): launch, torchrun and SLURM starts across
-them, object gathers through every shared store, node-local stores refused.
+them, object gathers through every shared store (sshfs, Redis and S3 on host 1), node-local
+stores refused.
 
 The hosts come from :mod:`gatherstore._bench.hosts` (root, ``ip``, sshfs, sshd); without
 them these tests are skipped, unless the environment variable CI is set.
@@ -30,22 +31,27 @@ import json, os, signal, sys, time
 import gatherstore as gs
 
 
-def crash(shared, redis_url):
-    rank = gs.get_rank()
-    for spec in ("file://" + shared, redis_url):
+def stores(shared, redis_url, s3_url, s3_options):
+    return {"file": "file://" + shared, "redis": redis_url,
+            "s3": gs.open_store(s3_url, **json.loads(s3_options))}
+
+
+def crash(*where):
+    rank, specs = gs.get_rank(), stores(*where)
+    for spec in specs.values():
         gs.all_gather_object(rank, store=spec, timeout=30)
-    if rank == 3:  # the last rank, on host 2, dies after the job used both stores
+    if rank == 3:  # the last rank, on host 2, dies after the job used every store
         os.kill(os.getpid(), signal.SIGKILL)
-    gs.gather_object(rank, store="file://" + shared, timeout=10)
+    gs.gather_object(rank, store=specs["file"], timeout=10)
 
 
-def work(shared, redis_url):
+def work(*where):
     rank = gs.get_rank()
     obj = {"rank": rank, "data": bytes(1000 * (rank + 1))}
     out = {"rank": rank, "node": gs.get_node_rank(), "nnodes": gs.get_nnodes(),
            "local": [gs.get_local_rank(), gs.get_local_size()]}
-    for name, spec in (("file", "file://" + shared), ("redis", redis_url),
-                       ("auto", "auto"), ("collective", "collective")):
+    specs = {**stores(*where), "auto": "auto", "collective": "collective"}
+    for name, spec in specs.items():
         got = gs.gather_object(obj, store=spec, timeout=60)
         out[name] = None if got is None else [[o["rank"], len(o["data"])] for o in got]
     try:
@@ -58,13 +64,13 @@ def work(shared, redis_url):
 
 
 if __name__ == "__main__":
-    mode, shared, redis_url = sys.argv[1:4]
+    mode, where, more = sys.argv[1], sys.argv[2:6], sys.argv[6:]
     if mode == "crash":
-        node, port = int(sys.argv[4]), int(sys.argv[5])
+        node, port = int(more[0]), int(more[1])
         start = time.monotonic()
         try:
-            gs.launch(crash, nproc_per_node=2, nnodes=2, node_rank=node, master_addr=sys.argv[6],
-                      master_port=port, backend="gloo", args=(shared, redis_url))
+            gs.launch(crash, nproc_per_node=2, nnodes=2, node_rank=node, master_addr=more[2],
+                      master_port=port, backend="gloo", args=tuple(where))
             error = None
         except gs.GatherError as exc:
             error = {"type": type(exc).__name__, "rank": getattr(exc, "rank", None),
@@ -72,15 +78,16 @@ if __name__ == "__main__":
         print("CRASH " + json.dumps({"error": error, "seconds": time.monotonic() - start}))
         sys.exit(0)
     if mode == "launch":
-        node, port = int(sys.argv[4]), int(sys.argv[5])
+        node, port = int(more[0]), int(more[1])
         results = gs.launch(work, nproc_per_node=2, nnodes=2, node_rank=node,
-                            master_addr=sys.argv[6], master_port=port, backend="gloo",
-                            args=(shared, redis_url))
+                            master_addr=more[2], master_port=port, backend="gloo",
+                            args=tuple(where))
     else:
         assert gs.init_from_env(backend="gloo", timeout=60)
-        results = [work(shared, redis_url)]
+        results = [work(*where)]
         gs.shutdown()
-    print("RESULT " + json.dumps(results), flush=True)
+    # one write: torchrun's ranks share this pipe (print writes the newline apart)
+    os.write(1, ("RESULT " + json.dumps(results) + "\\n").encode())
 """
 
 
@@ -141,7 +148,7 @@ def check(results: list[dict[str, Any]], hosts: Hosts) -> None:
     assert all(r["nnodes"] == 2 and r["local"][1] == NPROC for r in results)
     gathered = [[rank, 1000 * (rank + 1)] for rank in range(world)]
     for r in results:
-        for name in ("file", "redis", "auto", "collective"):
+        for name in ("file", "redis", "s3", "auto", "collective"):
             assert r[name] == (gathered if r["rank"] == 0 else None), (name, r)
         assert r["tmpdir"] == "StoreNotSharedError"
         assert r["after"] == list(range(world))
@@ -149,10 +156,24 @@ def check(results: list[dict[str, Any]], hosts: Hosts) -> None:
         assert [p.name for p in (host.root / "shm").iterdir()] == []
         assert [p.name for p in (host.root / "tmp").iterdir() if "gatherstore" in p.name] == []
     assert list(hosts.shared.iterdir()) == []
+    assert s3_objects(hosts) == []
+
+
+def s3_objects(hosts: Hosts) -> list[str]:
+    """Every object in the bucket of ``hosts.s3_url``, listed from host 2 (the bucket, not
+    the prefix: s3fs lists an empty prefix SeaweedFS keeps as a directory)."""
+    script = "import json, sys, s3fs\n"
+    script += "fs = s3fs.S3FileSystem(skip_instance_cache=True, **json.loads(sys.argv[1]))\n"
+    script += "print(json.dumps(fs.find(sys.argv[2])))"
+    bucket = hosts.s3_url.split("/")[2]
+    argv = [sys.executable, "-c", script, json.dumps(hosts.s3_options), bucket]
+    listed = hosts[2].run(argv, capture_output=True, text=True, timeout=60, check=True)
+    return list(json.loads(listed.stdout))
 
 
 def job(hosts: Hosts, mode: str, *more: str) -> list[str]:
-    return [sys.executable, "job.py", mode, str(hosts.shared), hosts.redis_url, *more]
+    where = [str(hosts.shared), hosts.redis_url, hosts.s3_url, json.dumps(hosts.s3_options)]
+    return [sys.executable, "job.py", mode, *where, *more]
 
 
 @pytest.mark.timeout(180)
@@ -190,7 +211,7 @@ def test_slurm_step_on_two_hosts(hosts: Hosts) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_crash_on_one_host_ends_both_launchers_in_time(hosts: Hosts) -> None:
-    """Rank 3 (host 2) is SIGKILLed after the job used the file store and Redis: each
+    """Rank 3 (host 2) is SIGKILLed after the job used the file store, Redis and S3: each
     host's gs.launch returns within the call's timeout plus a few seconds, naming it."""
     port = str(free_ports()[0])
     procs = [
@@ -221,6 +242,7 @@ def test_a_crash_on_one_host_ends_both_launchers_in_time(hosts: Hosts) -> None:
     assert host1["error"] is not None and "3" in host1["error"]["message"], host1
     assert host1["seconds"] < 30 + 10 + 30, "the call's timeout plus a few seconds (loaded CI)"
     assert list(hosts.shared.iterdir()) == [], "the job area on the shared mount is swept"
+    assert s3_objects(hosts) == []
 
 
 @pytest.mark.timeout(300)

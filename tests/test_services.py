@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from gatherstore.testing import services
+from gatherstore.testing.plugin import S3Endpoint
 
 pytest_plugins = ["pytester"]
 
@@ -155,6 +156,38 @@ def test_main_prints_the_url_and_stops_on_sigterm() -> None:
         assert f"export GATHERSTORE_TEST_REDIS_URL={url}" in proc.stderr.read()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url).ping()
+
+
+@pytest.mark.timeout(180)
+def test_main_s3_exports_then_prints_the_url_of_its_bucket() -> None:
+    _require(_has_weed(), "SeaweedFS `weed` is not installed")
+    s3fs = pytest.importorskip("s3fs")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+    argv = [sys.executable, "-m", "gatherstore.testing.services", "s3"]
+    with subprocess.Popen(
+        [*argv, "--host", "127.0.0.1", "--bucket", "made"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:")
+        # the exports come first: once the URL is out, they are all there
+        lines = [proc.stderr.readline().strip() for _ in range(3)]
+        exported = dict(line.removeprefix("export ").split("=", 1) for line in lines)
+        assert exported["GATHERSTORE_TEST_S3_ENDPOINT"] == url
+        endpoint = S3Endpoint(
+            url, *(exported[f"GATHERSTORE_TEST_S3_{n}"] for n in ("KEY", "SECRET"))
+        )
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **endpoint.storage_options)
+        assert fs.ls("") == ["made"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    with pytest.raises(SystemExit) as usage:
+        services.main(["s3", "--port", "1"])
+    assert usage.value.code == 2
 
 
 def _compose_binary() -> Path:

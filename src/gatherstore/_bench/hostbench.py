@@ -1,6 +1,6 @@
 """``gatherstore bench --hosts 2``: gathers across two simulated hosts (root only).
 
-Builds the hosts of :mod:`gatherstore._bench.hosts` (sshfs share, Redis on host 1),
+Builds the hosts of :mod:`gatherstore._bench.hosts` (sshfs share, Redis and S3 on host 1),
 then for each case starts ``gs.launch(nnodes=2)`` on both hosts (fresh processes per
 case), every rank holding ``size`` random bytes (a numpy array), and gathers them to
 rank 0.  Prints per case: rank 0's time, its ratio to ``all_gather_object``, rank 0's
@@ -21,11 +21,18 @@ from .measure import PeakMemory, format_bytes
 
 __all__ = ["CASES", "main"]
 
-CASES = ("torch.all_gather_object", "torch.gather_object", "gs.file(sshfs)", "gs.redis", "gs.auto")
+CASES = (
+    "torch.all_gather_object",
+    "torch.gather_object",
+    "gs.file(sshfs)",
+    "gs.redis",
+    "gs.s3",
+    "gs.auto",
+)
 NPROC = 2
 
 
-def _rank(case: str, size: int, shared: str, redis_url: str) -> dict[str, Any]:
+def _rank(case: str, size: int, *where: str) -> dict[str, Any]:
     """One rank of one case (run by ``gs.launch``): seconds and peak RSS growth."""
     import numpy as np
 
@@ -33,9 +40,11 @@ def _rank(case: str, size: int, shared: str, redis_url: str) -> dict[str, Any]:
 
     from . import baselines
 
+    shared, redis_url, s3_url, s3_options = where
     rank = gs.get_rank()
     obj = np.random.default_rng(rank).integers(0, 256, size, dtype=np.uint8)
-    store = {"gs.file(sshfs)": f"file://{shared}", "gs.redis": redis_url, "gs.auto": "auto"}
+    stores = {"gs.file(sshfs)": f"file://{shared}", "gs.redis": redis_url, "gs.auto": "auto"}
+    store = gs.open_store(s3_url, **json.loads(s3_options)) if case == "gs.s3" else stores.get(case)
     gs.barrier(timeout=600)
     with PeakMemory() as peak:
         began = time.perf_counter()
@@ -44,7 +53,7 @@ def _rank(case: str, size: int, shared: str, redis_url: str) -> dict[str, Any]:
         elif case == "torch.gather_object":
             out = baselines.torch_gather_object(obj)
         else:
-            out = gs.gather_object(obj, store=store[case], timeout=600)
+            out = gs.gather_object(obj, store=store, timeout=600)
         seconds = time.perf_counter() - began
         ok = out is None or [len(o) for o in out] == [size] * gs.get_world_size()
         del out
@@ -52,10 +61,10 @@ def _rank(case: str, size: int, shared: str, redis_url: str) -> dict[str, Any]:
 
 
 def _node(argv: list[str]) -> None:
-    """On one host: ``node_rank port master case size shared redis_url``."""
+    """On one host: ``node_rank port master case size shared redis_url s3_url s3_options``."""
     import gatherstore as gs
 
-    node, port, master, case, size, shared, redis_url = argv
+    node, port, master, case, size, *where = argv
     results = gs.launch(
         _rank,
         nproc_per_node=NPROC,
@@ -64,7 +73,7 @@ def _node(argv: list[str]) -> None:
         master_addr=master,
         master_port=int(port),
         backend="gloo",
-        args=(case, int(size), shared, redis_url),
+        args=(case, int(size), *where),
     )
     print("RESULT " + json.dumps(results), flush=True)
 
@@ -73,7 +82,8 @@ def _case(hosts: Hosts, case: str, size: int, port: int) -> list[dict[str, Any]]
     procs = []
     for node in (0, 1):
         argv = [sys.executable, "-m", __name__, str(node), str(port), hosts[1].addr, case]
-        argv += [str(size), str(hosts.shared), hosts.redis_url]
+        argv += [str(size), str(hosts.shared), hosts.redis_url, hosts.s3_url]
+        argv.append(json.dumps(hosts.s3_options))
         env = {"GLOO_SOCKET_IFNAME": hosts[node + 1].device}
         procs.append(
             hosts[node + 1].popen(
@@ -119,7 +129,7 @@ def main(size: int = 200 << 20, out: TextIO = sys.stdout, subnet: str = "10.77.0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8:
+    if len(sys.argv) == 10:
         _node(sys.argv[1:])
     else:
         sys.exit(main())

