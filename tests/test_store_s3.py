@@ -278,3 +278,25 @@ def test_large_parts_stream_in_blocks(s3: tuple[S3Endpoint, str, Any], prefix: s
     # 1.2x (the part + the GETs in flight); a whole-body write or read held about 3x
     assert put.growth < 0.9 * size, put.growth / size
     assert get.growth < 1.6 * size, get.growth / size
+
+
+def test_a_chunk_of_another_size_is_reported_truncated(
+    s3: tuple[S3Endpoint, str, Any], prefix: str
+) -> None:
+    """Chunks are received straight into the value's buffer: a chunk object that is
+    shorter or longer than the manifest says is reported, never half copied."""
+    endpoint, bucket, client = s3
+    store = FsspecStore(f"s3://{bucket}/{prefix}", **endpoint.storage_options)
+    data = np.random.default_rng(2).integers(0, 255, size=40 << 20, dtype=np.uint8)
+    try:
+        store.put("big", data.data)
+        value = store.get("big")
+        assert value is not None and bytes(value) == data.tobytes()
+        chunk = next(k for k in _raw_objects(client, bucket, f"{prefix}/") if "chunks" in k)
+        for size in (1000, (16 << 20) + 1):
+            client.delete_object(Bucket=bucket, Key=f"{prefix}/{chunk}")
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{chunk}", Body=b"x" * size)
+            with pytest.raises(gs.IntegrityError, match="truncated"):
+                store.get("big")
+    finally:
+        store.delete("")
