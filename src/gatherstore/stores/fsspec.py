@@ -50,6 +50,7 @@ _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempt
 #: Largest S3 object written in one PUT; larger values are chunked into objects this size.
 S3_CHUNK_SIZE = 16 << 20
 _IN_FLIGHT = 4  # S3 chunk PUTs or GETs at once per store call
+_DELETE_BATCH = 1000  # keys per S3 DeleteObjects request (the API's limit)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -174,6 +175,25 @@ async def _body_into(body: Any, view: memoryview) -> int:
         view[pos : pos + n] = memoryview(piece)[:n]
         pos += n
     return pos
+
+
+async def _delete_objects(fs: Any, paths: list[str]) -> None:
+    """Delete S3 objects of one bucket with one DeleteObjects request; an object that is
+    already gone is fine, any other refusal raises (s3fs's own bulk delete drops them)."""
+    bucket = fs.split_path(paths[0])[0]
+    objects = [{"Key": fs.split_path(path)[1]} for path in paths]
+    for path in paths:
+        fs.invalidate_cache(path)
+    reply = await fs._call_s3(
+        "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+    )
+    errors = [e for e in reply.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+    if errors:
+        first = errors[0]
+        raise PermissionError(
+            f"S3 refused to delete {len(errors)} object(s), e.g. {first.get('Key')!r}: "
+            f"{first.get('Code')} {first.get('Message', '')}".rstrip()
+        )
 
 
 def _s3fs_core() -> Any:
@@ -381,6 +401,14 @@ class FsspecStore(Store):
         return [p[start:] for p in self._call("find", top) if ".tmp-" not in p.rsplit("/", 1)[-1]]
 
     def _delete(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` in order; on S3 the first on its own, then the rest in batches of
+        one request each (``discard`` passes a manifest first, then its chunks)."""
+        if self._s3 and len(keys) > 2:
+            self._delete(keys[:1])
+            rest = [self._path(k) for k in keys[1:]]
+            for i in range(0, len(rest), _DELETE_BATCH):
+                self._call_async("delete", _delete_objects, self.fs, rest[i : i + _DELETE_BATCH])
+            return
         for key in keys:
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 self._call("rm_file", self._path(key))
