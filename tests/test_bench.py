@@ -170,7 +170,7 @@ def test_client_ceilings_on_real_services(
 
     s3fs = pytest.importorskip("s3fs")
     nbytes = 9 << 20  # 3 Redis values (the last one short), 1 S3 part
-    found = clients.measure_redis(gatherstore_redis_url, nbytes)
+    found = clients.measure_redis(gatherstore_redis_url, nbytes, repeats=2)  # median of 2
     names = ["redis_default", "redis_pipelined", "redis_fast"]
     if found.keys() & {"redis_hiredis_packer_gbps"}:
         names.append("redis_hiredis_packer")
@@ -181,7 +181,7 @@ def test_client_ceilings_on_real_services(
     client = redis.Redis.from_url(gatherstore_redis_url)
     assert list(client.scan_iter(match="gatherstore-ceiling-*")) == []  # nothing left behind
     client.close()
-    found = clients.measure_s3(gatherstore_s3.storage_options, nbytes)
+    found = clients.measure_s3(gatherstore_s3.storage_options, nbytes, repeats=2)
     clients_run = ["default", "fast"] + (["obstore"] if importlib.util.find_spec("obstore") else [])
     assert sorted(found) == sorted(
         f"s3_{name}_{what}gbps" for name in clients_run for what in ("write_", "read_", "")

@@ -278,3 +278,71 @@ def test_large_parts_stream_in_blocks(s3: tuple[S3Endpoint, str, Any], prefix: s
     # 1.2x (the part + the GETs in flight); a whole-body write or read held about 3x
     assert put.growth < 0.9 * size, put.growth / size
     assert get.growth < 1.6 * size, get.growth / size
+
+
+def test_a_chunk_of_another_size_is_reported_truncated(
+    s3: tuple[S3Endpoint, str, Any], prefix: str
+) -> None:
+    """Chunks are received straight into the value's buffer: a chunk object that is
+    shorter or longer than the manifest says is reported, never half copied."""
+    endpoint, bucket, client = s3
+    store = FsspecStore(f"s3://{bucket}/{prefix}", **endpoint.storage_options)
+    data = np.random.default_rng(2).integers(0, 255, size=40 << 20, dtype=np.uint8)
+    try:
+        store.put("big", data.data)
+        value = store.get("big")
+        assert value is not None and bytes(value) == data.tobytes()
+        chunk = next(k for k in _raw_objects(client, bucket, f"{prefix}/") if "chunks" in k)
+        for size in (1000, (16 << 20) + 1):
+            client.delete_object(Bucket=bucket, Key=f"{prefix}/{chunk}")
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{chunk}", Body=b"x" * size)
+            with pytest.raises(gs.IntegrityError, match="truncated"):
+                store.get("big")
+    finally:
+        store.delete("")
+
+
+def test_a_discard_deletes_the_manifest_then_its_chunks_in_one_request(
+    s3: tuple[S3Endpoint, str, Any], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint, bucket, client = s3
+    store = FsspecStore(f"s3://{bucket}/{prefix}", **endpoint.storage_options)
+    store.put("big", bytes(40 << 20))  # 3 chunk objects and the manifest
+    requests: list[tuple[str, Any]] = []
+    real = store.fs._call_s3
+
+    async def spy(method: str, *args: Any, **kwargs: Any) -> Any:
+        requests.append((method, kwargs.get("Key") or kwargs.get("Delete")))
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    store.discard("big")
+    deletes = [(m, what) for m, what in requests if m.startswith("delete")]
+    assert [m for m, _ in deletes] == ["delete_object", "delete_objects"]
+    assert deletes[0][1] == f"{prefix}/big"  # readers see the whole value or nothing
+    assert len(deletes[1][1]["Objects"]) == 3
+    assert _raw_objects(client, bucket, f"{prefix}/") == []
+
+
+def test_objects_s3_refuses_to_delete_are_errors() -> None:
+    import asyncio
+
+    from gatherstore.stores.fsspec import _delete_objects
+
+    class Refusing:
+        def __init__(self, code: str) -> None:
+            self.code = code
+
+        def split_path(self, path: str) -> tuple[str, str, None]:
+            bucket, _, key = path.partition("/")
+            return bucket, key, None
+
+        def invalidate_cache(self, path: str) -> None:
+            pass
+
+        async def _call_s3(self, method: str, **kwargs: Any) -> dict[str, Any]:
+            return {"Errors": [{"Key": "k", "Code": self.code, "Message": "no"}]}
+
+    asyncio.run(_delete_objects(Refusing("NoSuchKey"), ["b/k"]))  # already gone: fine
+    with pytest.raises(PermissionError, match="AccessDenied"):
+        asyncio.run(_delete_objects(Refusing("AccessDenied"), ["b/k"]))

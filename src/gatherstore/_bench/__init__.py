@@ -43,7 +43,7 @@ def run(
     with cases.reachable(redis, s3, services) as (found, notes, workdir):
         chosen = cases.select(found, patterns)
         limits = ceilings.measure(ceiling_bytes)
-        limits.update(clients.measure(chosen, ceiling_bytes, notes))
+        limits.update(clients.measure(chosen, ceiling_bytes, notes, plan.repeats))
         records = run_cases(plan, chosen, workdir, limits, progress)
     if json_path == "-":
         out.write(report.json_lines(records, limits))

@@ -1,6 +1,7 @@
 """The network services' ceilings: each client library alone, on the bytes the cases move.
 
-For Redis and S3 the bench measures, once per run, what the client library
+For Redis and S3 the bench measures, once per run and as the median of the
+run's ``--repeats`` passes (the cases' own statistic), what the client library
 does with the same number of bytes without gatherstore: with its default
 settings (one blocking SET/GET per 4 MiB value; s3fs's ``pipe_file`` and
 ``cat_file``) and with the fastest settings gatherstore uses (several values
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,6 +32,12 @@ REDIS_VALUE = 4 << 20
 S3_PART = 16 << 20
 _DEPTH = 4  # values or parts in flight in the fast settings
 _TTL_MS = 600_000
+
+
+def _median(passes: list[tuple[float, float]]) -> tuple[float, float]:
+    """Median seconds of (write, read) passes, write and read each on its own: the
+    statistic the cases report (their median over ``--repeats``)."""
+    return statistics.median(w for w, _ in passes), statistics.median(r for _, r in passes)
 
 
 def _rates(prefix: str, nbytes: int, write: float, read: float) -> dict[str, float]:
@@ -59,11 +67,18 @@ def _slices(nbytes: int, step: int) -> list[tuple[int, int]]:
 
 # --- Redis ---------------------------------------------------------------------------------------
 def _redis_pass(client: Any, src: memoryview, depth: int, keys: list[bytes]) -> tuple[float, float]:
-    """Seconds to SET every value (``depth`` per round trip), then GET them back."""
+    """Seconds to SET every value (``depth`` per round trip), then GET them back.
+
+    ``depth`` 1 is redis-py as one uses it: ``client.set`` then ``client.get``.
+    """
     spans = _slices(len(src), REDIS_VALUE)
     out = bytearray(len(src))
 
     def write() -> None:
+        if depth == 1:
+            for key, (a, b) in zip(keys, spans, strict=True):
+                client.set(key, src[a:b], px=_TTL_MS)
+            return
         for i in range(0, len(spans), depth):
             pipe = client.pipeline(transaction=False)
             for key, (a, b) in zip(keys[i : i + depth], spans[i : i + depth], strict=True):
@@ -71,6 +86,10 @@ def _redis_pass(client: Any, src: memoryview, depth: int, keys: list[bytes]) -> 
             pipe.execute()
 
     def read() -> None:
+        if depth == 1:
+            for key, (a, b) in zip(keys, spans, strict=True):
+                out[a:b] = client.get(key)
+            return
         for i in range(0, len(spans), depth):
             pipe = client.pipeline(transaction=False)
             for key in keys[i : i + depth]:
@@ -109,12 +128,14 @@ def _redis_wire(url: str, src: memoryview, prefix: str) -> tuple[float, float]:
         store.close()
 
 
-def measure_redis(url: str, nbytes: int) -> dict[str, float]:
-    """Redis ceilings of ``nbytes`` in 4 MiB values, written then read back.
+def measure_redis(url: str, nbytes: int, repeats: int = 1) -> dict[str, float]:
+    """Redis ceilings of ``nbytes`` in 4 MiB values, written then read back (the median
+    of ``repeats`` passes of each).
 
     ``redis_default``: redis-py as installed (hiredis packs and parses when
-    present), one SET or GET per round trip; ``redis_pipelined``: redis-py
-    pipelines of 4, its Python command packer, 1 MiB socket reads;
+    present), ``set`` then ``get`` of each value, one per round trip;
+    ``redis_pipelined``: redis-py pipelines of 4, its Python command packer, 1 MiB
+    socket reads;
     ``redis_hiredis_packer`` (with hiredis): the same with hiredis' packer, which
     copies every value before it is sent; ``redis_fast``: gatherstore's wire.
     """
@@ -122,6 +143,7 @@ def measure_redis(url: str, nbytes: int) -> dict[str, float]:
 
     from ..stores._resp import python_packer
 
+    repeats = max(1, repeats)
     src = _source(nbytes)
     run = uuid.uuid4().hex
     keys = [f"gatherstore-ceiling-{run}-{i}".encode() for i in range(-(-nbytes // REDIS_VALUE))]
@@ -137,11 +159,14 @@ def measure_redis(url: str, nbytes: int) -> dict[str, float]:
     for name, options, depth in variants:
         client = redis.Redis.from_url(url, **options)
         try:
-            write, read = _redis_pass(client, src, depth, keys)
+            passes = [_redis_pass(client, src, depth, keys) for _ in range(repeats)]
+            write, read = _median(passes)
         finally:
             client.close()
         out.update(_rates(name, nbytes, write, read))
-    out.update(_rates("redis_fast", nbytes, *_redis_wire(url, src, f"gatherstore-ceiling-{run}/")))
+    passes = [_redis_wire(url, src, f"gatherstore-ceiling-{run}-{i}/") for i in range(repeats)]
+    wire = _median(passes)
+    out.update(_rates("redis_fast", nbytes, *wire))
     return out
 
 
@@ -223,35 +248,41 @@ def _s3_obstore(options: dict[str, Any], prefix: str, src: memoryview) -> tuple[
         )
 
 
-def measure_s3(options: dict[str, Any], nbytes: int) -> dict[str, float]:
+def measure_s3(options: dict[str, Any], nbytes: int, repeats: int = 1) -> dict[str, float]:
     """S3 ceilings of ``nbytes``: s3fs's defaults (one object) and the fast settings,
-    and obstore in the same shape when it is installed (the client shoot-out).
+    and obstore in the same shape when it is installed (the client shoot-out); the
+    median of ``repeats`` passes of each, every pass under a prefix of its own.
 
     ``options``: s3fs storage options (endpoint and credentials).
     """
     src = _source(nbytes)
+    repeats = max(1, repeats)
     out: dict[str, float] = {}
     runs = [("s3_default", _s3_default), ("s3_fast", _s3_fast)]
     if importlib.util.find_spec("obstore") and {"key", "secret"} <= options.keys():
         runs.append(("s3_obstore", _s3_obstore))
     with _bucket(options) as bucket:
         for name, run in runs:
-            write, read = run(options, f"{bucket}/{name}", src)
+            passes = [run(options, f"{bucket}/{name}-{i}", src) for i in range(repeats)]
+            write, read = _median(passes)
             out.update(_rates(name, nbytes, write, read))
     return out
 
 
-def measure(chosen: list[Case], nbytes: int, notes: list[str]) -> dict[str, float]:
-    """The ceilings of the services the ``chosen`` cases use; a failure becomes a note."""
+def measure(
+    chosen: list[Case], nbytes: int, notes: list[str], repeats: int = 1
+) -> dict[str, float]:
+    """The ceilings of the services the ``chosen`` cases use, each the median of ``repeats``
+    passes (as the cases are); a failure becomes a note."""
     out: dict[str, float] = {}
     for case in chosen:
         if case.service not in ("redis", "s3") or any(k.startswith(case.service) for k in out):
             continue
         try:
             if case.service == "redis":
-                out.update(measure_redis(case.store, nbytes))
+                out.update(measure_redis(case.store, nbytes, repeats))
             else:
-                out.update(measure_s3(case.options, nbytes))
+                out.update(measure_s3(case.options, nbytes, repeats))
         except Exception as exc:
             notes.append(f"{case.service} ceiling not measured: {type(exc).__name__}: {exc}")
     return out

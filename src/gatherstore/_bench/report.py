@@ -119,7 +119,8 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
         "%memcpy / %pickle: GB/s as a fraction of the ceilings above (%pickle can pass 100%:",
         "ranks serialise in parallel, rank 0 never serialises its own part);",
         "%client / %fast: GB/s as a fraction of the store's service used by its client library",
-        "alone, same bytes, write then read (defaults / fast settings; /dev/shm for tmpdir).",
+        "alone, same bytes, write then read, median of as many passes as the cases' repeats",
+        "(defaults / fast settings; /dev/shm for tmpdir).",
         *impls,
         *notes,
     ]

@@ -36,6 +36,7 @@ from .layout import MAGIC as _MAGIC
 from .layout import header as _header
 from .layout import nbytes as _nbytes
 from .layout import split as _split
+from .layout import writable as _writable
 
 __all__ = [
     "CHUNKS",
@@ -340,7 +341,7 @@ class Store(ABC):
             if len(layouts) >= _LAYOUTS_KEPT:  # values read but never discarded here
                 layouts.clear()
             layouts[key] = [chunk for chunk, _ in layout]  # discard reads it no more
-            out = bytearray(total)
+            out = _writable(total)
             view, pos, places = memoryview(out), 0, []
             for chunk, size in layout:
                 places.append((chunk, view[pos : pos + size]))

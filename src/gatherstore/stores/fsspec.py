@@ -6,9 +6,10 @@ filesystems write a temp file and move it into place.
 
 On S3 (``s3://``, ``s3a://``) values above 16 MiB are chunked by the base
 class into 16 MiB objects, each one create-only PUT (``If-None-Match: *``),
-written and read 4 at a time; the manifest, written last and create-only,
-publishes the value.  Measured on SeaweedFS this beat one multipart upload
-plus ranged GETs, with s3fs and with obstore alike.  Against an ``http://``
+written and read 4 at a time, each GET's body received straight into the
+value's buffer; the manifest, written last and create-only, publishes the
+value.  Measured on SeaweedFS this beat one multipart upload plus ranged GETs,
+with s3fs and with obstore alike.  Against an ``http://``
 endpoint the payload is not hashed for the SigV4 signature (TLS is absent
 anyway, and gatherstore signs and verifies every part itself), and botocore
 computes no per-request CRC32 unless the service requires one.
@@ -32,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
+import fsspec.asyn
 
 from .base import Buffer, Store
 from .deadline import MIN_TIMEOUT, time_left
@@ -48,6 +50,7 @@ _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempt
 #: Largest S3 object written in one PUT; larger values are chunked into objects this size.
 S3_CHUNK_SIZE = 16 << 20
 _IN_FLIGHT = 4  # S3 chunk PUTs or GETs at once per store call
+_DELETE_BATCH = 1000  # keys per S3 DeleteObjects request (the API's limit)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -127,6 +130,81 @@ def _backend_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+async def _get_object_into(fs: Any, path: str, view: memoryview) -> int:
+    """GET the S3 object at ``path`` into ``view``; its size (``view`` is left alone when the
+    sizes differ, and filled only in part when the body ends early: the caller checks).
+
+    s3fs's ``cat_file`` first asks for the size (a HEAD), then collects the body in
+    pieces, joins them into new bytes and leaves the copy into ``view`` to the caller;
+    here one GET's body goes into ``view`` piece by piece as it arrives.  Retried like
+    s3fs retries its own reads.
+    """
+    bucket, key, version = fs.split_path(path)
+    version_kw = {"VersionId": version} if version else {}
+
+    async def get() -> int:
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **version_kw)
+        body = response["Body"]
+        try:
+            size = int(response.get("ContentLength", -1))
+            if size != len(view):
+                return size
+            return await _body_into(body, view)
+        finally:
+            body.close()
+
+    retry = getattr(_s3fs_core(), "_error_wrapper", None)
+    return await (retry(get, retries=fs.retries) if retry else get())
+
+
+async def _body_into(body: Any, view: memoryview) -> int:
+    """Receive a response body into ``view``; the bytes received (at most ``len(view)``)."""
+    stream = getattr(getattr(body, "raw_stream", None), "content", None)
+    chunked = getattr(stream, "readchunk", None)  # aiohttp: one received piece, never joined
+    pos = 0
+    while pos < len(view):
+        if chunked is not None:
+            piece, http_chunk_end = await chunked()
+        else:
+            piece, http_chunk_end = await body.read(len(view) - pos), False
+        if not piece:
+            if http_chunk_end:
+                continue
+            break
+        n = min(len(piece), len(view) - pos)
+        view[pos : pos + n] = memoryview(piece)[:n]
+        pos += n
+    return pos
+
+
+async def _delete_objects(fs: Any, paths: list[str]) -> None:
+    """Delete S3 objects of one bucket with one DeleteObjects request; an object that is
+    already gone is fine, any other refusal raises (s3fs's own bulk delete drops them)."""
+    bucket = fs.split_path(paths[0])[0]
+    objects = [{"Key": fs.split_path(path)[1]} for path in paths]
+    for path in paths:
+        fs.invalidate_cache(path)
+    reply = await fs._call_s3(
+        "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+    )
+    errors = [e for e in reply.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+    if errors:
+        first = errors[0]
+        raise PermissionError(
+            f"S3 refused to delete {len(errors)} object(s), e.g. {first.get('Key')!r}: "
+            f"{first.get('Code')} {first.get('Message', '')}".rstrip()
+        )
+
+
+def _s3fs_core() -> Any:
+    """s3fs's core module (its retry wrapper), or None without s3fs."""
+    try:
+        import s3fs.core
+    except ImportError:  # pragma: no cover - s3:// needs s3fs anyway
+        return None
+    return s3fs.core
+
+
 class FsspecStore(Store):
     """Values as files/objects of an fsspec filesystem under ``url``.
 
@@ -180,6 +258,16 @@ class FsspecStore(Store):
         result = getattr(self.fs, method)(*args, timeout=left, **kwargs)
         if time_left() == MIN_TIMEOUT:
             raise TimeoutError(f"{method}: no answer within the call's timeout")
+        return result
+
+    def _call_async(self, what: str, func: Callable[..., Any], *args: Any) -> Any:
+        """``await func(*args)`` on the filesystem's event loop, cancelled at the deadline."""
+        left = time_left()
+        if left is not None and left <= MIN_TIMEOUT:
+            raise TimeoutError(f"{what}: the call's timeout is over")
+        result = fsspec.asyn.sync(self.fs.loop, func, *args, timeout=left)
+        if left is not None and time_left() == MIN_TIMEOUT:
+            raise TimeoutError(f"{what}: no answer within the call's timeout")
         return result
 
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
@@ -244,12 +332,12 @@ class FsspecStore(Store):
         def fetch(item: tuple[str, memoryview]) -> int | None:
             key, view = item
             try:
-                data: bytes = self._call("cat_file", self._path(key))
+                size: int = self._call_async(
+                    "read", _get_object_into, self.fs, self._path(key), view
+                )
             except _ABSENT:
                 return None
-            if len(data) == len(view):
-                view[:] = data
-            return len(data)
+            return size
 
         return _in_flight(fetch, items)
 
@@ -313,6 +401,14 @@ class FsspecStore(Store):
         return [p[start:] for p in self._call("find", top) if ".tmp-" not in p.rsplit("/", 1)[-1]]
 
     def _delete(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` in order; on S3 the first on its own, then the rest in batches of
+        one request each (``discard`` passes a manifest first, then its chunks)."""
+        if self._s3 and len(keys) > 2:
+            self._delete(keys[:1])
+            rest = [self._path(k) for k in keys[1:]]
+            for i in range(0, len(rest), _DELETE_BATCH):
+                self._call_async("delete", _delete_objects, self.fs, rest[i : i + _DELETE_BATCH])
+            return
         for key in keys:
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 self._call("rm_file", self._path(key))
