@@ -97,6 +97,38 @@ def test_simulated_late_ranks_get_the_verdict_of_the_first_timeout() -> None:
     assert server.num_keys() == 0
 
 
+class _Stalls:
+    """A rank's real store client that stalls ``seconds`` before counting itself in
+    (a rank descheduled between publishing its value and arriving)."""
+
+    def __init__(self, store: Any, seconds: float) -> None:
+        self.store, self.seconds = store, seconds
+
+    def add(self, key: str, amount: int) -> int:
+        if key.endswith("arrived"):
+            time.sleep(self.seconds)
+        return int(self.store.add(key, amount))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_last_arriver_that_stalls_past_the_judge_still_gets_the_verdict() -> None:
+    """Every key is in, but the last arriver stalls 7 s before it gathers: the judge
+    (timeouts of 1 s) publishes after its 5 s grace; the stalled rank's own gathering
+    must still find every key, every rank gets the values, and nothing remains."""
+    world = 6
+
+    def body(store: Any, rank: int) -> Any:
+        client = _Stalls(store, 7.0) if rank == 5 else store
+        return exchange_on(client, "j/", rank, world, b"%d" % rank, timeout=1, full=[0])
+
+    results, server = scale.simulate(world, body, timeout=30)
+    assert results == [Outcome(values=[b"%d" % r for r in range(world)])] * world
+    assert server.num_keys() == 0
+
+
 @pytest.mark.parametrize("algorithm", list(scale.ALGORITHMS))
 def test_scale_bench_runs(algorithm: str) -> None:
     assert scale.run_exchange(algorithm, 8, repeats=1) > 0

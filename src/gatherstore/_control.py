@@ -247,7 +247,7 @@ def exchange_on(
     at the first timeout: one verdict that every rank (a late one included, once
     it arrives) returns.  Each rank deletes its own key once it has read the
     values' verdict (so no rank deletes W keys in a row), and the last rank to read
-    deletes the rest.
+    deletes the rest (every key, after a timeout).
 
     Raises:
         RuntimeError: the store failed (torch's ``DistStoreError``).
@@ -263,10 +263,13 @@ def exchange_on(
     except RuntimeError:  # a timeout, or the store is gone (then the next call raises)
         _judge(store, prefix, keys, summarize, full)
     outcome = _read(store, prefix, rank in full)
-    if outcome.late is None:  # the values are out: nothing reads this rank's key again
+    # the values are out; unless a judge ran (it, or a stalled last arriver, may still
+    # gather), nothing reads this rank's key again
+    keep = outcome.late is not None or store.add(prefix + "judge", 0) > 0
+    if not keep:
         store.delete_key(keys[rank])
     if store.add(prefix + "read", 1) == world:  # the last reader tidies up the rest
-        left = keys if outcome.late is not None else []  # a late rank's gathering may read them
+        left = keys if keep else []
         for key in [*left, verdict, *(prefix + k for k in ("arrived", "judge", "read", "full"))]:
             store.delete_key(key)
         if outcome.late is None and rank0_hosts and rank != 0:
@@ -290,13 +293,13 @@ def _proposal(
     return _SUMMARY + summary
 
 
-def _read(store: Any, prefix: str, full: bool) -> Outcome:
+def _read(store: Any, prefix: str, in_full: bool) -> Outcome:
     """This rank's outcome from the verdict (and the values' key, for a rank in ``full``)."""
     packed = store.get(prefix + "all")
     if packed.startswith(_LATE):
         return Outcome(late=list(json.loads(packed[len(_LATE) :])))
     if packed.startswith(_SUMMARY):
-        values = _unpack(store.get(prefix + "full")) if full else None
+        values = _unpack(store.get(prefix + "full")) if in_full else None
         return Outcome(values=values, summary=packed[len(_SUMMARY) :])
     return Outcome(values=_unpack(packed))
 
@@ -311,7 +314,8 @@ def _judge(
     rank agrees even when a late rank arrives between two ranks' timeouts.
     """
     verdict = prefix + "all"
-    if store.add(prefix + "judge", 1) > 1:
+    first = store.add(prefix + "judge", 1) == 1
+    if not first:
         try:
             store.wait([verdict], _dt.timedelta(seconds=_JUDGE_GRACE))
             return
@@ -321,10 +325,12 @@ def _judge(
     if late:
         store.compare_set(verdict, "", _LATE + json.dumps(late).encode())
         return
-    # every rank arrived, so the last of them publishes; step in only if it does not
-    with contextlib.suppress(RuntimeError):
-        store.wait([verdict], _dt.timedelta(seconds=_JUDGE_GRACE))
-        return
+    # every rank arrived, so the last of them publishes: the first judge gives it a
+    # grace before gathering itself (a later judge has waited that grace already)
+    if first:
+        with contextlib.suppress(RuntimeError):
+            store.wait([verdict], _dt.timedelta(seconds=_JUDGE_GRACE))
+            return
     store.compare_set(verdict, "", _proposal(store, prefix, keys, summarize, full))
 
 
