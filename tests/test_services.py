@@ -135,17 +135,21 @@ def test_s3_exit_at_startup_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.timeout(120)
-def test_main_prints_the_url_and_stops_on_sigterm() -> None:
-    _require(_has_redis(), "redis-server is not installed")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
-    with subprocess.Popen(
-        [sys.executable, "-m", "gatherstore.testing.services", "redis"],
+def _serving(*args: str) -> subprocess.Popen[str]:
+    """``python -m gatherstore.testing.services ARGS`` with its stdout and stderr piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gatherstore.testing.services", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
-    ) as proc:
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])},
+    )
+
+
+@pytest.mark.timeout(120)
+def test_main_prints_the_url_and_stops_on_sigterm() -> None:
+    _require(_has_redis(), "redis-server is not installed")
+    with _serving("redis") as proc:
         assert proc.stdout is not None and proc.stderr is not None
         url = proc.stdout.readline().strip()
         assert url.startswith("redis://127.0.0.1:")
@@ -162,15 +166,7 @@ def test_main_prints_the_url_and_stops_on_sigterm() -> None:
 def test_main_s3_exports_then_prints_the_url_of_its_bucket() -> None:
     _require(_has_weed(), "SeaweedFS `weed` is not installed")
     s3fs = pytest.importorskip("s3fs")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
-    argv = [sys.executable, "-m", "gatherstore.testing.services", "s3"]
-    with subprocess.Popen(
-        [*argv, "--host", "127.0.0.1", "--bucket", "made"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    ) as proc:
+    with _serving("s3", "--host", "127.0.0.1", "--bucket", "made") as proc:
         assert proc.stdout is not None and proc.stderr is not None
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:")

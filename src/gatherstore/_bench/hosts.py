@@ -131,12 +131,12 @@ class Hosts:
     @property
     def s3_options(self) -> dict[str, Any]:
         """fsspec storage options for ``s3_url`` (as ``gatherstore.open_store`` takes them)."""
+        from ..testing.plugin import S3Endpoint
+
         env = self.s3_environ
-        return {
-            "key": env["GATHERSTORE_TEST_S3_KEY"],
-            "secret": env["GATHERSTORE_TEST_S3_SECRET"],
-            "client_kwargs": {"endpoint_url": env["GATHERSTORE_TEST_S3_ENDPOINT"]},
-        }
+        return S3Endpoint(
+            *(env[f"GATHERSTORE_TEST_S3_{name}"] for name in ("ENDPOINT", "KEY", "SECRET"))
+        ).storage_options
 
     def __enter__(self) -> Hosts:
         reason = unavailable()

@@ -248,24 +248,18 @@ class FsspecStore(Store):
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``self.fs.<method>(...)``, cancelled at the deadline on asynchronous filesystems."""
-        left = time_left()
-        if left is None or not getattr(self.fs, "async_impl", False):
+        if time_left() is None or not getattr(self.fs, "async_impl", False):
             return getattr(self.fs, method)(*args, **kwargs)
-        if left <= MIN_TIMEOUT:
-            raise TimeoutError(f"{method}: the call's timeout is over")
-        # fsspec's sync() cancels the request and raises; a filesystem method that
-        # swallows the cancellation (e.g. answering "no such file") still ends here
-        result = getattr(self.fs, method)(*args, timeout=left, **kwargs)
-        if time_left() == MIN_TIMEOUT:
-            raise TimeoutError(f"{method}: no answer within the call's timeout")
-        return result
+        return self._call_async(method, getattr(self.fs, f"_{method}"), *args, **kwargs)
 
-    def _call_async(self, what: str, func: Callable[..., Any], *args: Any) -> Any:
-        """``await func(*args)`` on the filesystem's event loop, cancelled at the deadline."""
+    def _call_async(self, what: str, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``await func(...)`` on the filesystem's event loop, cancelled at the deadline."""
         left = time_left()
         if left is not None and left <= MIN_TIMEOUT:
             raise TimeoutError(f"{what}: the call's timeout is over")
-        result = fsspec.asyn.sync(self.fs.loop, func, *args, timeout=left)
+        # fsspec's sync() cancels the request and raises; a filesystem method that
+        # swallows the cancellation (e.g. answering "no such file") still ends here
+        result = fsspec.asyn.sync(self.fs.loop, func, *args, timeout=left, **kwargs)
         if left is not None and time_left() == MIN_TIMEOUT:
             raise TimeoutError(f"{what}: no answer within the call's timeout")
         return result
