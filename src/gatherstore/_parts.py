@@ -56,7 +56,14 @@ class Parts(Iterator[Any]):
             # all_gather_object reads on every rank: one bar, on rank 0
             enabled=(delete or call.rank == 0) and wanted(call.progress, incoming),
         )
-        self._prefetch()
+        try:
+            self._prefetch()
+        except BaseException:
+            # e.g. Ctrl-C inside submit(): a reader thread may have started without its
+            # pool knowing it; only shutdown() wakes it, and the traceback keeps this
+            # object (and its finaliser) alive past the interpreter's wait for threads
+            self._close(wait=False)
+            raise
 
     def _prefetch(self) -> None:
         """Keep the next ``READ_AHEAD`` parts being read."""
