@@ -172,8 +172,8 @@ def test_client_ceilings_on_real_services(
     nbytes = 9 << 20  # 3 Redis values (the last one short), 1 S3 part
     found = clients.measure_redis(gatherstore_redis_url, nbytes, repeats=2)  # median of 2
     names = ["redis_default", "redis_pipelined", "redis_fast"]
-    if found.keys() & {"redis_hiredis_packer_gbps"}:
-        names.append("redis_hiredis_packer")
+    if importlib.util.find_spec("hiredis"):
+        names += ["redis_default_hiredis", "redis_hiredis_packer"]
     for name in names:
         for what in ("write_", "read_", ""):
             assert found.pop(f"{name}_{what}gbps") > 0
@@ -188,6 +188,31 @@ def test_client_ceilings_on_real_services(
     )
     fs = s3fs.S3FileSystem(**gatherstore_s3.storage_options, skip_instance_cache=True)
     assert not [b for b in fs.ls("") if "gatherstore-ceiling-" in b]  # its bucket is gone
+
+
+def _hiredis_in_use() -> bool:
+    """In a fresh process: hide hiredis the way the ``redis_default`` ceiling does, then
+    report whether redis-py still found it."""
+    clients._hide_hiredis()
+    import redis.utils
+
+    return bool(redis.utils.HIREDIS_AVAILABLE)
+
+
+def test_redis_py_defaults_are_measured_without_hiredis_in_a_fresh_process() -> None:
+    assert clients._fresh(_hiredis_in_use) is False
+    import redis  # noqa: F401  # imported here, so hiding hiredis must refuse
+
+    with pytest.raises(RuntimeError, match="already imported"):  # too late in this process
+        clients._hide_hiredis()
+
+
+def test_the_client_share_is_of_the_faster_redis_py_default() -> None:
+    case = {**record("gs.redis", 1.0, 100), "service": "redis"}
+    ceilings = {"redis_default_gbps": 0.05, "redis_default_hiredis_gbps": 0.08}
+    runner._fractions(case, ceilings)
+    assert case["of_client"] == pytest.approx(0.1 / 0.08)
+    assert case["of_fast"] is None and case["of_memcpy"] is None
 
 
 def test_client_ceilings_are_measured_once_per_service_and_failures_are_notes() -> None:

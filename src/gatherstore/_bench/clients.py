@@ -7,6 +7,12 @@ settings (one blocking SET/GET per 4 MiB value; s3fs's ``pipe_file`` and
 ``cat_file``) and with the fastest settings gatherstore uses (several values
 or parts in flight, large socket reads, no payload hashing on ``http://``).
 gatherstore's throughput is then reported as a share of both.
+
+Each client runs in a fresh interpreter, as every case does. A long-lived
+process is not a fair place: once glibc's allocator has freed a few large
+blocks it keeps them, and a client that allocates a new buffer per value then
+skips the page faults a fresh process pays (on these VMs 2 us a page, which
+moves redis-py's GET from 0.5 to 3 GB/s).
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import multiprocessing
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -32,6 +40,7 @@ REDIS_VALUE = 4 << 20
 S3_PART = 16 << 20
 _DEPTH = 4  # values or parts in flight in the fast settings
 _TTL_MS = 600_000
+_T = TypeVar("_T")
 
 
 def _median(passes: list[tuple[float, float]]) -> tuple[float, float]:
@@ -48,6 +57,12 @@ def _rates(prefix: str, nbytes: int, write: float, read: float) -> dict[str, flo
         f"{prefix}_read_gbps": gb / read,
         f"{prefix}_gbps": gb / (write + read),
     }
+
+
+def _fresh(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in a fresh interpreter (spawned), the state every case starts in."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -128,45 +143,72 @@ def _redis_wire(url: str, src: memoryview, prefix: str) -> tuple[float, float]:
         store.close()
 
 
-def measure_redis(url: str, nbytes: int, repeats: int = 1) -> dict[str, float]:
-    """Redis ceilings of ``nbytes`` in 4 MiB values, written then read back (the median
-    of ``repeats`` passes of each).
+#: The redis-py clients measured: name -> (hiredis importable, hiredis packs commands,
+#: values per round trip). ``redis_default`` is redis-py as ``pip install redis``
+#: installs it; ``redis_default_hiredis`` the same with hiredis (``gatherstore[redis]``).
+_REDIS_CLIENTS = {
+    "redis_default": (False, False, 1),
+    "redis_default_hiredis": (True, True, 1),
+    "redis_pipelined": (True, False, _DEPTH),
+    "redis_hiredis_packer": (True, True, _DEPTH),
+}
 
-    ``redis_default``: redis-py as installed (hiredis packs and parses when
-    present), ``set`` then ``get`` of each value, one per round trip;
-    ``redis_pipelined``: redis-py pipelines of 4, its Python command packer, 1 MiB
-    socket reads;
-    ``redis_hiredis_packer`` (with hiredis): the same with hiredis' packer, which
-    copies every value before it is sent; ``redis_fast``: gatherstore's wire.
+
+def _hide_hiredis() -> None:
+    """Load redis-py as it comes without hiredis (only before redis-py is imported)."""
+    if "redis" in sys.modules:
+        raise RuntimeError("redis-py is already imported; hiredis can no longer be hidden")
+    sys.modules["hiredis"] = None  # type: ignore[assignment]  # `import hiredis` now fails
+
+
+def _redis_client(url: str, nbytes: int, repeats: int, name: str) -> tuple[float, float]:
+    """Median (write, read) seconds of the Redis client ``name`` (run in a fresh process).
+
+    ``redis_fast`` is gatherstore's wire; the others are redis-py per ``_REDIS_CLIENTS``,
+    pipelined ones with 1 MiB socket reads.
     """
+    run = uuid.uuid4().hex
+    if name == "redis_fast":
+        src = _source(nbytes)
+        prefixes = [f"gatherstore-ceiling-{run}-{i}/" for i in range(repeats)]
+        return _median([_redis_wire(url, src, prefix) for prefix in prefixes])
+    hiredis, hiredis_packs, depth = _REDIS_CLIENTS[name]
+    if not hiredis:
+        _hide_hiredis()
     import redis
 
     from ..stores._resp import python_packer
 
-    repeats = max(1, repeats)
+    options: dict[str, Any] = {} if hiredis_packs else python_packer()
+    if depth > 1:
+        options["socket_read_size"] = 1 << 20
     src = _source(nbytes)
-    run = uuid.uuid4().hex
     keys = [f"gatherstore-ceiling-{run}-{i}".encode() for i in range(-(-nbytes // REDIS_VALUE))]
-    pipelined = {"socket_read_size": 1 << 20}
-    packer = python_packer()
-    variants: list[tuple[str, dict[str, Any], int]] = [
-        ("redis_default", {}, 1),
-        ("redis_pipelined", {**pipelined, **packer}, _DEPTH),
-    ]
-    if packer:  # hiredis is installed: prove that its packer is the slower one
-        variants.append(("redis_hiredis_packer", pipelined, _DEPTH))
+    client = redis.Redis.from_url(url, **options)
+    try:
+        return _median([_redis_pass(client, src, depth, keys) for _ in range(repeats)])
+    finally:
+        client.close()
+
+
+def measure_redis(url: str, nbytes: int, repeats: int = 1) -> dict[str, float]:
+    """Redis ceilings of ``nbytes`` in 4 MiB values, written then read back (the median
+    of ``repeats`` passes of each), every client in a fresh process.
+
+    ``redis_default``: redis-py without hiredis, ``set`` then ``get`` of each value,
+    one per round trip; ``redis_default_hiredis`` (with hiredis): the same, hiredis
+    packing and parsing; ``redis_pipelined``: pipelines of 4, the Python command
+    packer, 1 MiB socket reads; ``redis_hiredis_packer`` (with hiredis): the same
+    with hiredis' packer, which copies every value before it is sent;
+    ``redis_fast``: gatherstore's wire.
+    """
+    repeats = max(1, repeats)
+    names = ["redis_default", "redis_pipelined", "redis_fast"]
+    if importlib.util.find_spec("hiredis"):
+        names += ["redis_default_hiredis", "redis_hiredis_packer"]
     out: dict[str, float] = {}
-    for name, options, depth in variants:
-        client = redis.Redis.from_url(url, **options)
-        try:
-            passes = [_redis_pass(client, src, depth, keys) for _ in range(repeats)]
-            write, read = _median(passes)
-        finally:
-            client.close()
-        out.update(_rates(name, nbytes, write, read))
-    passes = [_redis_wire(url, src, f"gatherstore-ceiling-{run}-{i}/") for i in range(repeats)]
-    wire = _median(passes)
-    out.update(_rates("redis_fast", nbytes, *wire))
+    for name in names:
+        out.update(_rates(name, nbytes, *_fresh(_redis_client, url, nbytes, repeats, name)))
     return out
 
 
@@ -248,23 +290,39 @@ def _s3_obstore(options: dict[str, Any], prefix: str, src: memoryview) -> tuple[
         )
 
 
+#: The S3 clients measured: name -> one pass (options, key prefix, bytes) -> (write, read) s.
+_S3_CLIENTS: dict[str, Callable[[dict[str, Any], str, memoryview], tuple[float, float]]] = {
+    "s3_default": _s3_default,
+    "s3_fast": _s3_fast,
+    "s3_obstore": _s3_obstore,
+}
+
+
+def _s3_client(
+    options: dict[str, Any], bucket: str, nbytes: int, repeats: int, name: str
+) -> tuple[float, float]:
+    """Median (write, read) seconds of the S3 client ``name`` (run in a fresh process),
+    every pass under a prefix of its own in ``bucket``."""
+    src = _source(nbytes)
+    run = _S3_CLIENTS[name]
+    return _median([run(options, f"{bucket}/{name}-{i}", src) for i in range(repeats)])
+
+
 def measure_s3(options: dict[str, Any], nbytes: int, repeats: int = 1) -> dict[str, float]:
     """S3 ceilings of ``nbytes``: s3fs's defaults (one object) and the fast settings,
     and obstore in the same shape when it is installed (the client shoot-out); the
-    median of ``repeats`` passes of each, every pass under a prefix of its own.
+    median of ``repeats`` passes of each, every client in a fresh process.
 
     ``options``: s3fs storage options (endpoint and credentials).
     """
-    src = _source(nbytes)
     repeats = max(1, repeats)
-    out: dict[str, float] = {}
-    runs = [("s3_default", _s3_default), ("s3_fast", _s3_fast)]
+    names = ["s3_default", "s3_fast"]
     if importlib.util.find_spec("obstore") and {"key", "secret"} <= options.keys():
-        runs.append(("s3_obstore", _s3_obstore))
+        names.append("s3_obstore")
+    out: dict[str, float] = {}
     with _bucket(options) as bucket:
-        for name, run in runs:
-            passes = [run(options, f"{bucket}/{name}-{i}", src) for i in range(repeats)]
-            write, read = _median(passes)
+        for name in names:
+            write, read = _fresh(_s3_client, options, bucket, nbytes, repeats, name)
             out.update(_rates(name, nbytes, write, read))
     return out
 

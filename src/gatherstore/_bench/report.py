@@ -69,6 +69,7 @@ def _gbps(value: float | None) -> str:
 #: (key prefix in the ceilings, what it measured) of each client ceiling line.
 _CLIENT_LINES = [
     ("redis_default", "redis-py defaults, one SET then one GET per 4 MiB value"),
+    ("redis_default_hiredis", "the same with hiredis installed"),
     ("redis_pipelined", "redis-py pipelines of 4 values, its Python packer, 1 MiB reads"),
     ("redis_hiredis_packer", "the same with hiredis' command packer"),
     ("redis_fast", "gatherstore's wire: 4 in flight, values sent and received in place"),
@@ -119,8 +120,9 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
         "%memcpy / %pickle: GB/s as a fraction of the ceilings above (%pickle can pass 100%:",
         "ranks serialise in parallel, rank 0 never serialises its own part);",
         "%client / %fast: GB/s as a fraction of the store's service used by its client library",
-        "alone, same bytes, write then read, median of as many passes as the cases' repeats",
-        "(defaults / fast settings; /dev/shm for tmpdir).",
+        "alone, same bytes, write then read, median of as many passes as the cases' repeats,",
+        "each client in a fresh process as each case is (defaults, the faster with or without",
+        "hiredis / fast settings; /dev/shm for tmpdir).",
         *impls,
         *notes,
     ]
