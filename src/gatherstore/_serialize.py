@@ -8,7 +8,8 @@ part's buffer (a memory map for files).  CUDA tensors are copied to CPU memory
 first, so objects never grow GPU memory; tensors that require grad are
 detached.  cloudpickle is used only when plain pickle fails.
 
-The digest is CRC-32, or HMAC-SHA256 when a signing key is given; it also
+The digest is CRC-32, or a keyed BLAKE3 hash (a MAC, 3-4x faster than
+HMAC-SHA256 with SHA extensions) when a signing key is given; it also
 covers the part's *binding* (associated data naming its job, call and rank,
 never stored), so a part replayed from another call or planted under another
 rank's key fails the check.  It is checked before anything is unpickled, and a
@@ -19,6 +20,7 @@ change: what is verified must be what is unpickled.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import pickle
@@ -27,6 +29,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import cloudpickle
 import numpy as np
 import torch
@@ -36,7 +39,7 @@ from ._errors import IntegrityError
 
 __all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "encode", "load", "verify"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: signatures are keyed BLAKE3 (1: HMAC-SHA256)
 _MAGIC = b"GSPART\x00\x00"
 # magic, version, flags, out-of-band buffers, columns, pickle length, total
 _HEAD = struct.Struct("<8sIIQQQQ")
@@ -47,6 +50,7 @@ _CLOUDPICKLE, _SIGNED = 1, 2
 _ALIGN_LARGE, _ALIGN_SMALL, _LARGE = 64, 16, 1 << 16
 _PADDING = bytes(_ALIGN_LARGE)
 _OUT_OF_BAND_MIN = 4096
+_MAC_CONTEXT = "gatherstore part signature, format 2"
 
 
 @dataclass
@@ -54,7 +58,7 @@ class Frame:
     """An encoded part: ``segments`` written back to back make ``nbytes`` bytes.
 
     :func:`encode` leaves it unsealed; :meth:`seal` adds the digest (CRC-32) or,
-    with a key, the HMAC-SHA256 signature, once the route is known.
+    with a key, the keyed BLAKE3 signature, once the route is known.
     """
 
     nbytes: int
@@ -178,14 +182,20 @@ def _pad(pos: int, size: int) -> int:
     return -pos % align
 
 
+@functools.lru_cache(maxsize=8)
+def _mac_key(key: bytes) -> bytes:
+    """The 32-byte BLAKE3 key derived from a signing key of any length."""
+    return blake3.blake3(key, derive_key_context=_MAC_CONTEXT).digest()
+
+
 def _digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
-    """HMAC-SHA256 (with ``key``) or CRC-32 of ``bind``, length-prefixed, then ``segments``."""
+    """Keyed BLAKE3 (with ``key``) or CRC-32 of ``bind``, length-prefixed, then ``segments``."""
     segments = [memoryview(struct.pack("<Q", len(bind)) + bind), *segments]
     if key is not None:
-        mac = hmac.new(key, digestmod="sha256")
+        mac = blake3.blake3(key=_mac_key(key))
         for seg in segments:
             mac.update(seg)
-        return mac.digest()
+        return bytes(mac.digest(_DIGEST_SIZE))
     crc = 0
     for seg in segments:
         crc = zlib.crc32(seg, crc)

@@ -173,7 +173,7 @@ class Store(ABC):
     def from_url(cls, url: str, **options: Any) -> Store:
         """Open the store a URL names (see :func:`gatherstore.open_store`).
 
-        ``sign=True/False`` overrides whether parts are HMAC-signed
+        ``sign=True/False`` overrides whether parts are signed
         (default: when processes outside the job can reach the store).
         """
         sign = options.pop("sign", None)
@@ -188,7 +188,7 @@ class Store(ABC):
 
     @property
     def sign_parts(self) -> bool:
-        """Whether object parts written here are HMAC-signed and verified."""
+        """Whether object parts written here are signed and verified."""
         return bool(self.__dict__.get("_sign", self.reachable_by_others))
 
     @sign_parts.setter

@@ -22,7 +22,7 @@ Options come from the URL query or keywords, e.g.
 - ``ttl``: seconds every key lives (default 3600);
 - ``chunk_size``: largest value written as one key, in bytes;
 - ``key_prefix``: a namespace for every key of this store (default none);
-- ``sign``: whether parts are HMAC-signed (default yes);
+- ``sign``: whether parts are signed (default yes);
 - any redis-py connection option (``password``, ``username``, ``socket_timeout``,
   ``socket_connect_timeout``, ``ssl_ca_certs``, ``max_connections``, …).
 
