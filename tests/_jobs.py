@@ -1,4 +1,4 @@
-"""Multi-process jobs shared by the Redis and S3 test modules."""
+"""Functions that tests run in other processes (this module imports no client library)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def check_object_collectives(results: list[dict[str, Any]]) -> None:
         assert out["collect"] == ([f"item-{i}" for i in range(10)] if rank == 0 else None)
         assert out["failure"] == ("TypeError" if rank == world - 1 else "RemoteRankError")
         assert out["after_failure"] == list(range(world))
+
+
+def hiredis_in_use() -> bool:
+    """In a fresh process: hide hiredis as the bench's ``redis_default`` ceiling does,
+    then say whether redis-py still found it."""
+    from gatherstore._bench import clients
+
+    clients._hide_hiredis()
+    import redis.utils
+
+    return bool(redis.utils.HIREDIS_AVAILABLE)

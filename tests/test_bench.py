@@ -13,23 +13,29 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _jobs import hiredis_in_use
 
 import gatherstore as gs
 from gatherstore._bench import baselines, clients, payloads, report, runner
 from gatherstore._bench.cases import BASELINE, Case, select
 from gatherstore._bench.measure import PeakMemory
 from gatherstore.testing.plugin import S3Endpoint
+from gatherstore.testing.services import start_redis
 
 GS_CASES = ["gs.collective", "gs.tmpdir-shm", "gs.iter-tmpdir-shm", "gs.tmpdir-disk", "gs.file"]
 ALL_CASES = [BASELINE, "torch.gather_object", "mmengine.collect_results_cpu", *GS_CASES]
 
 
-def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def run_bench(
+    *args: str, timeout: float, services: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "gatherstore._cli", "bench", "--sizes", "4MB", "--world", "2"]
     command += ["--repeats", "1", "--ceiling-size", "16MB", *args]
-    # no services: the expected cases are those that need none
+    # no services but ``services`` (their variables): the expected cases are known
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATHERSTORE_")}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env={**env, **(services or {})}
+    )
 
 
 # --- payloads ----------------------------------------------------------------------------------
@@ -190,18 +196,9 @@ def test_client_ceilings_on_real_services(
     assert not [b for b in fs.ls("") if "gatherstore-ceiling-" in b]  # its bucket is gone
 
 
-def _hiredis_in_use() -> bool:
-    """In a fresh process: hide hiredis the way the ``redis_default`` ceiling does, then
-    report whether redis-py still found it."""
-    clients._hide_hiredis()
-    import redis.utils
-
-    return bool(redis.utils.HIREDIS_AVAILABLE)
-
-
 def test_redis_py_defaults_are_measured_without_hiredis_in_a_fresh_process() -> None:
-    assert clients._fresh(_hiredis_in_use) is False
-    import redis  # noqa: F401  # imported here, so hiding hiredis must refuse
+    assert clients._fresh(hiredis_in_use) is False
+    import redis  # noqa: F401  # once it is imported, hiding hiredis must refuse
 
     with pytest.raises(RuntimeError, match="already imported"):  # too late in this process
         clients._hide_hiredis()
@@ -265,6 +262,35 @@ def test_bench_table_json_file_and_plot(tmp_path: Path) -> None:
     cases = [json.loads(line) for line in jsonl.read_text().splitlines()][1:]
     assert [c["case"] for c in cases] == [BASELINE, "gs.iter-tmpdir-shm"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_bench_gathers_through_redis_over_tcp_and_its_unix_socket() -> None:
+    import redis
+
+    with start_redis() as server:
+        result = run_bench(
+            "--payloads",
+            "tensors",
+            "--cases",
+            "gs.redis*",
+            "--json",
+            "-",
+            timeout=290,
+            services=server.environ,
+        )
+        assert result.returncode == 0, result.stderr
+        lines = [json.loads(line) for line in result.stdout.splitlines()]
+        assert lines[0]["redis_default_gbps"] > 0  # the same server's client ceilings
+        cases = {c["case"]: c for c in lines[1:]}
+        assert sorted(cases) == ["gs.redis", "gs.redis-unix"]
+        assert cases["gs.redis-unix"]["store"] == server.unix_url.split("?")[0]
+        assert server.unix_url.startswith("unix:///")
+        for case in cases.values():
+            assert case["error"] is None and case["of_client"] > 0, case
+        client = redis.Redis.from_url(server.url)
+        assert client.dbsize() == 0  # nothing left behind
+        client.close()
 
 
 @pytest.mark.timeout(120)

@@ -74,16 +74,22 @@ def _s3_options(endpoint: str) -> dict[str, Any]:
 
 
 def _remote(
-    stack: contextlib.ExitStack, redis: str | None, s3: str | None, notes: list[str]
+    stack: contextlib.ExitStack,
+    redis: dict[str, str | None],
+    s3: str | None,
+    notes: list[str],
 ) -> list[Case]:
-    """Redis and S3 cases; a store that cannot be opened becomes a note."""
+    """Redis (``redis``: case name to URL) and S3 cases; a store that cannot be opened
+    becomes a note."""
     cases = []
-    if redis:
+    for name, url in redis.items():
+        if not url:
+            continue
         try:
-            open_store(redis).close()
-            cases.append(Case("gs.redis", "gather_object", redis, service="redis"))
+            open_store(url).close()
+            cases.append(Case(name, "gather_object", url, service="redis"))
         except Exception as exc:
-            notes.append(f"gs.redis skipped: {type(exc).__name__}: {exc}")
+            notes.append(f"{name} skipped: {type(exc).__name__}: {exc}")
     if s3:
         try:
             import fsspec
@@ -132,7 +138,11 @@ def reachable(
 
     Redis and S3 come from the arguments, else ``GATHERSTORE_TEST_REDIS_URL`` /
     ``GATHERSTORE_TEST_S3_ENDPOINT``, else (with ``services``) fresh local servers.
+    ``gs.redis-unix`` runs over the same Redis's unix socket when it is known:
+    ``GATHERSTORE_TEST_REDIS_UNIX_URL``, which a started server sets, unless ``redis``
+    names another server.
     """
+    named = redis is not None
     redis = redis or os.environ.get("GATHERSTORE_TEST_REDIS_URL")
     s3 = s3 or os.environ.get("GATHERSTORE_TEST_S3_ENDPOINT")
     notes: list[str] = []
@@ -141,7 +151,9 @@ def reachable(
         if services and not (redis and s3):
             started = _start_services(stack, notes)
             redis, s3 = redis or started[0], s3 or started[1]
-        cases = _baselines() + _local(workdir) + _remote(stack, redis, s3, notes)
+        unix = None if named else os.environ.get("GATHERSTORE_TEST_REDIS_UNIX_URL")
+        remote = _remote(stack, {"gs.redis": redis, "gs.redis-unix": unix}, s3, notes)
+        cases = _baselines() + _local(workdir) + remote
         yield cases, notes, workdir
 
 

@@ -170,7 +170,7 @@ def _start(make: Callable[[Path], _S], workdir: str | None, attempts: int) -> _S
 
 class RedisService:
     """A ``redis-server`` on ``host`` (127.0.0.1) without persistence; ``.url`` is
-    ``redis://…/0``."""
+    ``redis://…/0``, ``.unix_url`` the same server over its unix socket."""
 
     name = "redis-server"
 
@@ -178,6 +178,7 @@ class RedisService:
         self.executor, self.directory = executor, directory
         self.host, self.port = str(executor.host), int(executor.port)
         self.url = f"redis://{self.host}:{self.port}/0"
+        self.unix_url = f"unix://{executor.unixsocket}"
         assert executor.process is not None, "start the executor first"
         #: The server process (its ``pid`` is what tests freeze or kill).
         self.process: subprocess.Popen[bytes] = executor.process
@@ -186,7 +187,10 @@ class RedisService:
     @property
     def environ(self) -> dict[str, str]:
         """The environment variables that point gatherstore's test fixtures here."""
-        return {"GATHERSTORE_TEST_REDIS_URL": self.url}
+        return {
+            "GATHERSTORE_TEST_REDIS_URL": self.url,
+            "GATHERSTORE_TEST_REDIS_UNIX_URL": self.unix_url,
+        }
 
     def log_tail(self, limit: int = 3000) -> str:
         """The end of the server's log."""
