@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -168,6 +169,7 @@ def test_memory_store_across_processes_is_not_shared() -> None:
         assert ranks == "[1, 2]"
         assert store.startswith("memory://")
         assert "redis://" in message and "file:///" in message
+        assert re.search(r"\(rank 1: no job marker within \d+ s; rank 2: no job marker", message)
 
 
 def _collect(spec: str) -> dict[str, Any]:

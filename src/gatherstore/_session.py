@@ -58,6 +58,7 @@ MARKER = "marker"
 # how long a rank looks for rank 0's marker: a share seen through a loaded network
 # filesystem may lag by seconds, but a store that is not shared must fail fast
 _VISIBILITY_WAIT = (2.0, 10.0)
+_RETRY_PAUSE = 0.1  # between lookups that failed with a store error
 _PUBLISHED = "gatherstore-areas"  # counter key on the launcher's store; areas at "<key>/<n>"
 
 
@@ -117,15 +118,16 @@ def session_for(store: Store, timeout: float) -> JobSession:
         raise RemoteRankError(0, reply["error"], context=f"setting up store {store}")
     job = store.join_job(reply["locator"])
     session = JobSession(store, reply["locator"], job, None)
-    seen = rank == 0 or _sees_marker(job, timeout)
-    flags = control.exchange(b"1" if seen else b"0", timeout=timeout, what="store check")
-    blind = [r for r, flag in enumerate(flags) if flag != b"1"]
+    missed = "" if rank == 0 else _misses_marker(job, timeout)
+    flags = control.exchange(missed.encode(), timeout=timeout, what="store check")
+    blind = [r for r, flag in enumerate(flags) if flag]
     if blind:
         if rank == 0:
             _end(session)
+        why = "; ".join(f"rank {r}: {flags[r].decode(errors='replace')}" for r in blind[:3])
         raise StoreNotSharedError(
             f"store {store} is not visible from ranks {blind}: they cannot see the job "
-            f"area {reply['locator']!r} that rank 0 created. Use a store every rank "
+            f"area {reply['locator']!r} that rank 0 created ({why}). Use a store every rank "
             "shares: tmpdir only on one machine; across machines file:///<shared dir>, "
             "redis:// or s3:// (memory:// lives inside one process)",
             ranks=blind,
@@ -174,14 +176,27 @@ def sweep_published(launcher: Any) -> None:
                 launcher.delete_key(key)
 
 
-def _sees_marker(job: Store, timeout: float) -> bool:
-    """Whether rank 0's marker shows up within a sixth of ``timeout`` (2 to 10 s)."""
+def _misses_marker(job: Store, timeout: float) -> str:
+    """Empty once rank 0's marker shows up within a sixth of ``timeout`` (2 to 10 s),
+    else why it did not.
+
+    A store error is retried until then: a network filesystem can fail a lookup
+    while it reconnects (sshfs, NFS), and one failed ``stat`` is no proof that
+    the store is not shared.
+    """
     shortest, longest = _VISIBILITY_WAIT
-    try:
-        job.wait([MARKER], min(max(shortest, timeout / 6), longest, timeout))
-    except Exception:
-        return False
-    return True
+    wait = min(max(shortest, timeout / 6), longest, timeout)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            job.wait([MARKER], max(0.0, deadline - time.monotonic()))
+            return ""
+        except GatherTimeout:
+            return f"no job marker within {wait:g} s"
+        except Exception as exc:
+            if time.monotonic() >= deadline:
+                return f"{type(exc).__name__}: {exc}"[:200]
+            time.sleep(_RETRY_PAUSE)
 
 
 def _shared_key(timeout: float) -> bytes:
