@@ -168,8 +168,8 @@ def _redis_client(url: str, nbytes: int, repeats: int, name: str) -> tuple[float
     pipelined ones with 1 MiB socket reads.
     """
     run = uuid.uuid4().hex
+    src = _source(nbytes)
     if name == "redis_fast":
-        src = _source(nbytes)
         prefixes = [f"gatherstore-ceiling-{run}-{i}/" for i in range(repeats)]
         return _median([_redis_wire(url, src, prefix) for prefix in prefixes])
     hiredis, hiredis_packs, depth = _REDIS_CLIENTS[name]
@@ -182,7 +182,6 @@ def _redis_client(url: str, nbytes: int, repeats: int, name: str) -> tuple[float
     options: dict[str, Any] = {} if hiredis_packs else python_packer()
     if depth > 1:
         options["socket_read_size"] = 1 << 20
-    src = _source(nbytes)
     keys = [f"gatherstore-ceiling-{run}-{i}".encode() for i in range(-(-nbytes // REDIS_VALUE))]
     client = redis.Redis.from_url(url, **options)
     try:
