@@ -65,3 +65,14 @@ def signature_differences(original: Any, compat: Any, name: str) -> list[str]:
         if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD):
             problems.append(f"{name}: extra parameter {q} has no default")
     return problems
+
+
+class Unsendable:
+    """An object that can be copied (libraries copy states before they sync) but not
+    pickled: a gather fails on the rank that holds one."""
+
+    def __deepcopy__(self, memo: Any) -> Unsendable:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("this item cannot be sent")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import outcome, same
+from compat_same import Unsendable, outcome, same
 
 import gatherstore as gs
 from gatherstore._bench.metrics import counted
@@ -41,17 +41,6 @@ SIDE_BY_SIDE = {
 
 
 SIDE_BY_SIDE_CALLS = [f"{name}/{s}" for name, scenarios in SIDE_BY_SIDE.items() for s in scenarios]
-
-
-class Unsendable:
-    """A state item that torchmetrics can copy (its sync caches the states first) but
-    that cannot be pickled: the gather itself fails on its rank."""
-
-    def __deepcopy__(self, memo: Any) -> Unsendable:
-        return self
-
-    def __reduce__(self) -> Any:
-        raise TypeError("this item cannot be sent")
 
 
 def torchvision_standin() -> None:
