@@ -180,7 +180,7 @@ def _summary(ranks: list[dict[str, Any]], compute_on: int | None) -> dict[str, A
         "torch_calls": max(r["torch"][-1] for r in ranks),
         "gs_calls": max(r["gs"][-1] for r in ranks),
         "map": ranks[0]["map"][-1],
-        "same_map": len({m for r in ranks for m in r["map"]}) == 1,
+        "same_map": all(len({r["map"][i] for r in ranks}) == 1 for i in repeats),
     }
 
 
@@ -227,7 +227,7 @@ def _row(r: dict[str, Any]) -> list[str]:
         format_bytes(r["other_peak"]),
         str(r["torch_calls"]),
         str(r["gs_calls"]),
-        f"{r['map']:.4f}" + ("" if r["same_map"] else " (differs across ranks)"),
+        f"{r['map']:.4f}" + ("" if r["same_map"] else " (ranks differ)"),
     ]
 
 
@@ -243,6 +243,7 @@ def table(records: list[dict[str, Any]]) -> str:
             "MeanAveragePrecision (pycocotools) sync and compute; sync: metric.sync(), slowest",
             "rank (compute_on=0: rank 0's gather inside compute()); compute: compute(), sync",
             "included, slowest rank; peak: VmHWM growth during compute() (other = worst other",
-            "rank); calls: per rank during compute(); medians over repeats.",
+            "rank); calls: per rank during compute(); medians over repeats; mAP: the last",
+            "repeat's (every case updates with the same images).",
         ]
     )
