@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,19 +82,38 @@ def _states(metric: Any, whole: bool, keep: frozenset[str]) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class _Packed:
+    """A list state's tensors of one dtype, sent as one flat tensor and their shapes: one
+    buffer to pickle instead of one per tensor (MAP has several per image)."""
+
+    flat: Tensor
+    shapes: list[tuple[int, ...]]
+
+    def unpacked(self, device: Any) -> list[Tensor]:
+        """The tensors again (views into the received buffer), on ``device``."""
+        pieces = torch.split(self.flat.to(device), [math.prod(shape) for shape in self.shapes])
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes, strict=True)]
+
+
+def _sendable(value: Any) -> Any:
+    """A state as sent: tensors detached, a list of same-dtype tensors packed."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    kinds = {(v.dtype, v.device) if isinstance(v, Tensor) else None for v in value}
+    if len(value) > 1 and len(kinds) == 1 and None not in kinds:
+        flat = torch.cat([v.detach().reshape(-1) for v in value])
+        return _Packed(flat, [tuple(v.shape) for v in value])
+    return [v.detach() if isinstance(v, Tensor) else v for v in value]
+
+
 def _prepared(metric: Any, whole: bool, keep: frozenset[str]) -> tuple[dict[str, Any], Any]:
-    """This rank's states, and what it sends: detached, or a Raising if preparing failed."""
+    """This rank's states, and what it sends (or a Raising if preparing them failed)."""
     try:
         own = _states(metric, whole, keep)
+        return own, {attr: _sendable(value) for attr, value in own.items()}
     except Exception as exc:
         return {}, Raising(exc)
-    sent = {
-        attr: value.detach()
-        if isinstance(value, Tensor)
-        else [v.detach() if isinstance(v, Tensor) else v for v in value]
-        for attr, value in own.items()
-    }
-    return own, sent
 
 
 def _interleaved(lists: Sequence[list[Any]], me: int, device: Any) -> list[Any]:
@@ -127,7 +148,9 @@ def _merge(metric: Any, parts: list[Any], me: int) -> None:
                 [v if r == me else v.to(value.device) for r, v in enumerate(values)]
             )
         else:
-            synced = _interleaved(values, me, _list_device(metric, value))
+            device = _list_device(metric, value)
+            lists = [v.unpacked(device) if isinstance(v, _Packed) else v for v in values]
+            synced = _interleaved(lists, me, device)
             if not synced and reduce_fx is not dim_zero_cat:
                 setattr(metric, attr, [])
                 continue
