@@ -87,7 +87,9 @@ class Model(pl.LightningModule):  # type: ignore[misc]
         }
 
 
-def predict(kind: str, loaders: Any, own_sampler: bool = False, dst: int = 0) -> Any:
+def predict(
+    kind: str, loaders: Any, own_sampler: bool = False, dst: int = 0, **options: Any
+) -> Any:
     """``trainer.predict`` on 3 CPU ranks with a GatherPredictions; its predictions."""
     writer = compat.GatherPredictions(dst=dst)
     trainer = pl.Trainer(
@@ -97,6 +99,7 @@ def predict(kind: str, loaders: Any, own_sampler: bool = False, dst: int = 0) ->
         callbacks=[writer],
         use_distributed_sampler=not own_sampler,
         **QUIET,
+        **options,
     )
     trainer.predict(Model(kind), dataloaders=loaders, return_predictions=False)
     return writer.predictions
@@ -121,6 +124,8 @@ def ranks_predict() -> dict[str, Any]:
     for kind in ("unsendable", "tuple"):
         result = outcome(lambda kind=kind: predict(kind, loader(9, 3)))
         out[kind] = result[1].__name__ if isinstance(result, tuple) else result
+    limited = outcome(lambda: predict("list", loader(9, 1), limit_predict_batches=2))
+    out["limited"] = limited[1].__name__ if isinstance(limited, tuple) else limited
     out["in step"] = predict("list", loader(4, 1))
     return out
 
@@ -151,6 +156,8 @@ def test_ddp_predict_in_three_ranks_equals_single_device() -> None:
     assert same(expected, results[1]["own shards, dst=1"], "own shards") == []
     assert [r["unsendable"] for r in results] == ["RemoteRankError", "TypeError", "RemoteRankError"]
     assert [r["tuple"] for r in results] == ["RemoteRankError", "RemoteRankError", "TypeError"]
+    # limit_predict_batches leaves samples out: dst names them, the others are done
+    assert [r["limited"] for r in results] == ["ValueError", None, None]
     assert first["in step"] == [f"sample-{i}" for i in range(4)]
 
 
