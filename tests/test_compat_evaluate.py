@@ -204,31 +204,34 @@ def test_node_local_cache_and_a_rank_without_data_work_patched(tmp_path: Path) -
 
 
 def one_rank_fails(tmp: str) -> dict[str, Any]:
-    """Rank 1 passes mismatched inputs to compute() and raises before the gather."""
-    rank = gs.get_rank()
-    with compat.patch():
-        module = Accuracy(num_process=3, process_id=rank, cache_dir=tmp, timeout=5)
-        references = [0] if rank == 1 else [0, 0]
-        try:
-            module.compute(predictions=[0, 1], references=references)
-            error: Exception | None = None
-        except Exception as exc:
-            error = exc
-    return {
-        "raised": type(error).__name__,
-        "waited for": getattr(error, "ranks", None),
-        "left": files(Path(tmp)),
-    }
+    """Rank 1 passes mismatched inputs to compute() and raises before the gather:
+    evaluate's own, then patched."""
+    rank, out = gs.get_rank(), {}
+    for patched in (False, True):
+        with compat.patch() if patched else contextlib.nullcontext():
+            cache = os.path.join(tmp, str(patched))
+            module = Accuracy(num_process=3, process_id=rank, cache_dir=cache, timeout=3)
+            references = [0] if rank == 1 else [0, 0]
+            try:
+                module.compute(predictions=[0, 1], references=references)
+                out[patched] = None
+            except Exception as exc:
+                out[patched] = (type(exc).__name__, getattr(exc, "ranks", None))
+            del module
+            gs.barrier()
+            out["left", patched] = files(Path(cache))
+    return out
 
 
 @pytest.mark.timeout(240)
 def test_a_rank_that_fails_makes_every_rank_raise(tmp_path: Path) -> None:
-    # evaluate's own: rank 1 raises, rank 0 waits `timeout` for rank 1's lock and raises,
-    # rank 2 returns None; patched, ranks 0 and 2 raise GatherTimeout naming rank 1
     results = gs.launch(one_rank_fails, nproc_per_node=3, backend="gloo", args=(str(tmp_path),))
-    assert [r["raised"] for r in results] == ["GatherTimeout", "ValueError", "GatherTimeout"]
-    assert [r["waited for"] for r in results] == [[1], None, [1]]
-    assert all(r["left"] == [] for r in results)
+    # evaluate's own: rank 0 waits `timeout` for rank 1's file and raises, rank 2 returns None
+    assert [r[False] for r in results] == [("ValueError", None), ("ValueError", None), None]
+    # patched: ranks 0 and 2 raise GatherTimeout naming rank 1, and nothing is left behind
+    timeout = ("GatherTimeout", [1])
+    assert [r[True] for r in results] == [timeout, ("ValueError", None), timeout]
+    assert all(r["left", True] == [] for r in results)
 
 
 def test_single_process_modules_are_left_to_evaluate(tmp_path: Path) -> None:
