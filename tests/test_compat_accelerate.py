@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from compat_same import outcome, same, same_outcome
+from compat_same import failure, outcome, same, same_outcome
 
 import gatherstore as gs
 from gatherstore.compat import accelerate as compat
@@ -141,24 +142,19 @@ def one_rank_cannot_pickle() -> dict[str, Any]:
     PartialState(cpu=True)
     rank = gs.get_rank()
     with compat.patch():
-        try:
-            operations.gather_object([Unpicklable() if rank == 1 else rank])
-            error: Exception | None = None
-        except Exception as exc:
-            error = exc
-        after = operations.gather_object([rank])  # the job goes on
-    return {
-        "raised": type(error).__name__,
-        "names": getattr(error, "rank", None),
-        "says why": "Unpicklable holds a lock" in str(error),
-        "after": after,
-    }
+        out = failure(
+            lambda: operations.gather_object([Unpicklable() if rank == 1 else rank]),
+            "Unpicklable holds a lock",
+        )
+        out["after"] = operations.gather_object([rank])  # the job goes on
+    return out
 
 
 @pytest.mark.timeout(180)
 def test_a_rank_that_cannot_pickle_makes_every_rank_raise() -> None:
     # accelerate's own all_gather_object raises on rank 1 and leaves ranks 0 and 2 waiting
-    # for the process group's timeout; patched, every rank raises at once
+    # in the collective until the process group's timeout or until rank 1 exits; patched,
+    # every rank raises at once
     results = gs.launch(one_rank_cannot_pickle, nproc_per_node=3, backend="gloo", timeout=60)
     assert [r["raised"] for r in results] == ["RemoteRankError", "TypeError", "RemoteRankError"]
     assert [r["names"] for r in results] == [1, None, 1]
@@ -167,17 +163,22 @@ def test_a_rank_that_cannot_pickle_makes_every_rank_raise() -> None:
         assert out["after"] == [0, 1, 2]
 
 
-def test_patch_swaps_every_site_and_undoes() -> None:
+def test_patch_swaps_every_site_and_undoes(monkeypatch: pytest.MonkeyPatch) -> None:
     import accelerate.accelerator as accelerator
     import accelerate.utils as utils
 
     original = operations.gather_object
+    # a stand-in for TRL's trainers: `from accelerate.utils import gather_object`
+    trainer = types.ModuleType("trl.trainer.stand_in")
+    trainer.gather_object = original  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, trainer.__name__, trainer)
+    sites = (operations, utils, accelerator, trainer)
     with compat.patch() as handle:
         assert compat.patch() is handle  # twice is harmless
-        for module in (operations, utils, accelerator):
+        for module in sites:
             assert module.gather_object is compat.gather_object
         assert operations.gather is not compat.gather_object  # tensors stay accelerate's
-    for module in (operations, utils, accelerator):
+    for module in sites:
         assert module.gather_object is original
     handle.undo()  # again: nothing
     assert not handle.active

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from compat_same import outcome, same, same_outcome
+from compat_same import failure, outcome, same, same_outcome
 
 import gatherstore as gs
 from gatherstore.compat import lm_eval as compat
@@ -234,18 +234,12 @@ def evaluate_poisoned(tmp: str) -> dict[str, Any]:
 
     with compat.patch():
         tasks = TaskManager(include_path=tmp, include_defaults=False)
-        try:
-            simple_evaluate(Poisoned(), tasks=TASKS, task_manager=tasks, log_samples=True)
-            error: Exception | None = None
-        except Exception as exc:
-            error = exc
-        after = Dummy().gather_object(gs.get_rank())  # the job goes on
-    return {
-        "raised": type(error).__name__,
-        "names": getattr(error, "rank", None),
-        "says why": "Unpicklable cannot be pickled" in str(error),
-        "after": after,
-    }
+        out = failure(
+            lambda: simple_evaluate(Poisoned(), tasks=TASKS, task_manager=tasks, log_samples=True),
+            "Unpicklable cannot be pickled",
+        )
+        out["after"] = Dummy().gather_object(gs.get_rank())  # the job goes on
+    return out
 
 
 @pytest.mark.timeout(240)

@@ -77,13 +77,17 @@ def _import(module: str, pip_name: str) -> ModuleType:
 
 
 def patch_module(
-    module: str, pip_name: str, replacements: Mapping[str, Callable[..., Any]]
+    module: str,
+    pip_name: str,
+    replacements: Mapping[str, Callable[..., Any]],
+    also: tuple[str, ...] = (),
 ) -> Patch:
     """Replace ``module``'s functions named in ``replacements``, everywhere they are bound.
 
-    Every module under the same top-level package that holds the very same
-    function object gets the replacement too.  Patching an already patched
-    module returns the active handle unchanged.
+    Every module under the same top-level package, or under a package named in
+    ``also`` (libraries that import the original by name), that holds the very
+    same function object gets the replacement too.  Patching an already
+    patched module returns the active handle unchanged.
 
     Raises:
         ImportError: the library is not installed (names the pip package).
@@ -94,10 +98,10 @@ def patch_module(
     target = _import(module, pip_name)
     originals = {name: getattr(target, name) for name in replacements}
     by_id = {id(fn): name for name, fn in originals.items()}
-    package = module.split(".")[0]
+    packages = (module.split(".")[0], *also)
     handle = Patch(module)
     for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == package or mod_name.startswith(package + ".")):
+        if mod is None or mod_name.split(".")[0] not in packages:
             continue
         for attr, value in list(vars(mod).items()):
             name = by_id.get(id(value))

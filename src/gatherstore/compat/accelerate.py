@@ -22,6 +22,8 @@ from ._patching import Patch, _import, patch_module
 __all__ = ["gather_object", "patch"]
 
 _PIP = "accelerate"
+#: Libraries whose modules import ``gather_object`` from accelerate by name.
+_USERS = ("trl", "transformers")
 
 
 def gather_object(object: Any) -> Any:
@@ -60,11 +62,13 @@ def patch() -> Patch:
 
     Replaces ``gather_object`` in ``accelerate.utils.operations`` and wherever
     accelerate imported it by name (``accelerate.utils``,
-    ``accelerate.accelerator``, so ``Accelerator.gather_for_metrics``); tensor
-    gathers stay accelerate's.
+    ``accelerate.accelerator``, so ``Accelerator.gather_for_metrics``), and in
+    the already imported modules of TRL and transformers that imported it by
+    name (TRL's trainers do); tensor gathers stay accelerate's.
 
     Raises:
         ImportError: accelerate is not installed.
     """
     _import("accelerate.accelerator", _PIP)  # load every site that binds the original
-    return patch_module("accelerate.utils.operations", _PIP, {"gather_object": gather_object})
+    replacements = {"gather_object": gather_object}
+    return patch_module("accelerate.utils.operations", _PIP, replacements, also=_USERS)
