@@ -72,7 +72,7 @@ def _import(module: str, pip_name: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"patch() needs {module}, which is not installed: pip install {pip_name}"
+            f"gatherstore.compat needs {module}, which is not installed: pip install {pip_name}"
         ) from exc
 
 
