@@ -65,3 +65,17 @@ def signature_differences(original: Any, compat: Any, name: str) -> list[str]:
         if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD):
             problems.append(f"{name}: extra parameter {q} has no default")
     return problems
+
+
+def failure(fn: Callable[[], Any], message: str) -> dict[str, Any]:
+    """How ``fn()`` failed, in a form a rank can send back: the exception's class name, the
+    rank a RemoteRankError names, and whether the text carries ``message``."""
+    try:
+        fn()
+    except Exception as exc:
+        return {
+            "raised": type(exc).__name__,
+            "names": getattr(exc, "rank", None),
+            "says why": message in str(exc),
+        }
+    return {"raised": None}
