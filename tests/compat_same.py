@@ -36,19 +36,22 @@ def same(a: Any, b: Any, where: str = "value") -> list[str]:
 
 
 def outcome(fn: Callable[[], Any]) -> Any:
-    """``fn()``'s value, or ("raised", exception class) when it raises."""
+    """``fn()``'s value, or ("raised", exception class, message) when it raises."""
     try:
         return fn()
     except Exception as exc:
-        return ("raised", type(exc))
+        return ("raised", type(exc), str(exc))
 
 
-def same_outcome(a: Any, b: Any, where: str) -> list[str]:
-    """As :func:`same`, where a compat exception may subclass the original's."""
+def same_outcome(a: Any, b: Any, where: str, messages: bool = False) -> list[str]:
+    """As :func:`same`, where a compat exception may subclass the original's (and, with
+    ``messages``, must say the same words)."""
     if isinstance(a, tuple) and a[:1] == ("raised",):
         if isinstance(b, tuple) and b[:1] == ("raised",) and issubclass(b[1], a[1]):
+            if messages and a[2] != b[2]:
+                return [f"{where}: message {a[2]!r} != {b[2]!r}"]
             return []
-        return [f"{where}: original raised {a[1].__name__}, compat gave {b!r}"]
+        return [f"{where}: original raised {a[1].__name__}: {a[2]}, compat gave {b!r}"]
     return same(a, b, where)
 
 
