@@ -191,17 +191,16 @@ def initialize(backend: str, **kwargs: Any) -> None:
     Nothing is created and the environment is left as it was when this raises.
 
     Raises:
-        ValueError: unknown backend; a tcp:// init_method; rank/world_size under SLURM.
-        RuntimeError: a process group exists already; NCCL without CUDA; RANK,
+        ValueError: unknown backend; a tcp:// init_method; rank/world_size under SLURM;
+            a process group exists already.
+        RuntimeError: NCCL without CUDA; RANK,
             LOCAL_RANK and WORLD_SIZE only partly set.
     """
     _assert_backend(backend)
     init_method = kwargs.pop("init_method", None) or "env://"
     _refuse_tcp(init_method)
-    if gs.is_distributed():
-        raise RuntimeError(
-            "Can not create new distributed process group if default one is already initialized"
-        )
+    if gs.is_distributed():  # torch's words, which ignite's users see
+        raise ValueError("trying to initialize the default process group twice!")
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("Nccl backend is required but no cuda capable devices")
     rank, world = kwargs.pop("rank", None), kwargs.pop("world_size", None)
