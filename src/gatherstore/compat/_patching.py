@@ -2,7 +2,9 @@
 
 Written once for every compat module: the replacement lands on the defining
 module and on every already-imported module of the same package that bound
-the original by name (``from mmengine.dist import collect_results``).
+the original by name (``from mmengine.dist import collect_results``); a module
+imported while the patch is active binds the replacement from the defining
+module.  Undoing puts the originals back wherever a replacement is bound.
 """
 
 from __future__ import annotations
@@ -18,24 +20,50 @@ __all__ = ["Patch", "patch_module"]
 _active: dict[str, Patch] = {}
 
 
-class Patch:
-    """The bindings one ``patch()`` replaced; ``undo()`` (or leaving a ``with``) restores them."""
+def _bindings(package: str, objects: Mapping[int, str]) -> list[tuple[ModuleType, str, str]]:
+    """(module, attribute, name) wherever a module of ``package`` binds one of ``objects``."""
+    found = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == package or mod_name.startswith(package + ".")):
+            continue
+        for attr, value in list(vars(mod).items()):
+            name = objects.get(id(value))
+            if name is not None:
+                found.append((mod, attr, name))
+    return found
 
-    def __init__(self, module: str, swapped: list[tuple[ModuleType, str, Any]]) -> None:
+
+class Patch:
+    """The functions one ``patch()`` replaced; ``undo()`` (or leaving a ``with``) restores them."""
+
+    def __init__(
+        self,
+        module: str,
+        originals: Mapping[str, Callable[..., Any]],
+        replacements: Mapping[str, Callable[..., Any]],
+    ) -> None:
         self.module = module
-        self.swapped = swapped
+        self.originals = dict(originals)
+        self.replacements = dict(replacements)
 
     @property
     def active(self) -> bool:
         """Whether the replacements are still in place."""
         return _active.get(self.module) is self
 
+    def _swap(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> int:
+        """Bind ``new[name]`` wherever the package binds ``old[name]``; how many bindings."""
+        package = self.module.split(".")[0]
+        found = _bindings(package, {id(fn): name for name, fn in old.items()})
+        for owner, attr, name in found:
+            setattr(owner, attr, new[name])
+        return len(found)
+
     def undo(self) -> None:
-        """Put every original binding back; calling it again does nothing."""
+        """Put the originals back wherever a replacement is bound; again does nothing."""
         if not self.active:
             return
-        for owner, name, original in reversed(self.swapped):
-            setattr(owner, name, original)
+        self._swap(self.replacements, self.originals)
         del _active[self.module]
 
     def __enter__(self) -> Patch:
@@ -51,7 +79,7 @@ class Patch:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "undone"
-        return f"<gatherstore patch of {self.module}: {len(self.swapped)} bindings, {state}>"
+        return f"<gatherstore patch of {self.module}: {', '.join(self.replacements)}, {state}>"
 
 
 def _import(module: str, pip_name: str) -> ModuleType:
@@ -80,17 +108,7 @@ def patch_module(
         return _active[module]
     target = _import(module, pip_name)
     originals = {name: getattr(target, name) for name in replacements}
-    by_id = {id(fn): name for name, fn in originals.items()}
-    package = module.split(".")[0]
-    swapped: list[tuple[ModuleType, str, Any]] = []
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == package or mod_name.startswith(package + ".")):
-            continue
-        for attr, value in list(vars(mod).items()):
-            name = by_id.get(id(value))
-            if name is not None and value is originals[name]:
-                swapped.append((mod, attr, value))
-                setattr(mod, attr, replacements[name])
-    handle = Patch(module, swapped)
+    handle = Patch(module, originals, replacements)
+    handle._swap(originals, replacements)
     _active[module] = handle
     return handle
