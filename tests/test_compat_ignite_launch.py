@@ -215,7 +215,8 @@ def test_spawn_across_two_nodes_meets_through_the_shared_file(tmp_path: Path) ->
     assert not shared.exists()  # the last node to let go removed the file
 
 
-def test_spawn_across_nodes_names_a_file_nobody_shares() -> None:
+def test_spawn_across_nodes_names_a_file_nobody_shares(tmp_path: Path) -> None:
+    init = tmp_path / "init"
     with pytest.raises(TimeoutError, match="filesystem every node shares"):
         compat.spawn(
             "gloo",
@@ -223,6 +224,7 @@ def test_spawn_across_nodes_names_a_file_nobody_shares() -> None:
             ("unused",),
             nnodes=2,
             node_rank=1,
-            init_method="file:///tmp/gs-nobody-writes-here",
+            init_method=f"file://{init}",
             timeout=2,
         )
+    assert not init.exists()

@@ -6,6 +6,7 @@ lines are ignite's, with ignite's messages.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import socket
@@ -72,6 +73,9 @@ def _address_through_file(
     try:
         host, _, port_text = store.get(_ADDRESS_KEY).decode().rpartition(":")
     except RuntimeError as exc:  # torch's store timeout
+        del store
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # the file this node made, waiting in vain
         raise TimeoutError(
             f"node {node_rank}: node 0 wrote no address into {path} within {seconds:g} s; "
             "init_method='file://...' must name a file on a filesystem every node shares, "
