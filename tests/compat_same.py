@@ -68,3 +68,45 @@ def signature_differences(original: Any, compat: Any, name: str) -> list[str]:
         if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD):
             problems.append(f"{name}: extra parameter {q} has no default")
     return problems
+
+
+def recorder() -> tuple[list[tuple[str, Any]], Callable[[str, Callable[[], Any]], None]]:
+    """A list of (label, outcome) and the function that runs a call and records it there."""
+    out: list[tuple[str, Any]] = []
+
+    def record(label: str, fn: Callable[[], Any]) -> None:
+        out.append((label, outcome(fn)))
+
+    return out, record
+
+
+def differences(
+    original: list[tuple[str, Any]],
+    compat: list[tuple[str, Any]],
+    messages: Callable[[str], bool] = lambda label: False,
+) -> list[str]:
+    """Every difference between two recordings of the same script; ``messages(label)``: whether
+    that call's exception must say the original's words."""
+    return [
+        p
+        for (label, a), (_, b) in zip(original, compat, strict=True)
+        for p in same_outcome(a, b, label, messages(label))
+    ]
+
+
+def module_signature_differences(original: Any, compat: Any) -> list[str]:
+    """:func:`signature_differences` for every public function ``original`` defines, each of
+    which ``compat`` must export."""
+    names = [
+        name
+        for name, value in vars(original).items()
+        if callable(value)
+        and getattr(value, "__module__", None) == original.__name__
+        and not name.startswith("_")
+    ]
+    problems = [f"{name}: not exported" for name in names if name not in compat.__all__]
+    return problems + [
+        p
+        for name in names
+        for p in signature_differences(getattr(original, name), getattr(compat, name), name)
+    ]

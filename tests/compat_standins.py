@@ -9,6 +9,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gatherstore.stores.file import FileStore
 
 ROOT = str(Path(__file__).parent / "standins")
@@ -25,6 +27,13 @@ def standins() -> Iterator[None]:
         sys.path.remove(ROOT)
         for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES]:
             del sys.modules[name]
+
+
+@pytest.fixture
+def standin_packages() -> Iterator[None]:
+    """:func:`standins` for one test (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    with standins():
+        yield
 
 
 class CountingStore(FileStore):

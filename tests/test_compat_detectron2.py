@@ -5,7 +5,6 @@ and patch() reaching every call site of detectron2's evaluation and data code.""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +12,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from compat_same import outcome, same_outcome, signature_differences
-from compat_standins import CountingStore, standins
+from compat_same import differences, module_signature_differences, outcome, recorder
+from compat_standins import CountingStore, standin_packages  # noqa: F401 (a fixture)
 
 import gatherstore as gs
 from gatherstore.compat import detectron2 as ours
 
-
-@pytest.fixture(autouse=True)
-def _standins() -> Iterator[None]:
-    with standins():
-        yield
+pytestmark = pytest.mark.usefixtures("standin_packages")
 
 
 def comm() -> Any:
@@ -35,11 +30,7 @@ def comm() -> Any:
 def script(d: Any) -> list[tuple[str, Any]]:
     """The same calls on ``d`` (the stand-in or the compat module), with their outcomes."""
     rank, world = d.get_rank(), d.get_world_size()
-    out: list[tuple[str, Any]] = []
-
-    def record(label: str, fn: Any) -> None:
-        out.append((label, outcome(fn)))
-
+    out, record = recorder()
     for name in ("get_world_size", "get_rank", "is_main_process", "synchronize"):
         record(name, getattr(d, name))
     record("local group before", d.get_local_process_group)
@@ -68,25 +59,12 @@ def script(d: Any) -> list[tuple[str, Any]]:
 
 
 def compare() -> list[str]:
-    original, compat = script(comm()), script(ours)
-    return [
-        p
-        for (label, a), (_, b) in zip(original, compat, strict=True)
-        for p in same_outcome(a, b, label)
-    ]
+    return differences(script(comm()), script(ours))
 
 
 def test_signatures_match_detectron2() -> None:
-    d = comm()
-    names = [
-        n for n, v in vars(d).items() if callable(v) and getattr(v, "__module__", "") == d.__name__
-    ]
-    problems = []
-    for name in [n for n in names if not n.startswith("_")]:
-        assert name in ours.__all__, name
-        problems += signature_differences(getattr(d, name), getattr(ours, name), name)
-    assert problems == []
-    assert ours._LOCAL_PROCESS_GROUP is d._LOCAL_PROCESS_GROUP is None
+    assert module_signature_differences(comm(), ours) == []
+    assert ours._LOCAL_PROCESS_GROUP is comm()._LOCAL_PROCESS_GROUP is None
 
 
 def test_serial_matches_detectron2() -> None:

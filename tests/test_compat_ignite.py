@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import outcome, same_outcome, signature_differences
+from compat_same import differences, recorder, signature_differences
 
 import gatherstore as gs
 from gatherstore.compat import ignite as compat
@@ -23,10 +23,7 @@ EXTRA = ["auto_model", "auto_optim", "auto_dataloader", "Parallel", "Distributed
 def script(d: Any) -> list[tuple[str, Any]]:
     """The same calls on ``d`` (ignite.distributed or the compat module), with outcomes."""
     rank, world = d.get_rank(), d.get_world_size()
-    out: list[tuple[str, Any]] = []
-
-    def record(label: str, fn: Any) -> None:
-        out.append((label, outcome(fn)))
+    out, record = recorder()
 
     for name in (
         "get_world_size",
@@ -127,12 +124,7 @@ PARALLEL_BAD: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
 
 
 def compare() -> list[str]:
-    original, ours = script(idist), script(compat)
-    return [
-        p
-        for (label, a), (_, b) in zip(original, ours, strict=True)
-        for p in same_outcome(a, b, label, messages=label not in OWN_MESSAGES)
-    ]
+    return differences(script(idist), script(compat), lambda label: label not in OWN_MESSAGES)
 
 
 # where the process group fails, the message is gatherstore's ProcessGroupError (it says

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from compat_same import outcome, same_outcome, signature_differences
+from compat_same import differences, outcome, recorder, signature_differences
 
 import gatherstore as gs
 from gatherstore.compat import mmengine as compat
@@ -22,10 +22,7 @@ OPS = ["sum", "mean", "max", "min", "product"]
 def script(d: Any, tmp: Path, tag: str) -> list[tuple[str, Any]]:
     """The same calls on ``d`` (mmengine.dist or the compat module), with their outcomes."""
     rank, world = d.get_rank(), d.get_world_size()
-    out: list[tuple[str, Any]] = []
-
-    def record(label: str, fn: Any) -> None:
-        out.append((label, outcome(fn)))
+    out, record = recorder()
 
     for name in ("get_world_size", "get_rank", "get_dist_info", "is_main_process"):
         record(name, getattr(d, name))
@@ -115,14 +112,11 @@ OWN_WORDS = "cast_data_device bad out"
 
 def compare(tmp: Path) -> list[str]:
     """Run the script on both modules; every difference, plus this rank's local answers."""
-    original, ours = script(mmdist, tmp, "mm"), script(compat, tmp, "gs")
-    problems = [
-        p
-        for (label, a), (_, b) in zip(original, ours, strict=True)
-        for p in same_outcome(
-            a, b, label, messages=label.split()[0] in SAME_WORDS and label != OWN_WORDS
-        )
-    ]
+    problems = differences(
+        script(mmdist, tmp, "mm"),
+        script(compat, tmp, "gs"),
+        lambda label: label.split()[0] in SAME_WORDS and label != OWN_WORDS,
+    )
     if not (tmp / "user-gs").is_dir():
         problems.append("collect_results removed the user's tmpdir")
     return problems

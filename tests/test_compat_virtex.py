@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import outcome, same_outcome, signature_differences
+from compat_same import differences, module_signature_differences, outcome, recorder, same_outcome
 from compat_standins import standins
 
 import gatherstore as gs
@@ -30,11 +30,7 @@ def standin() -> Iterator[Any]:
 def script(d: Any) -> list[tuple[str, Any]]:
     """The same calls on ``d`` (the stand-in or the compat module), with their outcomes."""
     rank = d.get_rank()
-    out: list[tuple[str, Any]] = []
-
-    def record(label: str, fn: Any) -> None:
-        out.append((label, outcome(fn)))
-
+    out, record = recorder()
     for name in ("get_world_size", "get_rank", "is_master_process", "synchronize", "gpu_mem_usage"):
         record(name, getattr(d, name))
     t = torch.tensor([float(rank), 3.0])
@@ -46,22 +42,11 @@ def script(d: Any) -> list[tuple[str, Any]]:
 
 
 def compare(original: Any) -> list[str]:
-    return [
-        p
-        for (label, a), (_, b) in zip(script(original), script(virtex), strict=True)
-        for p in same_outcome(a, b, label)
-    ]
+    return differences(script(original), script(virtex))
 
 
 def test_signatures_match_virtex(standin: Any) -> None:
-    names = [
-        n for n, v in vars(standin).items() if callable(v) and v.__module__ == standin.__name__
-    ]
-    problems = []
-    for name in [n for n in names if not n.startswith("_")]:
-        assert name in virtex.__all__, name
-        problems += signature_differences(getattr(standin, name), getattr(virtex, name), name)
-    assert problems == []
+    assert module_signature_differences(standin, virtex) == []
 
 
 def test_serial_matches_virtex(standin: Any) -> None:

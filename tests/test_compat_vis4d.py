@@ -8,14 +8,13 @@ import contextlib
 import os
 import tempfile
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from compat_same import outcome, same_outcome, signature_differences
-from compat_standins import CountingStore, standins
+from compat_same import differences, module_signature_differences, outcome, recorder
+from compat_standins import CountingStore, standin_packages  # noqa: F401 (a fixture)
 from torch import nn
 
 import gatherstore as gs
@@ -25,10 +24,7 @@ CPU = torch.device("cpu")
 NO_CUDA = not torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _standins() -> Iterator[None]:
-    with standins():
-        yield
+pytestmark = pytest.mark.usefixtures("standin_packages")
 
 
 def v4() -> Any:
@@ -40,11 +36,7 @@ def v4() -> Any:
 def script(d: Any, tmp: Path, tag: str) -> list[tuple[str, Any]]:
     """The same calls on ``d`` (the stand-in or the compat module), with their outcomes."""
     rank, world = d.get_rank(), d.get_world_size()
-    out: list[tuple[str, Any]] = []
-
-    def record(label: str, fn: Any) -> None:
-        out.append((label, outcome(fn)))
-
+    out, record = recorder()
     for name in ("get_world_size", "get_rank", "get_local_rank", "distributed_available"):
         record(name, getattr(d, name))
     record("synchronize", d.synchronize)
@@ -93,22 +85,11 @@ def made_in(d: Any, rank: int, *args: Any) -> str:
 
 
 def compare(tmp: Path) -> list[str]:
-    original, compat = script(v4(), tmp, "v4"), script(ours, tmp, "gs")
-    return [
-        p
-        for (label, a), (_, b) in zip(original, compat, strict=True)
-        for p in same_outcome(a, b, label)
-    ]
+    return differences(script(v4(), tmp, "v4"), script(ours, tmp, "gs"))
 
 
 def test_signatures_match_vis4d() -> None:
-    d = v4()
-    names = [n for n, v in vars(d).items() if callable(v) and v.__module__ == d.__name__]
-    problems = []
-    for name in [n for n in names if not n.startswith("_")]:
-        assert name in ours.__all__, name
-        problems += signature_differences(getattr(d, name), getattr(ours, name), name)
-    assert problems == []
+    assert module_signature_differences(v4(), ours) == []
 
 
 def test_serial_matches_vis4d(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,50 +3,35 @@ without a process group, as virtex documents."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _job_worker(
-    local_rank: int,
-    job_fn: Callable[..., Any],
-    world: int,
-    gpus: int,
-    machine: int,
-    url: str,
-    args: tuple[Any, ...],
-) -> None:
-    dist.init_process_group(
-        "nccl", init_method=url, world_size=world, rank=machine * gpus + local_rank
-    )
+def _job_worker(local_rank, job_fn, world, gpus, machine, url, args):
+    rank = machine * gpus + local_rank
+    dist.init_process_group("nccl", init_method=url, world_size=world, rank=rank)
     torch.cuda.set_device(local_rank)
     synchronize()
     job_fn(*args)
 
 
 def launch(
-    job_fn: Callable[..., Any],
-    num_machines: int = 1,
-    num_gpus_per_machine: int = 1,
-    machine_rank: int = 0,
-    dist_url: str = "tcp://127.0.0.1:23456",
-    args: tuple[Any, ...] = (),
-) -> None:
+    job_fn,
+    num_machines=1,
+    num_gpus_per_machine=1,
+    machine_rank=0,
+    dist_url="tcp://127.0.0.1:23456",
+    args=(),
+):
     """One process per GPU through torch.multiprocessing.spawn; needs CUDA."""
     assert torch.cuda.is_available(), "CUDA not available, Cannot launch distributed processes."
     world = num_machines * num_gpus_per_machine
     if world == 1:
         job_fn(*args)
         return
-    mp.spawn(
-        _job_worker,
-        nprocs=num_gpus_per_machine,
-        args=(job_fn, world, num_gpus_per_machine, machine_rank, dist_url, args),
-    )
+    worker_args = (job_fn, world, num_gpus_per_machine, machine_rank, dist_url, args)
+    mp.spawn(_job_worker, nprocs=num_gpus_per_machine, args=worker_args)
 
 
 def synchronize() -> None:

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,24 +108,18 @@ def all_gather_object_gpu(data: Any, rank_zero_return_only: bool = True) -> list
     return [tensor2obj(t[:n]) for t, n in zip(tensors, sizes, strict=True)]
 
 
-def create_tmpdir(rank: int, tmpdir: str | None = None, use_system_tmp: bool = True) -> str:
-    if tmpdir is not None:
-        os.makedirs(tmpdir, exist_ok=True)
-        return tmpdir
-    made = None
-    if rank == 0:
-        base = tempfile.gettempdir() if use_system_tmp else "vis4d-workspace"
-        os.makedirs(os.path.join(base, ".dist_tmp"), exist_ok=True)
-        made = tempfile.mkdtemp(dir=os.path.join(base, ".dist_tmp"))
-    return broadcast(made)  # type: ignore[no-any-return]
+def create_tmpdir(rank, tmpdir=None, use_system_tmp=True):
+    """``tmpdir`` if given, else a fresh folder rank 0 makes under a ``.dist_tmp`` and sends."""
+    if tmpdir is None:
+        root = Path(tempfile.gettempdir() if use_system_tmp else "vis4d-workspace", ".dist_tmp")
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+        return broadcast(tempfile.mkdtemp(dir=root) if rank == 0 else None)
+    Path(tmpdir).mkdir(parents=True, exist_ok=True)
+    return tmpdir
 
 
-def all_gather_object_cpu(
-    data: Any,
-    tmpdir: str | None = None,
-    rank_zero_return_only: bool = True,
-    use_system_tmp: bool = False,
-) -> list[Any] | None:
+def all_gather_object_cpu(data, tmpdir=None, rank_zero_return_only=True, use_system_tmp=False):
     """Every rank pickles into a shared folder; rank 0 reads all, then removes the folder."""
     rank, world = get_rank(), get_world_size()
     if world == 1:
