@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import logging
 import os
 import socket
 from collections.abc import Callable, Mapping, MutableMapping
@@ -330,7 +331,7 @@ class Parallel:
             )
 
     @property
-    def _logger(self) -> Any:
+    def _logger(self) -> logging.Logger:
         return rank_zero_logger("ignite.distributed.launcher.Parallel")
 
     def run(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
