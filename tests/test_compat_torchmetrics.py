@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from compat_same import Unsendable, outcome, same
+from compat_standins import ROOT
 
 import gatherstore as gs
 from gatherstore._bench.metrics import counted
@@ -26,7 +26,6 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchmetrics") is None, reason="needs torchmetrics"
 )
 
-STANDINS = str(Path(__file__).parent / "standins")
 W = 3
 COUNTS = {"equal": [2, 2, 2], "uneven": [1, 3, 2], "empty": [2, 3, 0]}
 # where torchmetrics itself works: fixed-size states, or list states of equal lengths
@@ -45,8 +44,8 @@ SIDE_BY_SIDE_CALLS = [f"{name}/{s}" for name, scenarios in SIDE_BY_SIDE.items() 
 
 def torchvision_standin() -> None:
     """In a rank, before torchmetrics loads: the tests' torchvision (MAP's box helpers)."""
-    if STANDINS not in sys.path:
-        sys.path.insert(0, STANDINS)
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
 
 
 # --- metrics and their inputs ---------------------------------------------------------------

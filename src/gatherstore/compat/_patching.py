@@ -1,32 +1,59 @@
 """Swap a library's object functions for gatherstore's, in place, and undo it.
 
-Written once for every compat module: the replacement lands on the defining
-module and on every already-imported module of the same package that bound
-the original by name (``from mmengine.dist import collect_results``).  A dotted
-name replaces an attribute of the class that defines it instead, e.g.
-``"metric.Metric._sync_dist"`` (submodules on the way are imported).
+Written once for every compat module: a function's replacement lands on the
+defining module and on every already-imported module of the same package that
+bound the original by name (``from mmengine.dist import collect_results``); a
+module imported while the patch is active binds the replacement from the
+defining module, and undoing puts the originals back wherever a replacement is
+bound.  A method's replacement lands on the defining class and on every
+subclass that overrides it, including subclasses defined later (``lm_eval``'s
+models load lazily).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
 from collections.abc import Callable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any
 
-__all__ = ["Patch", "import_library", "patch_module"]
+__all__ = ["Patch", "patch_methods", "patch_module"]
 
 _active: dict[str, Patch] = {}
+#: Marks a name the owner did not define itself: undo deletes it again.
+_ABSENT = object()
+
+
+def _bindings(
+    packages: tuple[str, ...], objects: Mapping[int, str]
+) -> list[tuple[ModuleType, str, str]]:
+    """(module, attribute, name) wherever a module of ``packages`` binds one of ``objects``
+    (keyed by ``id``; the objects are alive, so an equal id is the same object)."""
+    found = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or mod_name.split(".")[0] not in packages:
+            continue
+        for attr, value in list(vars(mod).items()):
+            name = objects.get(id(value))
+            if name is not None:
+                found.append((mod, attr, name))
+    return found
 
 
 class Patch:
     """The bindings one ``patch()`` replaced; ``undo()`` (or leaving a ``with``) restores them."""
 
-    def __init__(self, module: str, swapped: list[tuple[Any, str, Any]]) -> None:
+    def __init__(self, module: str) -> None:
         self.module = module
-        self.swapped = swapped
+        self.swapped: list[tuple[ModuleType | type, str, Any]] = []
+        # functions: (packages, originals, replacements), to restore late bindings too
+        self.functions: tuple[tuple[str, ...], dict[str, Any], dict[str, Any]] | None = None
+
+    def swap(self, owner: ModuleType | type, name: str, value: Any) -> None:
+        """Bind ``owner.name`` to ``value``, remembering what ``owner`` itself held."""
+        self.swapped.append((owner, name, vars(owner).get(name, _ABSENT)))
+        setattr(owner, name, value)
 
     @property
     def active(self) -> bool:
@@ -34,11 +61,19 @@ class Patch:
         return _active.get(self.module) is self
 
     def undo(self) -> None:
-        """Put every original binding back; calling it again does nothing."""
+        """Put every original binding back (in modules imported since, too); again does nothing."""
         if not self.active:
             return
         for owner, name, original in reversed(self.swapped):
-            setattr(owner, name, original)
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        if self.functions is not None:
+            packages, originals, replacements = self.functions
+            by_id = {id(fn): name for name, fn in replacements.items()}
+            for owner, attr, name in _bindings(packages, by_id):
+                setattr(owner, attr, originals[name])
         del _active[self.module]
 
     def __enter__(self) -> Patch:
@@ -57,49 +92,27 @@ class Patch:
         return f"<gatherstore patch of {self.module}: {len(self.swapped)} bindings, {state}>"
 
 
-def import_library(module: str, pip_name: str) -> ModuleType:
-    """``module``, imported.
-
-    Raises:
-        ImportError: it is not installed; the message has the ``pip install`` line.
-    """
+def _import(module: str, pip_name: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"patch() needs {module}, which is not installed: pip install {pip_name}"
+            f"gatherstore.compat needs {module}, which is not installed: pip install {pip_name}"
         ) from exc
 
 
-def _member(target: ModuleType, dotted: str) -> tuple[Any, str]:
-    """The class that itself defines the attribute ``dotted`` names, and the attribute's
-    name; the path may go through submodules (imported as needed).
-
-    Raises:
-        AttributeError: a part of the path is missing, or the attribute is inherited.
-    """
-    *path, attr = dotted.split(".")
-    owner: Any = target
-    for part in path:
-        if isinstance(owner, ModuleType) and not hasattr(owner, part):
-            with contextlib.suppress(ImportError):
-                importlib.import_module(f"{owner.__name__}.{part}")
-        owner = getattr(owner, part)
-    if attr not in vars(owner):
-        raise AttributeError(f"{target.__name__}.{dotted} is not defined by {owner!r} itself")
-    return owner, attr
-
-
 def patch_module(
-    module: str, pip_name: str, replacements: Mapping[str, Callable[..., Any]]
+    module: str,
+    pip_name: str,
+    replacements: Mapping[str, Callable[..., Any]],
+    also: tuple[str, ...] = (),
 ) -> Patch:
     """Replace ``module``'s functions named in ``replacements``, everywhere they are bound.
 
-    Every module under the same top-level package that holds the very same
-    function object gets the replacement too.  A dotted name ``"Class.attr"``
-    replaces the attribute in ``Class.__dict__`` (methods are looked up on the
-    class at call time, so instances made before the patch see it too).
-    Patching an already patched module returns the active handle unchanged.
+    Every module under the same top-level package, or under a package named in
+    ``also`` (libraries that import the original by name), that holds the very
+    same function object gets the replacement too.  Patching an already
+    patched module returns the active handle unchanged.
 
     Raises:
         ImportError: the library is not installed (names the pip package).
@@ -107,24 +120,70 @@ def patch_module(
     """
     if module in _active:
         return _active[module]
-    target = import_library(module, pip_name)
-    functions = {name: fn for name, fn in replacements.items() if "." not in name}
-    members = [(_member(target, name), fn) for name, fn in replacements.items() if "." in name]
-    originals = {name: getattr(target, name) for name in functions}
-    swapped: list[tuple[Any, str, Any]] = []
-    for (owner, attr), fn in members:
-        swapped.append((owner, attr, vars(owner)[attr]))
-        setattr(owner, attr, fn)
-    by_id = {id(fn): name for name, fn in originals.items()}
-    package = module.split(".")[0]
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == package or mod_name.startswith(package + ".")):
-            continue
-        for attr, value in list(vars(mod).items()):
-            name = by_id.get(id(value))
-            if name is not None and value is originals[name]:
-                swapped.append((mod, attr, value))
-                setattr(mod, attr, functions[name])
-    handle = Patch(module, swapped)
+    target = _import(module, pip_name)
+    originals = {name: getattr(target, name) for name in replacements}
+    packages = (module.split(".")[0], *also)
+    handle = Patch(module)
+    for owner, attr, name in _bindings(packages, {id(fn): n for n, fn in originals.items()}):
+        handle.swap(owner, attr, replacements[name])
+    handle.functions = (packages, originals, dict(replacements))
     _active[module] = handle
+    return handle
+
+
+def _family(root: type) -> list[type]:
+    """``root`` and all its subclasses, each once."""
+    found: list[type] = [root]
+    for cls in found:  # grows while it is walked: breadth first
+        subclasses: list[type] = cls.__subclasses__()
+        found += [sub for sub in subclasses if sub not in found]
+    return found
+
+
+def patch_methods(
+    module: str,
+    pip_name: str,
+    base: str,
+    replacements: Mapping[str, Callable[..., Any]],
+    overrides: bool = True,
+) -> Patch:
+    """Replace the methods of class ``module.base`` named in ``replacements``, and every override.
+
+    Each subclass that defines one of these methods itself gets the replacement
+    too, now and, through an ``__init_subclass__`` hook on ``base`` (removed by
+    undo), when it is defined later; with ``overrides=False`` only ``base`` does
+    (subclasses that override a method keep theirs).  Patching again returns the
+    active handle.
+
+    Raises:
+        ImportError: the library is not installed (names the pip package).
+        AttributeError: ``base`` or one of the methods is missing (an unsupported version).
+    """
+    key = f"{module}.{base}"
+    if key in _active:
+        return _active[key]
+    root = getattr(_import(module, pip_name), base)
+    for name in replacements:
+        getattr(root, name)
+    handle = Patch(key)
+
+    def override(cls: type) -> None:
+        for name, replacement in replacements.items():
+            if name in vars(cls):
+                handle.swap(cls, name, replacement)
+
+    previous = vars(root).get("__init_subclass__")
+
+    def init_subclass(cls: type, /, **kwargs: Any) -> None:
+        if previous is None:
+            super(root, cls).__init_subclass__(**kwargs)
+        else:
+            previous.__get__(None, cls)(**kwargs)
+        override(cls)
+
+    for cls in _family(root) if overrides else [root]:
+        override(cls)
+    if overrides:
+        handle.swap(root, "__init_subclass__", classmethod(init_subclass))
+    _active[key] = handle
     return handle

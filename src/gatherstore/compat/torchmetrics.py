@@ -26,16 +26,17 @@ from torch import Tensor
 import gatherstore as gs
 
 from ._common import gather_all, group_rank, is_default_group
-from ._patching import Patch, import_library, patch_module
+from ._patching import Patch, _import, patch_methods
 from ._raising import Raising
 
 __all__ = ["dist_sync_fn", "patch"]
 
+_PIP = "torchmetrics"
 #: MeanAveragePrecision's states of RLE tuples, which its own ``_sync_dist`` gathers.
 _MASKS = frozenset({"detection_mask", "groundtruth_mask"})
 
 # the active patch's handle and settings; torchmetrics' own ``_wrap_compute``
-_state: dict[str, Any] = {"handle": None, "compute_on": None, "wrap": None, "ours": ()}
+_state: dict[str, Any] = {"handle": None, "compute_on": None, "originals": {}, "ours": ()}
 # id(metric) -> every rank's states, gathered by compute_on before its compute syncs
 _gathered: dict[int, list[Any]] = {}
 
@@ -168,13 +169,14 @@ def _defaults() -> tuple[Any, ...]:
     return (None, gather_all_tensors, dist_sync_fn)
 
 
-def _sync_dist_replacing(original: Callable[..., Any], keep: frozenset[str]) -> Callable[..., Any]:
-    """A ``_sync_dist`` for the class whose own is ``original`` (it still runs for a
-    ``dist_sync_fn`` of the user's); ``keep``: list states it always sends whole."""
+def _sync_dist_replacing(keep: frozenset[str]) -> Callable[..., Any]:
+    """A ``_sync_dist`` for a class whose own still runs for a ``dist_sync_fn`` of the
+    user's; ``keep``: list states it always sends whole."""
 
     def _sync_dist(self: Any, dist_sync_fn: Any = None, process_group: Any = None) -> None:
         """Every state of every rank in one gatherstore gather, then reduced."""
         if dist_sync_fn not in _defaults():
+            original = _state["originals"][_sync_dist]
             return original(self, dist_sync_fn, process_group)  # type: ignore[no-any-return]
         parts = _gathered.pop(id(self), None)
         group = process_group or self.process_group
@@ -303,24 +305,19 @@ def patch(compute_on: int | None = None) -> Patch:
                 f"undo() that patch before patch(compute_on={compute_on!r})"
             )
         return current
-    tm = import_library("torchmetrics.metric", "torchmetrics")
-    from torchmetrics.detection import mean_ap
-
-    metric, map_class = tm.Metric, mean_ap.MeanAveragePrecision
-    own = _sync_dist_replacing(vars(metric)["_sync_dist"], frozenset())
-    maps = _sync_dist_replacing(vars(map_class)["_sync_dist"], _MASKS)
-    replacements: dict[str, Any] = {
-        "metric.Metric._sync_dist": own,
-        "detection.mean_ap.MeanAveragePrecision._sync_dist": maps,
-        "detection.mean_ap.MeanAveragePrecision._gather_tuple_list": staticmethod(
-            _gather_tuple_list
-        ),
-    }
+    metric_class = _import("torchmetrics.metric", _PIP).Metric
+    map_class = _import("torchmetrics.detection.mean_ap", _PIP).MeanAveragePrecision
+    metric_sync, map_sync = _sync_dist_replacing(frozenset()), _sync_dist_replacing(_MASKS)
+    methods: dict[str, Any] = {"_sync_dist": metric_sync}
     if compute_on is not None:
-        replacements["metric.Metric._wrap_compute"] = _wrap_compute
-    _state.update(compute_on=compute_on, wrap=vars(metric)["_wrap_compute"], ours=(own, maps))
-    handle = patch_module("torchmetrics", "torchmetrics", replacements)
-    _state["handle"] = handle
+        methods["_wrap_compute"] = _wrap_compute
+    # only these two classes: a subclass's own _sync_dist (CompositionalMetric's, yours) stays
+    handle = patch_methods("torchmetrics.metric", _PIP, "Metric", methods, overrides=False)
+    handle.swap(map_class, "_sync_dist", map_sync)
+    handle.swap(map_class, "_gather_tuple_list", staticmethod(_gather_tuple_list))
+    originals = {vars(owner)[name]: original for owner, name, original in handle.swapped}
+    _state.update(handle=handle, compute_on=compute_on, originals=originals)
+    _state.update(wrap=originals.get(_wrap_compute), ours=(metric_sync, map_sync))
     if compute_on is not None:
-        _rewrap_existing(metric)
+        _rewrap_existing(metric_class)
     return handle
