@@ -22,6 +22,7 @@ from torch import Tensor
 
 import gatherstore as gs
 
+from ._patching import _import
 from ._raising import Raising
 
 __all__ = ["GatherPredictions", "split_output"]
@@ -98,15 +99,9 @@ def _samples(
 
 
 def _define() -> type:
-    try:
-        from pytorch_lightning.callbacks import BasePredictionWriter
-    except ImportError as exc:
-        raise ImportError(
-            "GatherPredictions needs pytorch_lightning, which is not installed: "
-            "pip install pytorch-lightning"
-        ) from exc
+    writer: Any = _import("pytorch_lightning.callbacks", "pytorch-lightning").BasePredictionWriter
 
-    class GatherPredictions(BasePredictionWriter):
+    class GatherPredictions(writer):  # type: ignore[misc]
         """Every rank's ``trainer.predict`` outputs on ``dst``, one item per dataset sample.
 
         After ``trainer.predict(model, dataloaders=..., return_predictions=False)``,

@@ -35,8 +35,10 @@ _PIP = "torchmetrics"
 #: MeanAveragePrecision's states of RLE tuples, which its own ``_sync_dist`` gathers.
 _MASKS = frozenset({"detection_mask", "groundtruth_mask"})
 
-# the active patch's handle and settings; torchmetrics' own ``_wrap_compute``
-_state: dict[str, Any] = {"handle": None, "compute_on": None, "originals": {}, "ours": ()}
+# the active patch's handle and compute_on; what each replacement replaced ("originals",
+# torchmetrics' own _wrap_compute as "wrap"); the _sync_dist replacements ("ours")
+_state: dict[str, Any] = {"handle": None, "compute_on": None, "originals": {}, "wrap": None}
+_state["ours"] = ()
 # id(metric) -> every rank's states, gathered by compute_on before its compute syncs
 _gathered: dict[int, list[Any]] = {}
 
