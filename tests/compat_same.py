@@ -124,3 +124,14 @@ def module_signature_differences(original: Any, compat: Any) -> list[str]:
         for name in names
         for p in signature_differences(getattr(original, name), getattr(compat, name), name)
     ]
+
+
+class Unsendable:
+    """An object that can be copied (libraries copy states before they sync) but not
+    pickled: a gather fails on the rank that holds one."""
+
+    def __deepcopy__(self, memo: Any) -> Unsendable:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("this item cannot be sent")

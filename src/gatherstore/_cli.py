@@ -121,7 +121,9 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import hostbench
 
         return hostbench.main()
-    plan = bench.Plan(args.sizes, args.world, args.payloads, args.repeats, args.timeout)
+    plan = bench.Plan(
+        args.sizes, args.world, args.payloads, args.repeats, args.timeout, args.map_images
+    )
     failed = bench.run(
         plan,
         patterns=args.cases,
@@ -321,7 +323,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--world", type=_argtype(_ints), default=[2, 4], help="world sizes (2,4)")
     p.add_argument("--repeats", type=_argtype(_positive_int), default=3, help="median of (3)")
-    p.add_argument("--cases", type=_names, help="glob patterns of case names, e.g. 'gs.*'")
+    p.add_argument(
+        "--cases",
+        type=_names,
+        help="glob patterns of case names, e.g. 'gs.*'; 'torchmetrics.*': MAP sync (opt-in)",
+    )
+    p.add_argument(
+        "--map-images",
+        type=_argtype(_positive_int),
+        default=200,
+        help="images per rank of the torchmetrics cases (200)",
+    )
     p.add_argument(
         "--payloads",
         type=_argtype(_payloads),

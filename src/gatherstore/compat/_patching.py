@@ -141,13 +141,19 @@ def _family(root: type) -> list[type]:
 
 
 def patch_methods(
-    module: str, pip_name: str, base: str, replacements: Mapping[str, Callable[..., Any]]
+    module: str,
+    pip_name: str,
+    base: str,
+    replacements: Mapping[str, Callable[..., Any]],
+    overrides: bool = True,
 ) -> Patch:
     """Replace the methods of class ``module.base`` named in ``replacements``, and every override.
 
     Each subclass that defines one of these methods itself gets the replacement
     too, now and, through an ``__init_subclass__`` hook on ``base`` (removed by
-    undo), when it is defined later.  Patching again returns the active handle.
+    undo), when it is defined later; with ``overrides=False`` only ``base`` does
+    (subclasses that override a method keep theirs).  Patching again returns the
+    active handle.
 
     Raises:
         ImportError: the library is not installed (names the pip package).
@@ -175,8 +181,9 @@ def patch_methods(
             previous.__get__(None, cls)(**kwargs)
         override(cls)
 
-    for cls in _family(root):
+    for cls in _family(root) if overrides else [root]:
         override(cls)
-    handle.swap(root, "__init_subclass__", classmethod(init_subclass))
+    if overrides:
+        handle.swap(root, "__init_subclass__", classmethod(init_subclass))
     _active[key] = handle
     return handle
