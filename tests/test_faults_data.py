@@ -482,15 +482,16 @@ def test_redis_job_end_deletes_its_keys_by_name_without_scan() -> None:
 @pytest.mark.timeout(60)
 def test_redis_parts_outlive_their_ttl_while_read_and_expiry_is_not_tampering() -> None:
     with services.start_redis() as server:
-        store = RedisStore(server.url, ttl=1.0, chunk_size=1024)
+        ttl = 2.0  # reading renews every ttl / 4: a read may come up to 1.5 s late
+        store = RedisStore(server.url, ttl=ttl, chunk_size=1024)
         job = store.join_job(store.prepare_job(uuid.uuid4().hex[:16]))
         job.put("read", b"r")
         job.put("waiting", os.urandom(5000))
-        end = time.monotonic() + 2.5  # a slow consumer: one read every 0.3 s
+        end = time.monotonic() + 2 * ttl  # the job reads other parts for two TTLs
         while time.monotonic() < end:
             assert job.get("read") is not None
-            time.sleep(0.3)
-        assert job.get("waiting") is not None  # 2.5 s > its 1 s TTL
+            time.sleep(0.02)
+        assert job.get("waiting") is not None  # outlived its TTL twice over
         chunks = store._client.keys("*waiting.chunks/*")
         store._client.unlink(chunks[0])  # one chunk expires
         with pytest.raises(gs.GatherError, match="expired") as info:
