@@ -630,7 +630,7 @@ def test_fresh_store_objects_share_one_job_area(shm: Path, redis_url: str) -> No
     assert leftovers(shm, redis_url) == []
 
 
-def _bounded_waits(url: str) -> dict[str, Any]:
+def _bounded_waits(url: str, signals: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     store = gs.open_store(url)
     # an abandoned gather_iter: the finaliser neither blocks nor leaves parts behind
@@ -645,15 +645,19 @@ def _bounded_waits(url: str) -> dict[str, Any]:
     area = next(Path(url[9:]).glob("gatherstore-*"))
     wait_for("unread parts deleted", lambda: not list(area.glob("call-*/*")), timeout=20)
 
+    gave_up = Path(signals, "rank-1-gave-up")
+
     @gs.one_rank_only(rank=0, with_barrier=True, timeout=2)
-    def slow() -> None:
-        time.sleep(6)
+    def slow() -> None:  # done only once rank 1 stopped waiting for it
+        wait_for("rank 1 to give up", gave_up.exists)
 
     start = time.monotonic()
     try:
         slow()
     except gs.GatherError as exc:
         seen["one_rank_only"] = report(exc, start)
+    if gs.get_rank() == 1:
+        gave_up.touch()
     return seen
 
 
@@ -661,7 +665,7 @@ def _bounded_waits(url: str) -> dict[str, Any]:
 def test_abandoned_gather_iter_and_one_rank_only_timeout(shm: Path) -> None:
     (shm / "tmp").mkdir()
     results = gs.launch(
-        _bounded_waits, nproc_per_node=2, backend="gloo", args=(f"tmpdir://{shm / 'tmp'}",)
+        _bounded_waits, nproc_per_node=2, backend="gloo", args=(f"tmpdir://{shm / 'tmp'}", str(shm))
     )
     assert results[0]["del_seconds"] < 2
     other = results[1]["one_rank_only"]
