@@ -50,6 +50,9 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Ti
     )
     if world_size > 1:
         control.control_group()
+        # a stopped job removes its areas; installed now, not inside the first gather, so
+        # that the program sees the same handlers from the start (see _signals)
+        signals.install(session.abandon)
 
 
 def launch(

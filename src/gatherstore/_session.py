@@ -136,7 +136,9 @@ def session_for(store: Store, timeout: float) -> JobSession:
     if job.sign_parts:
         session.key = _shared_key(timeout)
     _sessions["by_store"][store] = session
-    signals.install(abandon)  # a stopped job removes its areas (where the user has no handler)
+    # a stopped job removes its areas (where the program has no handler); gs.launch and
+    # init_from_env installed this already, here it covers groups the program created
+    signals.install(abandon)
     if rank == 0:
         session.published = _publish(session)
         atexit.register(_end, session)
