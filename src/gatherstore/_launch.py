@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _published as publication
 from . import _session as session
 from . import _signals as signals
 from . import _slurm as slurm
@@ -157,7 +158,7 @@ def launch(
         for conn in conns:
             conn.close()
         if server is not None:  # what a stopped job left behind, rank 0 published here
-            session.sweep_published(server)
+            publication.sweep(server)
         del server  # stops the store's server, if this process hosted one
 
 

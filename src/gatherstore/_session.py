@@ -10,13 +10,12 @@ exit on rank 0).  When the job is stopped from outside, whoever outlives rank
 0 sweeps: every rank on SIGTERM/SIGINT (see ``_signals``), a rank that finds
 rank 0 late or its rendezvous store gone (:func:`after_failure`), and the
 ``gs.launch`` parent, which hosts the rendezvous store and reads there the
-areas rank 0 published (:func:`sweep_published`).
+areas rank 0 published (see ``_published``).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import socket
@@ -25,12 +24,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
 from . import _control as control
 from . import _gloo as gloo
+from . import _published as publication
 from . import _signals as signals
 from ._errors import (
     GatherError,
@@ -51,7 +50,6 @@ __all__ = [
     "last_timeout",
     "note_timeout",
     "session_for",
-    "sweep_published",
 ]
 
 MARKER = "marker"
@@ -59,7 +57,6 @@ MARKER = "marker"
 # filesystem may lag by seconds, but a store that is not shared must fail fast
 _VISIBILITY_WAIT = (2.0, 10.0)
 _RETRY_PAUSE = 0.1  # between lookups that failed with a store error
-_PUBLISHED = "gatherstore-areas"  # counter key on the launcher's store; areas at "<key>/<n>"
 
 
 @dataclass
@@ -140,42 +137,9 @@ def session_for(store: Store, timeout: float) -> JobSession:
     # init_from_env installed this already, here it covers groups the program created
     signals.install(abandon)
     if rank == 0:
-        session.published = _publish(session)
+        session.published = publication.publish(store, session.locator)
         atexit.register(_end, session)
     return session
-
-
-def _launcher_store() -> Any | None:
-    """The rendezvous store itself (no prefix) when a launcher hosts it, else None."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.distributed_c10d._get_default_store()
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store
-
-
-def _publish(session: JobSession) -> str:
-    """Publish the area on the launcher's rendezvous store (``gs.launch`` sweeps it if the
-    job is stopped); returns the key, "" when no launcher hosts the store."""
-    with contextlib.suppress(Exception):  # best effort: the signal handlers sweep too
-        launcher = _launcher_store()
-        if launcher is not None:
-            key = f"{_PUBLISHED}/{launcher.add(_PUBLISHED, 1)}"
-            launcher.set(key, cloudpickle.dumps((session.base, session.locator)))
-            return key
-    return ""
-
-
-def sweep_published(launcher: Any) -> None:
-    """In ``gs.launch``'s parent, after its children stopped: end every area still published."""
-    for n in range(1, int(launcher.add(_PUBLISHED, 0)) + 1):
-        key = f"{_PUBLISHED}/{n}"
-        with contextlib.suppress(Exception):  # best effort, like `_end`
-            if launcher.check([key]):
-                base, locator = cloudpickle.loads(launcher.get(key))
-                base.end_job(locator)
-                launcher.delete_key(key)
 
 
 def _misses_marker(job: Store, timeout: float) -> str:
@@ -216,10 +180,8 @@ def _shared_key(timeout: float) -> bytes:
 def _end(session: JobSession, *, unpublish: bool = True) -> None:
     try:
         session.base.end_job(session.locator)
-        if session.published and unpublish:
-            launcher = _launcher_store()
-            if launcher is not None:
-                launcher.delete_key(session.published)
+        if unpublish:
+            publication.unpublish(session.published)
     except Exception:  # best effort at exit; `gatherstore gc` removes leftovers
         return
 
