@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import _records as records
-from ._errors import IntegrityError
+from ._errors import GatherError, IntegrityError
 
 __all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "encode", "load", "verify"]
 
@@ -230,11 +230,14 @@ def encode(obj: Any) -> Frame:
 
 @dataclass
 class Verified:
-    """A part whose digest checked out: its pickle stream and regions, as views."""
+    """A part whose digest checked out: its pickle stream and regions, as views, and
+    whose part it is (for the errors of :func:`load`)."""
 
     stream: memoryview
     buffers: list[memoryview]
     columns: list[memoryview]
+    rank: int | None = None
+    where: str | None = None
 
 
 def verify(
@@ -292,7 +295,9 @@ def verify(
     pos = _PREFIX + 16 * regions
     pickle_at = pos + _pad(pos, pickle_len)
     views = [view[off : off + n] for off, n in zip(table[::2], table[1::2], strict=True)]
-    return Verified(view[pickle_at : pickle_at + pickle_len], views[:count], views[count:])
+    return Verified(
+        view[pickle_at : pickle_at + pickle_len], views[:count], views[count:], rank, where
+    )
 
 
 class _ColumnUnpickler(pickle.Unpickler):
@@ -305,10 +310,27 @@ class _ColumnUnpickler(pickle.Unpickler):
 
 
 def load(verified: Verified) -> Any:
-    """Unpickle a verified part; arrays are views into its buffer."""
-    if verified.columns:
-        return _ColumnUnpickler(verified).load()
-    return pickle.loads(verified.stream, buffers=verified.buffers)
+    """Unpickle a verified part; arrays are views into its buffer.
+
+    Raises:
+        GatherError: the part cannot be rebuilt in this process (say, its class is
+            missing here or its ``__setstate__`` fails); names the rank whose part it
+            is, with the unpickler's error as its cause.
+    """
+    try:
+        if verified.columns:
+            return _ColumnUnpickler(verified).load()
+        return pickle.loads(verified.stream, buffers=verified.buffers)
+    except (GatherError, MemoryError):
+        raise
+    except Exception as exc:
+        who = "a part" if verified.rank is None else f"the part of rank {verified.rank}"
+        where = f" ({verified.where})" if verified.where else ""
+        raise GatherError(
+            f"{who}{where} was sent intact but cannot be rebuilt here: "
+            f"{type(exc).__name__}: {exc}; every rank must be able to import and rebuild what "
+            "the others send (same code and package versions on every rank)"
+        ) from exc
 
 
 def decode(
