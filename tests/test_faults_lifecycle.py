@@ -126,6 +126,9 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
     if scenario == "late-handler":
         late_handler_rank(out, redis_url, rank)
         return
+    if scenario == "stream-killed-sender":
+        killed_sender_rank(out, rank)
+        return
     if scenario == "own-handler" and rank == 1:
 
         def mine(signum: int, frame: Any) -> None:
@@ -186,6 +189,24 @@ def late_handler_rank(out: str, redis_url: str, rank: int) -> None:
             break
     gs.shutdown()
     Path(out, f"{rank}.json").write_text(json.dumps({"calls": calls, "at_init": at_init}))
+
+
+def killed_sender_rank(out: str, rank: int) -> None:
+    """A streamed gather to rank 0 in which rank 2 dies (SIGKILL) as it sends its part."""
+    import torch.distributed as dist
+
+    gs.init_from_env(backend="gloo")
+    Path(out, f"ready-{rank}").write_text(str(os.getpid()))
+    if rank == 2:
+        dist.isend = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        gathered = gs.gather_object(bytes(4 << 20), store="stream", timeout=10)
+        outcome: dict[str, Any] = {"error": None, "parts": None if gathered is None else 3}
+    except Exception as exc:
+        outcome = report(exc, start)
+    Path(out, f"{rank}.json").write_text(json.dumps(outcome))
+    os._exit(0)  # the group lost a rank: leave without a shutdown that would wait for it
 
 
 def start_job(world: int, scenario: str, out: Path, redis_url: str) -> list[subprocess.Popen[str]]:
@@ -393,6 +414,23 @@ print("alive", cleaned, flush=True)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["mine", "alive", "[]"]
+
+
+@pytest.mark.timeout(120)
+def test_a_sender_killed_on_the_stream_route_is_named(shm: Path, redis_url: str) -> None:
+    procs = start_job(3, "stream-killed-sender", shm, redis_url)
+    try:
+        codes = [proc.wait(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert codes[2] == -signal.SIGKILL
+    dst, sender = outcomes(shm, [0, 1]).values()
+    assert dst["gather_error"], dst  # not torch's RuntimeError
+    assert 2 in (dst["ranks"] or [dst["rank"]]), dst
+    assert dst["seconds"] < 10 + MARGIN
+    assert sender == {"error": None, "parts": None}
 
 
 # --- gs.launch and torchrun: the launcher stops the job ------------------------------------------

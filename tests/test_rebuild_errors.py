@@ -44,13 +44,14 @@ def _every_route(tmp: str, redis_url: str) -> dict[str, Any]:
     big = bytes(300 << 10)  # past the auto threshold
     fussy = [Fussy(rank), big] if rank == 1 else [rank, big]
     out: dict[str, Any] = {}
-    for route in ("collective", f"tmpdir://{tmp}", redis_url):
+    for route in ("collective", "stream", f"tmpdir://{tmp}", redis_url):
         name = route.split(":")[0]
-        out[f"gather {name}"] = _outcome(lambda r=route: gs.gather_object(fussy, store=r))
-        out[f"all {name}"] = _outcome(lambda r=route: gs.all_gather_object(fussy, store=r))
+        limits = {"store": route, "timeout": 60}
+        out[f"gather {name}"] = _outcome(lambda k=limits: gs.gather_object(fussy, **k))
+        out[f"all {name}"] = _outcome(lambda k=limits: gs.all_gather_object(fussy, **k))
         one = Fussy(1) if rank == 1 else None
-        out[f"bcast {name}"] = _outcome(lambda r=route, o=one: gs.broadcast_object(o, 1, store=r))
-        out[f"after {name}"] = gs.all_gather_object(rank, store=route, timeout=30)
+        out[f"bcast {name}"] = _outcome(lambda k=limits, o=one: gs.broadcast_object(o, 1, **k))
+        out[f"after {name}"] = gs.all_gather_object(rank, **limits)
     return out
 
 

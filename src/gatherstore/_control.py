@@ -38,12 +38,15 @@ from ._errors import GatherTimeout, MismatchError, RemoteRankError
 
 __all__ = [
     "Outcome",
+    "bounded",
     "control_group",
     "exchange",
     "exchange_on",
     "exchange_summary",
     "is_initialized",
     "reset",
+    "step",
+    "store",
 ]
 
 # the verdict key's value: every rank's value, a summary of them, or the ranks that were late
@@ -99,6 +102,31 @@ def control_group() -> Any:
             backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT)
         )
     return state["group"]
+
+
+def step() -> int:
+    """The number of exchanges this job has run: the same on every rank between two
+    exchanges, so it names the current call (e.g. keys of its own on :func:`store`)."""
+    return int(_current()["step"])
+
+
+def store() -> Any:
+    """The job's rendezvous store, under gatherstore's own key prefix."""
+    return _current()["store"]
+
+
+def bounded(run: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``run()`` (requests to the rendezvous store), given up on after ``timeout`` plus
+    :data:`HOST_GRACE` s where a rank other than this one hosts the store (a frozen
+    host would otherwise block the request for the store's own timeout).
+
+    Raises:
+        GatherTimeout: the store's host did not answer in time.
+    """
+    hosts = _rank0_hosts_store()
+    if hosts and dist.get_rank() == 0:
+        return run()
+    return _bounded(run, timeout, what, hosts)
 
 
 def reset() -> None:
@@ -167,7 +195,7 @@ def exchange_summary(
 
     try:
         # rank 0 hosting the store cannot wait on a frozen host: itself
-        outcome = run() if rank == 0 and hosts else _bounded(run, timeout, what, hosts)
+        outcome: Outcome = run() if rank == 0 and hosts else _bounded(run, timeout, what, hosts)
     except RuntimeError as exc:
         raise RemoteRankError(
             0,
@@ -190,12 +218,7 @@ def _summary(summarize: Summarize | None, values: list[bytes]) -> bytes | None:
         return None
 
 
-def _bounded(
-    run: Callable[[], Outcome],
-    timeout: float,
-    what: str,
-    rank0_hosts: bool,
-) -> Outcome:
+def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: bool) -> Any:
     """``run()`` in a thread, given up on after ``timeout`` plus :data:`HOST_GRACE` s.
 
     A c10d store client waits on a frozen (stopped, not dead) store host for the
@@ -224,8 +247,7 @@ def _bounded(
         )
     if "error" in box:
         raise box["error"]
-    outcome: Outcome = box["value"]
-    return outcome
+    return box["value"]
 
 
 def exchange_on(

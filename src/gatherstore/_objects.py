@@ -74,7 +74,7 @@ def all_gather_object(
             obj if r == call.rank else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)
         ]
     if call.target == "stream":
-        everything = [stream_route.broadcast_from(call, src) for src in everyone]
+        everything = stream_route.all_from(call)
         call.finish()
         return everything
     session, prefix = call.write(everyone)
