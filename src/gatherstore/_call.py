@@ -53,6 +53,9 @@ AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)
 
 #: Seconds of a call's timeout kept for telling the other ranks that the store failed.
 _REPORT_TIME = 2.0
+#: Shortest wait an exchange gets once the call's time is (nearly) up: the others may be
+#: there already (a c10d wait of 0 would mean "forever").
+_MIN_WAIT = 0.05
 
 _opened: dict[str, Store] = {}
 
@@ -198,7 +201,7 @@ class Call:
 
         try:
             raw, summary = control.exchange_summary(
-                mine, timeout=self.timeout, what=self.what, summarize=summarize, full=full
+                mine, timeout=self.left(), what=self.what, summarize=summarize, full=full
             )
         except GatherError as exc:
             after_failure(exc)
@@ -300,7 +303,11 @@ class Call:
         assert isinstance(self.target, Store)
         error: BaseException | None = None
         mine = status(True)
+        # a store's set-up at its first use in the job has a deadline of its own: the call
+        # absorbs it (gs.launch and init_from_env set up the default store before any call)
+        started = time.monotonic()
         session = session_for(self.target, self.timeout)
+        self.ends_at += time.monotonic() - started
         prefix = session.next_call()
         wrote = False
         try:
@@ -313,7 +320,7 @@ class Call:
             error, mine = exc, failure(exc)
         self.frame = None
         try:
-            agree(mine, timeout=self.timeout, what=self.what, error=error)
+            agree(mine, timeout=self.left(), what=self.what, error=error)
         except BaseException:
             if wrote:
                 with self.deadline():
@@ -321,10 +328,20 @@ class Call:
             raise
         return session, prefix
 
-    def deadline(self) -> contextlib.AbstractContextManager[None]:
-        """Bound the store operations inside to this call's timeout, less the time kept
-        to report a store failure before the other ranks stop waiting for this one."""
-        return deadline(self.timeout - min(self.timeout / 4, _REPORT_TIME))
+    def left(self) -> float:
+        """Seconds left of this call's one deadline, for its next phase (every phase of
+        every route shares it: a slow but live store cannot stretch the call)."""
+        return max(self.ends_at - time.monotonic(), _MIN_WAIT)
+
+    def deadline(self, *, fresh: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Bound the store operations inside to this call's deadline, less the time kept
+        to report a store failure before the other ranks stop waiting for this one.
+
+        ``fresh`` gives them the call's whole timeout instead: for the reads of a
+        ``gather_iter``, paced by its consumer after the call has returned.
+        """
+        keep = min(self.timeout / 4, _REPORT_TIME)
+        return deadline(self.timeout - keep if fresh else self.left() - keep)
 
     @staticmethod
     def key(prefix: str, rank: int) -> str:
@@ -335,8 +352,11 @@ class Call:
         """What a part is signed together with: its job area, call and rank."""
         return f"{session.locator}\0{prefix}\0{rank}".encode()
 
-    def fetch(self, session: JobSession, prefix: str, rank: int) -> serialize.Verified:
-        """Read and verify one part (checksums release the GIL: this runs ahead in a thread).
+    def fetch(
+        self, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
+    ) -> serialize.Verified:
+        """Read and verify one part (checksums release the GIL: this runs ahead in a thread);
+        ``fresh`` as in :meth:`deadline`.
 
         Raises:
             IntegrityError: the part is damaged, planted or replayed; names ``rank``.
@@ -345,7 +365,7 @@ class Call:
         key = self.key(prefix, rank)
         where = f"{session.store} {key}"
         try:
-            with self.deadline():
+            with self.deadline(fresh=fresh):
                 raw = session.store.get(key)
         except IntegrityError as exc:
             raise IntegrityError(

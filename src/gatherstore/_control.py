@@ -25,6 +25,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import socket
 import struct
 import threading
 from collections.abc import Callable, Collection
@@ -43,6 +44,7 @@ __all__ = [
     "exchange",
     "exchange_on",
     "exchange_summary",
+    "hosts",
     "is_initialized",
     "reset",
     "step",
@@ -51,6 +53,7 @@ __all__ = [
 
 # the verdict key's value: every rank's value, a summary of them, or the ranks that were late
 _VALUES, _SUMMARY, _LATE = b"V", b"S", b"L"
+_HOSTS = "host/"  # a rank's hostname at "host/<rank>"
 
 #: Computes, on one rank, what every rank needs from all values (None: send all values).
 Summarize = Callable[[list[bytes]], bytes | None]
@@ -86,8 +89,39 @@ def _current() -> dict[str, Any]:
     if _state["world"] is not world:
         base = dist.distributed_c10d._get_default_store()
         store = dist.PrefixStore("gatherstore", base)  # type: ignore[attr-defined]
+        # where this rank runs, for the layout (see hosts()): published at its first use
+        # of the control plane, outside the exchanges' steps
+        store.set(f"{_HOSTS}{dist.get_rank()}", socket.gethostname())
         _state.update(world=world, store=store, group=None, step=0)
     return _state
+
+
+def hosts(timeout: float) -> list[str]:
+    """Every rank's hostname, in rank order.
+
+    Each rank publishes its own at its first use of the control plane (init, or its
+    first gatherstore collective), outside the exchanges' numbered steps: a rank
+    that asks alone waits only until the others next use gatherstore, and no call
+    is put out of step.
+
+    Raises:
+        GatherTimeout: some ranks did not publish within ``timeout`` s (named).
+    """
+    store, world = _current()["store"], dist.get_world_size()
+    keys = [f"{_HOSTS}{r}" for r in range(world)]
+
+    def read() -> list[str]:
+        try:
+            store.wait(keys, _dt.timedelta(seconds=timeout))
+        except RuntimeError:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not missing:  # they arrived just now
+                return read()
+            raise _late("topology", missing, timeout) from None
+        return [value.decode() for value in store.multi_get(keys)]
+
+    found: list[str] = bounded(read, timeout, "topology")
+    return found
 
 
 def control_group() -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -21,12 +22,16 @@ from . import _session as session
 from . import _signals as signals
 from . import _slurm as slurm
 from . import _topology as topology
+from ._call import resolve
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
+from .stores.base import Store
+from .stores.registry import default_store
 
 __all__ = ["init_from_env", "launch", "shutdown"]
 
 _KILL_GRACE = 5.0  # seconds a stopped child has to clean up before SIGKILL
+_log = logging.getLogger("gatherstore")
 
 
 def _pick_backend(requested: str, nproc_per_node: int) -> str:
@@ -51,9 +56,23 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Ti
     )
     if world_size > 1:
         control.control_group()
+        topology.settle()
         # a stopped job removes its areas; installed now, not inside the first gather, so
         # that the program sees the same handlers from the start (see _signals)
         signals.install(session.abandon)
+        _prepare_default_store(to_seconds(timeout))
+
+
+def _prepare_default_store(timeout: float) -> None:
+    """Set up the job's area in the default store now, if one is configured
+    (``GATHERSTORE_STORE`` or ``set_default_store``), so that the first call does
+    not.  A store that cannot be set up now is tried again, and reported, there."""
+    try:
+        store = resolve(default_store())
+        if isinstance(store, Store):  # not a route ("auto", "collective", "stream")
+            session.session_for(store, timeout)
+    except (GatherError, ValueError, ImportError) as exc:  # every rank alike
+        _log.info("gatherstore: the default store is set up at its first call instead: %s", exc)
 
 
 def launch(

@@ -86,7 +86,7 @@ def all_gather_object(
             out = list(Parts(call, session, prefix, call.rank, obj, delete=False))
         except Exception as exc:
             error, mine = exc, failure(exc)
-        agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
+        agree(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
     finally:
         with call.deadline():
             session.store.discard(call.key(prefix, call.rank))
@@ -127,9 +127,11 @@ def gather_iter(
 ) -> Iterator[Any]:
     """Every rank's ``obj`` on ``dst`` as an iterator in rank order, one part in memory at a time.
 
-    The collective part runs when this is called (every rank must call it);
-    ``dst`` then reads and deletes one part per step.  Other ranks get an empty
-    iterator.  Closing the iterator early deletes the parts not read.
+    The collective part runs when this is called (every rank must call it), within
+    ``timeout``; ``dst`` then reads and deletes one part per step, each read
+    within ``timeout`` of its own (the consumer sets the pace; on the ``stream``
+    route the senders wait for it, within the call's timeout).  Other ranks get an
+    empty iterator.  Closing the iterator early deletes the parts not read.
     """
     _serial_check(dst, "gather_iter")
     if not topology.is_distributed():
@@ -170,7 +172,7 @@ def gather_prepared(
     if call.rank != dst:
         call.finish()
         return None
-    parts = Parts(call, session, prefix, dst, obj)
+    parts = Parts(call, session, prefix, dst, obj, lazy=stream)
     return parts if stream else iter(list(parts))
 
 
@@ -203,7 +205,7 @@ def broadcast_object(
     except Exception as exc:
         error, mine = exc, failure(exc)
     try:
-        agree(mine, timeout=call.timeout, what="broadcast_object (read)", error=error)
+        agree(mine, timeout=call.left(), what="broadcast_object (read)", error=error)
     finally:
         if call.rank == src:
             with call.deadline():

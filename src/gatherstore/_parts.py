@@ -28,7 +28,9 @@ class Parts(Iterator[Any]):
     is fetched while the current one is verified, and both while the consumer
     decodes), so at most ``READ_AHEAD`` parts are held besides what the consumer
     keeps (the window the memory check counts).  With ``delete`` each part is
-    deleted once read, and closing early deletes the rest.
+    deleted once read, and closing early deletes the rest.  Reads share the call's
+    deadline, or with ``lazy`` (a ``gather_iter``, paced by its consumer) each part
+    has the call's whole timeout.
     """
 
     def __init__(
@@ -40,9 +42,10 @@ class Parts(Iterator[Any]):
         own: Any,
         *,
         delete: bool = True,
+        lazy: bool = False,
     ) -> None:
         self.call, self.session, self.prefix = call, session, prefix
-        self.own_rank, self.own, self.delete = own_rank, own, delete
+        self.own_rank, self.own, self.delete, self.lazy = own_rank, own, delete, lazy
         self.todo = [r for r in range(call.world) if r != own_rank]
         self.next_rank = 0
         self.closed = False
@@ -70,7 +73,7 @@ class Parts(Iterator[Any]):
         for rank in self.todo[:READ_AHEAD]:
             if rank not in self.ahead:
                 self.ahead[rank] = self.pool.submit(
-                    self.call.fetch, self.session, self.prefix, rank
+                    self.call.fetch, self.session, self.prefix, rank, fresh=self.lazy
                 )
 
     def __iter__(self) -> Parts:
@@ -84,7 +87,7 @@ class Parts(Iterator[Any]):
         self.next_rank += 1
         if rank == self.own_rank:
             return self.own
-        with self.call.deadline():  # the clean-up after a failure too
+        with self.call.deadline(fresh=self.lazy):  # the clean-up after a failure too
             try:
                 self._prefetch()  # this part and the next ones
                 future = self.ahead.pop(rank)

@@ -39,6 +39,7 @@ from ._errors import (
     StoreUnavailableError,
 )
 from .stores.base import Store
+from .stores.deadline import deadline
 
 __all__ = [
     "MARKER",
@@ -57,6 +58,8 @@ MARKER = "marker"
 # filesystem may lag by seconds, but a store that is not shared must fail fast
 _VISIBILITY_WAIT = (2.0, 10.0)
 _RETRY_PAUSE = 0.1  # between lookups that failed with a store error
+_REPORT_TIME = 2.0  # seconds of the set-up kept for telling the others that rank 0 failed
+_MIN_WAIT = 0.05  # the shortest wait an exchange gets (a c10d wait of 0 means "forever")
 
 
 @dataclass
@@ -83,6 +86,9 @@ _sessions: dict[str, Any] = {"world": None, "by_store": {}, "timeout": None}
 def session_for(store: Store, timeout: float) -> JobSession:
     """The job's session on ``store``, set up collectively at its first use.
 
+    Every step of the set-up (rank 0 creating the area, the exchanges, the signing
+    key) shares one deadline, ``timeout`` seconds from now.
+
     Raises:
         StoreNotSharedError: some ranks cannot see rank 0's marker.
         RemoteRankError: rank 0 could not prepare the store.
@@ -94,18 +100,24 @@ def session_for(store: Store, timeout: float) -> JobSession:
     if cached is not None:
         return cached
     rank = dist.get_rank()
+    ends = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(ends - time.monotonic(), _MIN_WAIT)
+
     answer: dict[str, str] = {}
     if rank == 0:
         job_id = uuid.uuid4().hex[:16]
         try:
-            answer["locator"] = store.prepare_job(job_id)
-            marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
-            store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
+            with deadline(timeout - min(timeout / 4, _REPORT_TIME)):
+                answer["locator"] = store.prepare_job(job_id)
+                marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
+                store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
             answer["kind"] = type(exc).__name__
     reply = json.loads(
-        control.exchange(json.dumps(answer).encode(), timeout=timeout, what="store setup")[0]
+        control.exchange(json.dumps(answer).encode(), timeout=left(), what="store setup")[0]
     )
     if reply.get("kind") == "StoreUnavailableError":
         raise StoreUnavailableError(
@@ -116,7 +128,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
     job = store.join_job(reply["locator"])
     session = JobSession(store, reply["locator"], job, None)
     missed = "" if rank == 0 else _misses_marker(job, timeout)
-    flags = control.exchange(missed.encode(), timeout=timeout, what="store check")
+    flags = control.exchange(missed.encode(), timeout=left(), what="store check")
     blind = [r for r, flag in enumerate(flags) if flag]
     if blind:
         if rank == 0:
@@ -131,7 +143,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
             store=str(store),
         )
     if job.sign_parts:
-        session.key = _shared_key(timeout)
+        session.key = _shared_key(ends, timeout)
     _sessions["by_store"][store] = session
     # a stopped job removes its areas (where the program has no handler); gs.launch and
     # init_from_env installed this already, here it covers groups the program created
@@ -165,13 +177,13 @@ def _misses_marker(job: Store, timeout: float) -> str:
             time.sleep(_RETRY_PAUSE)
 
 
-def _shared_key(timeout: float) -> bytes:
-    """32 random bytes from rank 0, broadcast over the gloo control group."""
+def _shared_key(ends: float, timeout: float) -> bytes:
+    """32 random bytes from rank 0, broadcast over the gloo control group by ``ends``."""
     buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
     gloo.transfer(
         gloo.broadcast(buf, 0),
         what="store setup (signing key)",
-        deadline=time.monotonic() + timeout,
+        deadline=ends,
         timeout=timeout,
     )
     return bytes(buf.numpy())
