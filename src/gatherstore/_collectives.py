@@ -148,6 +148,7 @@ def comm_device() -> torch.device:
     return dev
 
 
+@control.serialized
 def barrier(timeout: Timeout = None) -> None:
     """Wait until every rank arrives.
 
@@ -172,6 +173,7 @@ def barrier(timeout: Timeout = None) -> None:
     control.exchange(b"", timeout=to_seconds(timeout), what="barrier")
 
 
+@control.serialized
 def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = None) -> Any:
     """Reduce ``x`` over all ranks; every rank gets the result.
 
@@ -226,6 +228,7 @@ def _meta(t: torch.Tensor) -> bytes:
     return json.dumps([str(t.dtype), list(t.shape)]).encode()
 
 
+@control.serialized
 def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0; first dims may differ.
 
@@ -277,6 +280,7 @@ def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> t
     return torch.cat([s[:n] for s, n in zip(slots, sizes, strict=True)]).to(tensor.device)
 
 
+@control.serialized
 def broadcast_tensor(
     t: torch.Tensor | None, src: int = 0, *, timeout: Timeout = None
 ) -> torch.Tensor:
@@ -313,6 +317,7 @@ def broadcast_tensor(
     return buf.to(target)
 
 
+@control.serialized
 def shared_random_seed() -> int:
     """A random integer in [0, 2**31), the same on every rank."""
     seed = random.SystemRandom().randrange(2**31)

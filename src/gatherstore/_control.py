@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import json
 import os
 import socket
@@ -30,7 +31,7 @@ import struct
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -47,6 +48,7 @@ __all__ = [
     "hosts",
     "is_initialized",
     "reset",
+    "serialized",
     "step",
     "store",
 ]
@@ -75,8 +77,38 @@ _JUDGE_GRACE = 5.0
 #: (an exchange may take up to _JUDGE_GRACE more than its timeout to agree on a verdict).
 HOST_GRACE = 2 * _JUDGE_GRACE
 
+# one gatherstore collective at a time per process (see serialized)
+_calls = threading.RLock()
+F = TypeVar("F", bound=Callable[..., Any])
+
 # the default group this state belongs to, its control store, gloo group, step counter
 _state: dict[str, Any] = {"world": None}
+
+
+def serialized(fn: F) -> F:
+    """Run ``fn`` (a gatherstore collective) while no other thread of this process is
+    in one: the calls of a rank must reach the control plane one after another.
+
+    Ranks pair their calls by order; a call made outside the main thread carries its
+    thread's name in its label, so that calls that different threads made in a
+    different order on different ranks raise MismatchError instead of exchanging
+    each other's data.
+    """
+
+    @functools.wraps(fn)
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        with _calls:
+            return fn(*args, **kwargs)
+
+    return one_at_a_time  # type: ignore[return-value]
+
+
+def _label(what: str) -> bytes:
+    """``what``, with the calling thread's name outside the main thread."""
+    thread = threading.current_thread()
+    if thread is threading.main_thread():
+        return what.encode()
+    return f"{what} (thread {thread.name!r})".encode()
 
 
 def is_initialized() -> bool:
@@ -207,7 +239,7 @@ def exchange_summary(
         return [payload], _summary(summarize, [payload])
     state = _current()
     state["step"] += 1
-    labelled = what.encode() + b"\0" + payload
+    labelled = _label(what) + b"\0" + payload
     rank, hosts = dist.get_rank(), _rank0_hosts_store()
 
     def summarize_labelled(values: list[bytes]) -> bytes | None:

@@ -62,6 +62,7 @@ def _agree(
     return views
 
 
+@control.serialized
 def all_reduce_dict(
     d: Mapping[str, Any], op: str = "mean", *, timeout: Timeout = None
 ) -> dict[str, Any]:
@@ -79,6 +80,7 @@ def all_reduce_dict(
     return _reduce_dict(d, op, dst=None, timeout=timeout)
 
 
+@control.serialized
 def reduce_dict(
     d: Mapping[str, Any], average: bool = True, dst: int = 0, *, timeout: Timeout = None
 ) -> dict[str, Any]:

@@ -310,7 +310,9 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     if topology.is_distributed():
         if wait and session.has_sessions():
             try:
-                control.exchange(b"", timeout=seconds or to_seconds(None), what="shutdown")
+                control.serialized(control.exchange)(
+                    b"", timeout=seconds or to_seconds(None), what="shutdown"
+                )
             except GatherError as exc:
                 session.after_failure(exc)
         session.end_sessions()

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import _control as control
 from . import _gloo as gloo
 from . import _serialize as serialize
 from . import _stream as stream_route
@@ -42,6 +43,7 @@ def _serial_check(dst: int, what: str) -> None:
         raise ValueError(f"{what}: dst={dst} is not a rank of this job (world size {world})")
 
 
+@control.serialized
 def all_gather_object(
     obj: Any,
     *,
@@ -93,6 +95,7 @@ def all_gather_object(
     return out
 
 
+@control.serialized
 def gather_object(
     obj: Any,
     dst: int = 0,
@@ -117,6 +120,7 @@ def gather_object(
     return None if parts is None else list(parts)
 
 
+@control.serialized
 def gather_iter(
     obj: Any,
     dst: int = 0,
@@ -176,6 +180,7 @@ def gather_prepared(
     return parts if stream else iter(list(parts))
 
 
+@control.serialized
 def broadcast_object(
     obj: Any = None, src: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
 ) -> Any:

@@ -14,6 +14,8 @@ from ._errors import RemoteRankError
 __all__ = ["one_rank_only", "rank_zero_only"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+# the report after the function ran: one exchange, not interleaved with another thread's call
+_report = control.serialized(control.exchange)
 
 
 def rank_zero_only(fn: F) -> F:
@@ -48,9 +50,9 @@ def one_rank_only(
                     result = fn(*args, **kwargs)
             except Exception as exc:
                 failure = f"{type(exc).__name__}: {exc}".encode()
-                control.exchange(failure, timeout=seconds, what="one_rank_only")
+                _report(failure, timeout=seconds, what="one_rank_only")
                 raise
-            reported = control.exchange(failure, timeout=seconds, what="one_rank_only")
+            reported = _report(failure, timeout=seconds, what="one_rank_only")
             if reported[rank]:
                 raise RemoteRankError(rank, reported[rank].decode(), context=fn.__name__)
             return result
