@@ -186,6 +186,7 @@ class Call:
             mine = status(
                 True,
                 size=self.frame.nbytes if self.frame else 0,
+                rebuilt=self.frame.rebuilt if self.frame else 0,
                 avail=memory.headroom(),
                 shm=memory.shm_free(),
                 node=socket.gethostname(),

@@ -145,6 +145,7 @@ def route_need(
     ranks: Sequence[int],
     *,
     all_receive: bool,
+    rebuilt: Sequence[int] = (),
 ) -> NodeNeed:
     """Bytes the ``ranks`` of one node allocate for a gather of parts ``sizes``.
 
@@ -152,6 +153,8 @@ def route_need(
     node's RAM) or ``"store"`` (any other store).  ``receivers`` read parts;
     ``all_receive`` marks an all-gather (parts stay until every rank has read
     them).  A streamed gather has no receivers here: it holds a bounded window.
+    ``rebuilt`` is what unpickling each rank's part allocates besides the part
+    (see :mod:`gatherstore._sizing`): every receiver rebuilds every other part.
 
     The collective route gives every receiver ``W`` slots of the largest part
     (plus a send buffer in an all-gather) and every sender one padded part.  A
@@ -160,15 +163,16 @@ def route_need(
     gather frees as it reads (the copies replace them) and an all-gather does not.
     """
     world, largest, total = len(sizes), max(sizes, default=0), sum(sizes)
+    built = list(rebuilt) or [0] * world
     receiving = set(receivers)
     mine = [r for r in ranks if r in receiving]
+    objects = sum(sum(built) - built[r] for r in mine)
     if route == "collective":
-        ram = sum(largest * (world + all_receive) for _ in mine)
+        ram = sum(largest * (world + all_receive) for _ in mine) + objects
         ram += sum(largest for r in ranks if r not in receiving and sizes[r])
         return NodeNeed(ram, 0)
-    reads = sum(total - sizes[r] for r in mine) + (
-        0 if all_receive or not mine else READ_AHEAD * largest
-    )
+    reads = sum(total - sizes[r] for r in mine) + objects
+    reads += 0 if all_receive or not mine else READ_AHEAD * largest
     if route != "shm":
         return NodeNeed(reads, 0)
     written = sum(sizes[r] for r in ranks)
@@ -191,15 +195,17 @@ def shortfalls(
 ) -> list[str]:
     """Per node that lacks room for ``route``: what it needs there and what it has.
 
-    ``statuses`` are every rank's reports (``avail``, ``shm``, ``node``); the
-    ranks of one node share its memory, so their needs add up.
+    ``statuses`` are every rank's reports (``avail``, ``shm``, ``node``, ``rebuilt``);
+    the ranks of one node share its memory, so their needs add up.
     """
     nodes: dict[str, list[int]] = {}
     for rank, status in enumerate(statuses):
         nodes.setdefault(status["node"], []).append(rank)
+    rebuilt = [int(status.get("rebuilt", 0)) for status in statuses]
     out = []
     for node, ranks in nodes.items():
-        need = route_need(route, sizes, receivers, ranks, all_receive=len(receivers) > 1)
+        many = len(receivers) > 1
+        need = route_need(route, sizes, receivers, ranks, all_receive=many, rebuilt=rebuilt)
         room = min(int(statuses[r]["avail"]) for r in ranks)
         shm = min(int(statuses[r]["shm"]) for r in ranks)
         if need.ram > room or need.shm > shm:
@@ -225,7 +231,8 @@ def check(what: str, target: Store | str, total: int, short: dict[str, list[str]
     if found:
         raise InsufficientMemoryError(
             f"{what} of {total / 2**30:.2f} GiB over {target} would not fit: "
-            f"{'; '.join(found)} (free memory, capped by the memory cgroup). Use "
+            f"{'; '.join(found)} (free memory, capped by the memory cgroup; the need counts "
+            "what unpickling the parts allocates, not only their bytes). Use "
             "gs.gather_iter (one part in memory at a time), gather less per call, or raise "
             "the job's memory limit"
         )
