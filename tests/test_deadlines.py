@@ -65,12 +65,15 @@ def _slow_store_calls(root: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_a_slow_store_cannot_stretch_a_call_past_its_timeout(tmp_path: Path) -> None:
+def test_a_slow_store_cannot_stretch_a_call_past_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATHERSTORE_READ_AHEAD", "1")  # no read-ahead: one read after another
     dst, *senders = gs.launch(
         _slow_store_calls, nproc_per_node=5, backend="gloo", args=(str(tmp_path),)
     )
-    # four reads of 1 s, two at a time, do not fit one 2 s deadline (each read used to get
-    # the whole timeout of its own)
+    # four reads of 1 s, one after another, do not fit one 2 s deadline (each read used to
+    # get the whole timeout of its own)
     assert dst["gather"][0] == "StoreUnavailableError", dst["gather"]
     assert "no time left" in dst["gather"][1]
     assert dst["gather_seconds"] < 2 + MARGIN

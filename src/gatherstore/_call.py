@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _config as config
 from . import _control as control
 from . import _gloo as gloo
 from . import _memory as memory
@@ -115,12 +116,15 @@ def _raise_failures(statuses: list[Any], what: str, error: BaseException | None)
     )
 
 
-def facts(statuses: list[Any], receivers: Sequence[int], root: int | None) -> dict[str, Any] | None:
+def facts(
+    statuses: list[Any], receivers: Sequence[int], root: int | None, streamed: bool = False
+) -> dict[str, Any] | None:
     """What every rank decides a call's route and memory check from, computed once
     from every rank's status: ``total`` and ``longest`` part, the ``root``'s part
-    size, a ``broken`` gloo group, and each route's per-node memory shortfalls.
-    None when a rank failed or ranks are in different calls (every rank then needs
-    every status, to raise the same error)."""
+    size, a ``broken`` gloo group, and each route's per-node memory shortfalls
+    (``streamed``: the receivers read with ``gather_iter``).  None when a rank failed
+    or ranks are in different calls (every rank then needs every status, to raise
+    the same error)."""
     if not all(s["ok"] for s in statuses) or any(
         s["call"] != statuses[0]["call"] for s in statuses
     ):
@@ -131,7 +135,10 @@ def facts(statuses: list[Any], receivers: Sequence[int], root: int | None) -> di
         "longest": max(sizes),
         "root": 0 if root is None else sizes[root],
         "broken": next((s["broken"] for s in statuses if s["broken"]), ""),
-        "short": {r: memory.shortfalls(r, statuses, sizes, receivers) for r in memory.ROUTES},
+        "short": {
+            r: memory.shortfalls(r, statuses, sizes, receivers, streamed=streamed)
+            for r in memory.ROUTES
+        },
     }
 
 
@@ -145,8 +152,11 @@ class Call:
         timeout: Timeout,
         progress: bool | None = None,
         root: int | None = None,
+        read_ahead: int | None = None,
+        streamed: bool = False,
     ) -> None:
         self.started = time.perf_counter()
+        self.read_ahead, self.streamed = read_ahead, streamed
         self.what = what
         self.progress = progress
         self.timeout = to_seconds(timeout)
@@ -178,16 +188,19 @@ class Call:
         self.frame: serialize.Frame | None = None
         self.own: Any = None
         error: BaseException | None = None
-        root = self.root
+        root, streamed = self.root, self.streamed
         try:
             self.own = prepare()
             if send:
                 self.frame = serialize.encode(self.own)
+            avail = memory.headroom()
+            self.budget = config.read_ahead(self.read_ahead, avail)
             mine = status(
                 True,
                 size=self.frame.nbytes if self.frame else 0,
                 rebuilt=self.frame.rebuilt if self.frame else 0,
-                avail=memory.headroom(),
+                avail=avail,
+                window=self.budget,
                 shm=memory.shm_free(),
                 node=socket.gethostname(),
                 call=self.shape,
@@ -197,7 +210,7 @@ class Call:
             error, mine = exc, failure(exc)
 
         def summarize(raw: list[bytes]) -> bytes | None:
-            found = facts([json.loads(s) for s in raw], receivers, root)
+            found = facts([json.loads(s) for s in raw], receivers, root, streamed)
             return None if found is None else json.dumps(found).encode()
 
         try:
@@ -212,7 +225,7 @@ class Call:
             assert statuses is not None
             _raise_failures(statuses, self.what, error)
             self._same_call(statuses)
-        found = json.loads(summary) if summary else facts(statuses or [], receivers, root)
+        found = json.loads(summary) if summary else facts(statuses or [], receivers, root, streamed)
         assert found is not None
         if statuses is not None:
             self.sizes = [int(s["size"]) for s in statuses]

@@ -301,7 +301,8 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     ``wait`` (the default) every rank meets first, so no rank is still reading.
     That meeting waits at most ``timeout`` seconds (default: the timeout of the
     job's last call that used a store) for ranks that are gone; if rank 0 is
-    gone, this rank removes the areas itself.
+    gone (its rendezvous store with it), this rank removes the areas itself; a
+    rank 0 that is only late removes them when it gets here.
 
     Raises:
         ValueError: ``timeout`` is not a positive number of seconds.
@@ -314,7 +315,9 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
                     b"", timeout=seconds or to_seconds(None), what="shutdown"
                 )
             except GatherError as exc:
-                session.after_failure(exc)
+                # a rank 0 that is only late (say, still reading a gather_iter) removes its
+                # areas itself; one whose rendezvous store is gone does not
+                session.after_failure(exc, late_counts=False)
         session.end_sessions()
         signals.uninstall()
         dist.destroy_process_group()

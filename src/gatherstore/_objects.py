@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import _config as config
 from . import _control as control
 from . import _gloo as gloo
 from . import _serialize as serialize
@@ -85,7 +86,8 @@ def all_gather_object(
     mine = status(True)
     try:
         try:
-            out = list(Parts(call, session, prefix, call.rank, obj, delete=False))
+            reader = Parts(call, session, prefix, call.rank, obj, budget=call.budget, delete=False)
+            out = list(reader)
         except Exception as exc:
             error, mine = exc, failure(exc)
         agree(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
@@ -128,6 +130,7 @@ def gather_iter(
     store: str | Store | None = None,
     timeout: Timeout = None,
     progress: bool | None = None,
+    read_ahead: int | None = None,
 ) -> Iterator[Any]:
     """Every rank's ``obj`` on ``dst`` as an iterator in rank order, one part in memory at a time.
 
@@ -136,12 +139,28 @@ def gather_iter(
     within ``timeout`` of its own (the consumer sets the pace; on the ``stream``
     route the senders wait for it, within the call's timeout).  Other ranks get an
     empty iterator.  Closing the iterator early deletes the parts not read.
+
+    ``dst`` holds the part its consumer keeps plus at most ``read_ahead`` bytes of
+    the parts after it (default: ``GATHERSTORE_READ_AHEAD``, 32 MiB, at most 1/8
+    of the free memory); a part larger than that is read when it is asked for.
+
+    Raises:
+        ValueError: a ``dst`` outside the job or a negative ``read_ahead``.
+        and the errors of :func:`gather_object`.
     """
     _serial_check(dst, "gather_iter")
+    config.read_ahead(read_ahead, 0)  # a bad value fails here, before anything is sent
     if not topology.is_distributed():
         return iter([obj])
     parts = gather_prepared(
-        lambda: obj, dst, store, timeout, "gather_iter", stream=True, progress=progress
+        lambda: obj,
+        dst,
+        store,
+        timeout,
+        "gather_iter",
+        stream=True,
+        progress=progress,
+        read_ahead=read_ahead,
     )
     return iter(()) if parts is None else parts
 
@@ -154,12 +173,13 @@ def gather_prepared(
     what: str,
     stream: bool = False,
     progress: bool | None = None,
+    read_ahead: int | None = None,
 ) -> Iterator[Any] | None:
     """The gather behind the public calls: ``prepare()`` builds each rank's object,
     and its exceptions are reported to every rank instead of raised alone."""
-    call = Call(what, store, timeout, progress, root=dst)
+    call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, streamed=stream)
     others = [r for r in range(call.world) if r != dst]
-    sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst, full=[dst])
+    sizes = call.agree(prepare, [dst], send=call.rank != dst, full=[dst])
     obj = call.own
     if call.target == "collective":
         slots = call.collective_to(dst, sizes)
@@ -176,7 +196,7 @@ def gather_prepared(
     if call.rank != dst:
         call.finish()
         return None
-    parts = Parts(call, session, prefix, dst, obj, lazy=stream)
+    parts = Parts(call, session, prefix, dst, obj, budget=call.budget, lazy=stream)
     return parts if stream else iter(list(parts))
 
 

@@ -224,16 +224,17 @@ def end_sessions() -> None:
     _sessions.update(world=None, by_store={}, timeout=None)
 
 
-def after_failure(exc: BaseException) -> None:
+def after_failure(exc: BaseException, *, late_counts: bool = True) -> None:
     """After a failed exchange: if rank 0 (the areas' creator) is late or its
     rendezvous store is gone, this surviving rank sweeps the job's areas.
 
-    A late rank 0 counts too: the job cannot go on in step without it, and a
-    frozen rank 0 that is killed later would leave its areas to the TTLs.
+    A late rank 0 counts too (unless ``late_counts`` is False): the job cannot go
+    on in step without it, and a frozen rank 0 that is killed later would leave
+    its areas to the TTLs.
     """
     cause = exc.__cause__
     gone = isinstance(exc, RemoteRankError) and exc.rank == 0 and isinstance(cause, RuntimeError)
-    late = isinstance(exc, GatherTimeout) and 0 in exc.ranks
+    late = late_counts and isinstance(exc, GatherTimeout) and 0 in exc.ranks
     if late or (gone and not isinstance(cause, GatherError)):
         abandon()
 
