@@ -32,11 +32,11 @@ from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import (
     GatherError,
-    IntegrityError,
     MismatchError,
     RemoteRankError,
     StoreUnavailableError,
 )
+from ._parts import binding, part_key
 from ._progress import log_call
 from ._session import JobSession, after_failure, note_timeout, session_for
 from .stores.base import Store
@@ -327,8 +327,8 @@ class Call:
         try:
             if self.rank in writers and self.frame is not None:
                 with self.deadline():
-                    sealed = self.frame.seal(session.key, self.bind(session, prefix, self.rank))
-                    session.store.put(self.key(prefix, self.rank), sealed.segments)
+                    sealed = self.frame.seal(session.key, binding(session, prefix, self.rank))
+                    session.store.put(part_key(prefix, self.rank), sealed.segments)
                 wrote = True
         except Exception as exc:
             error, mine = exc, failure(exc)
@@ -338,7 +338,7 @@ class Call:
         except BaseException:
             if wrote:
                 with self.deadline():
-                    session.store.discard(self.key(prefix, self.rank))
+                    session.store.discard(part_key(prefix, self.rank))
             raise
         return session, prefix
 
@@ -356,39 +356,3 @@ class Call:
         """
         keep = min(self.timeout / 4, _REPORT_TIME)
         return deadline(self.timeout - keep if fresh else self.left() - keep)
-
-    @staticmethod
-    def key(prefix: str, rank: int) -> str:
-        return f"{prefix}/{rank}"
-
-    @staticmethod
-    def bind(session: JobSession, prefix: str, rank: int) -> bytes:
-        """What a part is signed together with: its job area, call and rank."""
-        return f"{session.locator}\0{prefix}\0{rank}".encode()
-
-    def fetch(
-        self, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
-    ) -> serialize.Verified:
-        """Read and verify one part (checksums release the GIL: this runs ahead in a thread);
-        ``fresh`` as in :meth:`deadline`.
-
-        Raises:
-            IntegrityError: the part is damaged, planted or replayed; names ``rank``.
-            GatherError: the part is gone (deleted, or its TTL ran out).
-        """
-        key = self.key(prefix, rank)
-        where = f"{session.store} {key}"
-        try:
-            with self.deadline(fresh=fresh):
-                raw = session.store.get(key)
-        except IntegrityError as exc:
-            raise IntegrityError(
-                f"{self.what}: part of rank {rank}: {exc}", rank=rank, key=where
-            ) from None
-        if raw is None:
-            raise GatherError(
-                f"{self.what}: the part of rank {rank} is gone from {session.store} (deleted, "
-                "or it expired: raise the store's ttl)"
-            )
-        bind = self.bind(session, prefix, rank)
-        return serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where)

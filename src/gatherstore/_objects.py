@@ -26,7 +26,7 @@ from . import _stream as stream_route
 from . import _topology as topology
 from ._call import AUTO_THRESHOLD, Call, agree, failure, status
 from ._config import Timeout
-from ._parts import Parts
+from ._parts import Parts, fetch, part_key
 from .stores.base import Store
 
 __all__ = [
@@ -93,7 +93,7 @@ def all_gather_object(
         agree(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
     finally:
         with call.deadline():
-            session.store.discard(call.key(prefix, call.rank))
+            session.store.discard(part_key(prefix, call.rank))
     return out
 
 
@@ -226,7 +226,7 @@ def broadcast_object(
     out = obj
     try:
         if call.rank != src:
-            out = serialize.load(call.fetch(session, prefix, src))
+            out = serialize.load(fetch(call, session, prefix, src))
     except Exception as exc:
         error, mine = exc, failure(exc)
     try:
@@ -234,6 +234,6 @@ def broadcast_object(
     finally:
         if call.rank == src:
             with call.deadline():
-                session.store.discard(call.key(prefix, src))
+                session.store.discard(part_key(prefix, src))
     call.finish()
     return out

@@ -18,13 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from . import _serialize as serialize
-from ._errors import GatherError
+from ._errors import GatherError, IntegrityError
 from ._progress import Progress, wanted
 from ._session import JobSession
 from .stores.base import Store
 from .stores.deadline import END_JOB_TIMEOUT, deadline
 
-__all__ = ["IN_FLIGHT", "Parts", "Reading"]
+__all__ = ["IN_FLIGHT", "Parts", "Reading", "binding", "fetch", "part_key"]
 
 #: Reads (and deletes) a reader keeps going at once.
 IN_FLIGHT = 32
@@ -40,22 +40,55 @@ class Reading(Protocol):
 
     def deadline(self, *, fresh: bool = False) -> contextlib.AbstractContextManager[None]: ...
 
-    def fetch(
-        self, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
-    ) -> serialize.Verified: ...
-
-    def key(self, prefix: str, rank: int) -> str: ...
-
     def finish(self) -> None: ...
+
+
+def part_key(prefix: str, rank: int) -> str:
+    """The key of ``rank``'s part in the call whose keys start with ``prefix``."""
+    return f"{prefix}/{rank}"
+
+
+def binding(session: JobSession, prefix: str, rank: int) -> bytes:
+    """What a part is signed together with: its job area, call and rank."""
+    return f"{session.locator}\0{prefix}\0{rank}".encode()
+
+
+def fetch(
+    call: Reading, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
+) -> serialize.Verified:
+    """Read and verify one part (checksums release the GIL: this runs ahead in a thread);
+    ``fresh`` as in the call's ``deadline``.
+
+    Raises:
+        IntegrityError: the part is damaged, planted or replayed; names ``rank``.
+        GatherError: the part is gone (deleted, or its TTL ran out).
+    """
+    key = part_key(prefix, rank)
+    where = f"{session.store} {key}"
+    try:
+        with call.deadline(fresh=fresh):
+            raw = session.store.get(key)
+    except IntegrityError as exc:
+        raise IntegrityError(
+            f"{call.what}: part of rank {rank}: {exc}", rank=rank, key=where
+        ) from None
+    if raw is None:
+        raise GatherError(
+            f"{call.what}: the part of rank {rank} is gone from {session.store} (deleted, "
+            "or it expired: raise the store's ttl)"
+        )
+    bind = binding(session, prefix, rank)
+    return serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where)
 
 
 class Parts(Iterator[Any]):
     """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
 
     ``budget`` bounds the bytes of the parts read ahead of the one the consumer
-    asks for.  With ``delete`` each part is deleted once read, and closing early
-    deletes the rest.  Reads share the call's deadline, or with ``lazy`` (a
-    ``gather_iter``, paced by its consumer) each part has the call's whole timeout.
+    asks for, ``in_flight`` the reads and deletes going at once.  With ``delete``
+    each part is deleted once read, and closing early deletes the rest.  Reads
+    share the call's deadline, or with ``lazy`` (a ``gather_iter``, paced by its
+    consumer) each part has the call's whole timeout.
     """
 
     def __init__(
@@ -69,14 +102,15 @@ class Parts(Iterator[Any]):
         budget: int,
         delete: bool = True,
         lazy: bool = False,
+        in_flight: int = IN_FLIGHT,
     ) -> None:
         self.call, self.session, self.prefix = call, session, prefix
         self.own_rank, self.own, self.delete, self.lazy = own_rank, own, delete, lazy
-        self.budget, self.sizes = budget, call.sizes
+        self.budget, self.sizes, self.in_flight = budget, call.sizes, in_flight
         self.todo = [r for r in range(len(self.sizes)) if r != own_rank]
         self.next_rank = 0
         self.closed = False
-        self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="gatherstore-read")
+        self.pool = ThreadPoolExecutor(in_flight, thread_name_prefix="gatherstore-read")
         self.ahead: dict[int, Future[serialize.Verified]] = {}
         self.deletes: list[Future[None]] = []
         incoming = sum(self.sizes) - self.sizes[own_rank]
@@ -103,14 +137,14 @@ class Parts(Iterator[Any]):
         for rank in self.todo:
             if rank in self.ahead:
                 continue
-            if len(self.ahead) >= IN_FLIGHT:
+            if len(self.ahead) >= self.in_flight:
                 return
             if rank != asked:
                 if window + self.sizes[rank] > self.budget:
                     return
                 window += self.sizes[rank]
             self.ahead[rank] = self.pool.submit(
-                self.call.fetch, self.session, self.prefix, rank, fresh=self.lazy
+                fetch, self.call, self.session, self.prefix, rank, fresh=self.lazy
             )
 
     def __iter__(self) -> Parts:
@@ -144,7 +178,7 @@ class Parts(Iterator[Any]):
 
     def _discard(self, rank: int) -> None:
         with self.call.deadline(fresh=self.lazy):
-            self.session.store.discard(self.call.key(self.prefix, rank))
+            self.session.store.discard(part_key(self.prefix, rank))
 
     def close(self) -> None:
         """Stop reading ahead; with ``delete``, delete the parts not read yet.
@@ -167,7 +201,7 @@ class Parts(Iterator[Any]):
         self.ahead.clear()
         deletes, self.deletes = self.deletes, []
         if self.delete and self.todo:
-            keys = [self.call.key(self.prefix, rank) for rank in self.todo]
+            keys = [part_key(self.prefix, rank) for rank in self.todo]
             if wait:
                 _discard(self.session.store, keys)
             else:  # a finaliser runs wherever the garbage collector does: never block there
