@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 import gatherstore as gs
-from gatherstore._memory import READ_AHEAD
 from gatherstore.stores.fsspec import FsspecStore
 from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import services
@@ -123,9 +122,9 @@ def test_frozen_then_killed_s3_ends_every_call_within_its_timeout(tmp_path: Path
 
 
 # --- 2. tampered parts: replayed, swapped, truncated, planted ------------------------------
-#: The tampering sender: the first rank past dst's read-ahead window, whose part dst
-#: reads only after the tampering (the ranks before it are read ahead at once).
-TAMPERER = READ_AHEAD + 1
+#: The tampering sender: the first rank past dst's read-ahead window (two parts), whose
+#: part dst reads only after the tampering (the ranks before it are read ahead at once).
+TAMPERER = 3
 
 
 def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -136,6 +135,7 @@ def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
     store = gs.open_store(url, **options)
     rank = gs.get_rank()
     obj = {"rank": rank, "data": np.full(100_000, rank, dtype=np.int64)}
+    window = (TAMPERER - 1) * serialize.encode(obj).nbytes  # dst reads ahead the ranks before
     saved: dict[str, Any] = {}
 
     def raw(key: str) -> bytes:
@@ -165,7 +165,7 @@ def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
     }
     out: list[tuple[str, Any]] = []
     for name, tamper in tampers.items():
-        parts = gs.gather_iter(obj, store=store, timeout=30)
+        parts = gs.gather_iter(obj, store=store, timeout=30, read_ahead=window)
         job = session_for(store, 30).store
         if rank == TAMPERER:
             tamper(f"call-{session_for(store, 30).calls}")

@@ -532,7 +532,7 @@ READ_PART = 48 << 20
 
 def _read_ahead_job(url: str) -> dict[str, Any]:
     """Rank 0 streams 3 parts of 48 MiB: how many reads ran at once, and its peak memory."""
-    from gatherstore._memory import READ_AHEAD
+    from gatherstore._config import DEFAULT_READ_AHEAD
 
     store = gs.open_store(url)
     rank = gs.get_rank()
@@ -550,19 +550,20 @@ def _read_ahead_job(url: str) -> dict[str, Any]:
         "busiest": busiest,
         "growth": mem.growth,
         "reset": mem.reset,
-        "window": READ_AHEAD,
+        "window": DEFAULT_READ_AHEAD,
     }
 
 
 @pytest.mark.timeout(120)
 def test_destination_reads_ahead_within_a_window(redis_url: str, prefix: str) -> None:
-    """Parts are fetched ahead, READ_AHEAD at most: memory stays within that window."""
+    """Parts larger than the read-ahead budget are read when asked for: the destination
+    holds the part its loop keeps plus at most the budget."""
     url = f"{redis_url}?key_prefix={prefix}"
     first, *others = gs.launch(_read_ahead_job, nproc_per_node=4, backend="gloo", args=(url,))
     assert first["seen"] == [0, 1, 2, 3]
-    assert 1 <= first["busiest"] <= first["window"] == 2
-    if first["reset"]:  # its own part, the one the loop holds and the window
-        assert first["growth"] < (first["window"] + 1.2) * READ_PART, first["growth"] / READ_PART
+    assert first["busiest"] >= 1 and first["window"] < READ_PART
+    if first["reset"]:  # the part the loop holds, what reading it takes, no read-ahead
+        assert first["growth"] < 1.3 * READ_PART, first["growth"] / READ_PART
     assert [o["seen"] for o in others] == [[], [], []]
     assert _raw_keys(redis_url, prefix) == []
 

@@ -121,6 +121,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import hostbench
 
         return hostbench.main()
+    if args.parts:
+        from ._bench import parts
+
+        return parts.main(args.parts, args.part_size, args.repeats)
     plan = bench.Plan(
         args.sizes, args.world, args.payloads, args.repeats, args.timeout, args.map_images
     )
@@ -365,6 +369,15 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         choices=[2],
         help="instead: 200 MiB per rank across 2 simulated hosts (root; sshfs, Redis)",
+    )
+    p.add_argument(
+        "--parts",
+        type=_argtype(_positive_int),
+        metavar="W",
+        help="instead: the destination reading W parts through each store (e.g. 1000)",
+    )
+    p.add_argument(
+        "--part-size", type=_argtype(parse_size), default=64 << 10, help="with --parts (64KB)"
     )
     p.set_defaults(handler=_bench)
 
