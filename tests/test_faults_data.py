@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cgroups import run_in_memory_cgroup
 
 import gatherstore as gs
 from gatherstore.stores.fsspec import FsspecStore
@@ -254,39 +255,6 @@ PART = 200 << 20  # bytes each sender holds
 MARGIN = 300 << 20  # what the cgroup allows beyond what the job holds once its parts exist
 
 
-def _memory_cgroup() -> tuple[Path, str, str, str] | str:
-    """A fresh memory cgroup (dir, limit file, usage file, OOM-kill counter file), or why
-    this machine cannot make one.  On cgroup v2 the root's children get the memory
-    controller first where they lack it (it stays on: other cgroups may use it by then)."""
-    if os.geteuid() != 0:
-        return "creating a memory cgroup needs root"
-    name = f"gatherstore-test-{uuid.uuid4().hex[:8]}"
-    root = Path("/sys/fs/cgroup")
-    if (root / "cgroup.controllers").exists():  # v2
-        if "memory" not in (root / "cgroup.controllers").read_text().split():
-            return f"cgroup v2 at {root} has no memory controller (disabled, or bound to v1)"
-        subtree = root / "cgroup.subtree_control"
-        if "memory" not in subtree.read_text().split():
-            try:
-                subtree.write_text("+memory")
-            except OSError as exc:  # EBUSY: processes sit in the root itself (a container)
-                return (
-                    f"cannot enable the memory controller in {subtree} ({exc}); move the "
-                    f"processes of {root}/cgroup.procs into a child cgroup first"
-                )
-        layout = (root / name, "memory.max", "memory.current", "memory.events")
-    elif (root / "memory" / "cgroup.procs").exists():  # v1
-        v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.oom_control")
-        layout = (root / "memory" / name, *v1)
-    else:
-        return f"no memory cgroup: neither v2 at {root} nor v1 at {root}/memory is mounted"
-    try:
-        layout[0].mkdir()
-    except OSError as exc:
-        return f"cannot create the memory cgroup {layout[0]}: {exc}"
-    return layout
-
-
 def _memory_job(limit_file: str, usage_file: str) -> list[str]:
     """Senders hold PART bytes; the cgroup then allows MARGIN more; every big gather must fail."""
     from gatherstore import _memory
@@ -328,31 +296,9 @@ for line in gs.launch(t._memory_job, nproc_per_node=3, backend="gloo", args=tupl
 
 @pytest.mark.timeout(240)
 def test_gathers_that_outgrow_the_memory_cgroup_fail_on_every_rank_before_moving_data() -> None:
-    layout = _memory_cgroup()
-    if isinstance(layout, str):  # CI runs as root with a memory cgroup: untested is a failure
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"{layout}\n(CI is set, so this fails instead of skipping)", pytrace=False)
-        pytest.skip(layout)
-    directory, limit, usage, events = layout
     shm_before = set(os.listdir("/dev/shm"))
     tmp_before = set(os.listdir(tempfile.gettempdir()))
-    try:
-        paths = [str(directory / name) for name in ("cgroup.procs", limit, usage)]
-        done = subprocess.run(
-            [sys.executable, "-c", _IN_CGROUP, *paths],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(Path(__file__).parent)])},
-            capture_output=True,
-            text=True,
-            timeout=200,
-        )
-        oom = (directory / events).read_text()
-    finally:
-        for _ in range(50):
-            try:
-                directory.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+    done, oom = run_in_memory_cgroup(_IN_CGROUP, [], timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [eval(line) for line in done.stdout.splitlines()]
     assert len(lines) == 3

@@ -3,16 +3,12 @@ an error, not a kernel OOM kill (real memory cgroups, real processes)."""
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_faults_data import SRC, _memory_cgroup
+from cgroups import run_in_memory_cgroup
 
 import gatherstore as gs
 from gatherstore import _memory, _serialize, _sizing
@@ -73,35 +69,14 @@ import os, sys
 with open(sys.argv[1], "w") as f:
     f.write(str(os.getpid()))
 import gatherstore as gs, test_memory_rebuild as t
-for line in gs.launch(t._job, nproc_per_node=3, backend="gloo", args=tuple(sys.argv[2:5])):
+args = (sys.argv[4], sys.argv[2], sys.argv[3])  # case, limit file, usage file
+for line in gs.launch(t._job, nproc_per_node=3, backend="gloo", args=args):
     print(repr(line))
 """
 
 
 def _run_in_cgroup(case: str) -> tuple[list[str], str]:
-    if os.geteuid() != 0:
-        pytest.skip("creating a memory cgroup needs root")
-    layout = _memory_cgroup()
-    if layout is None:
-        pytest.skip("no writable memory cgroup (v1 or v2) on this machine")
-    directory, limit, usage, events = layout
-    try:
-        paths = [str(directory / name) for name in ("cgroup.procs", limit, usage)]
-        done = subprocess.run(
-            [sys.executable, "-c", _IN_CGROUP, paths[0], case, *paths[1:]],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(Path(__file__).parent)])},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        oom = (directory / events).read_text()
-    finally:
-        for _ in range(50):
-            try:
-                directory.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+    done, oom = run_in_memory_cgroup(_IN_CGROUP, [case], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return [eval(line) for line in done.stdout.splitlines()], oom
 
