@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ._session import MARKER
-from .stores.base import JOB_AREA, Store, job_directory
+from .stores.base import JOB_AREA, Store, hide_password, job_directory
 from .stores.file import FileStore
 
 __all__ = ["Leftover", "collect", "find", "parse_duration"]
@@ -90,7 +90,10 @@ def _prefixes(store: Store) -> Iterator[Leftover]:
         marker = _marker(store, f"{JOB_AREA}/{job}/{MARKER}")
         if _JOB_ID.fullmatch(job) and marker is not None and marker.get("job") == job:
             yield Leftover(
-                f"{store.url}/{JOB_AREA}/{job}/", job, float(marker["created"]), "marker"
+                f"{hide_password(store.url)}/{JOB_AREA}/{job}/",
+                job,
+                float(marker["created"]),
+                "marker",
             )
 
 

@@ -30,6 +30,7 @@ from ._cleanup import collect, parse_duration
 from ._errors import GatherError, IntegrityError, RemoteRankError, StoreUnavailableError
 from ._launch import init_from_env, launch, shutdown
 from ._session import MARKER
+from .stores.base import hide_password
 from .stores.file import FileStore, default_tmpdir_base
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
 
@@ -61,9 +62,9 @@ def _store_spec(spec: str) -> str:
     scheme = urllib.parse.urlsplit(spec).scheme or spec.split(":", 1)[0]
     if scheme not in known_schemes():
         raise ValueError(
-            f"unknown store scheme {scheme!r} in {spec!r}; use tmpdir, tmpdir:///base, "
-            "file:///dir, redis://host:port/db, s3://bucket/prefix (any fsspec protocol), "
-            "collective or auto"
+            f"unknown store scheme {scheme!r} in {hide_password(spec)!r}; use tmpdir, "
+            "tmpdir:///base, file:///dir, redis://host:port/db, s3://bucket/prefix "
+            "(any fsspec protocol), collective or auto"
         )
     return spec
 
@@ -222,7 +223,7 @@ def _check_rank(spec: str, timeout: float) -> dict[str, Any]:
 
 
 def _check_report(facts: dict[str, Any]) -> str:
-    spec = facts["store"]
+    spec = hide_password(facts["store"])
     lines = [f"route {spec}: the process group" if spec in ROUTES else f"store {spec}: reachable"]
     if "seconds" in facts:
         mode = f" (mode {facts['mode'][2:]})" if "mode" in facts else ""
@@ -284,7 +285,7 @@ def _describe(args: argparse.Namespace) -> int:
     if ranks is None:
         return 0
     info.update(
-        default_store=str(default_store()),
+        default_store=hide_password(str(default_store())),
         auto_threshold=objects.AUTO_THRESHOLD,
         tmpdir_base=default_tmpdir_base(),
         versions=_versions(),

@@ -18,6 +18,7 @@ sizes) last, so a reader never sees a partial value.
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 import time
 import urllib.parse
@@ -46,6 +47,7 @@ __all__ = [
     "KeyExistsError",
     "Store",
     "hide_password",
+    "hide_secrets",
     "job_directory",
     "job_keys",
 ]
@@ -70,22 +72,59 @@ class KeyExistsError(GatherError, FileExistsError):
     """A create-only put found the key already there."""
 
 
+#: Query (and fragment) parameters whose values are secrets, by name or by ending.
+_SECRET_NAMES = frozenset({"key", "sig", "pwd", "pass", "auth", "sas", "credential"})
+_SECRET_ENDINGS = (
+    "password",
+    "passwd",
+    "secret",
+    "token",
+    "_key",
+    "-key",
+    "signature",
+    "apikey",
+    "credentials",
+)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def _is_secret(name: str) -> bool:
+    name = urllib.parse.unquote_plus(name).strip().lower()
+    return name in _SECRET_NAMES or name.endswith(_SECRET_ENDINGS)
+
+
+def _hide_params(text: str) -> str:
+    """A query string with the values of secret-named parameters replaced by ``***``."""
+    fields = []
+    for field in text.split("&"):
+        name, eq, _ = field.partition("=")
+        fields.append(f"{name}=***" if eq and _is_secret(name) else field)
+    return "&".join(fields)
+
+
 def hide_password(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (a URL too malformed to parse loses
-    everything between ``://`` and its last ``@``)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-    except ValueError:
-        scheme, sep, rest = url.partition("://")
-        return f"{scheme}{sep}***@{rest.rsplit('@', 1)[-1]}" if "@" in rest else url
-    if password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urllib.parse.urlunsplit(parts._replace(netloc=user + host))
+    """``url`` with its secrets replaced by ``***``: the password of its userinfo
+    (``redis://user:***@host``) and the values of secret-named query and fragment
+    parameters (``?password=***``, ``secret``, ``token``, ``key``, ``sig``, ...).
+
+    Works on malformed URLs too: it parses nothing it does not need.
+    """
+    head, hash_, fragment = url.partition("#")
+    head, question, query = head.partition("?")
+    scheme, sep, rest = head.partition("://")
+    if sep:
+        netloc, slash, path = rest.partition("/")
+        userinfo, at, host = netloc.rpartition("@")
+        if at and ":" in userinfo:
+            netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
+        head = f"{scheme}{sep}{netloc}{slash}{path}"
+    return head + question + _hide_params(query) + hash_ + _hide_params(fragment)
+
+
+def hide_secrets(text: str) -> str:
+    """``text`` (e.g. a backend's error message) with every URL in it passed through
+    :func:`hide_password`."""
+    return _URL.sub(lambda match: hide_password(match.group(0)), text)
 
 
 class Store(ABC):
@@ -215,7 +254,8 @@ class Store(ABC):
     # --- the API written once ---------------------------------------------------------
     @contextlib.contextmanager
     def _mapped(self, action: str) -> Iterator[None]:
-        """Map backend errors to gatherstore's, once, chained with ``from``."""
+        """Map backend errors to gatherstore's, once: the message keeps the cause, the
+        traceback drops the backend's own frames (see :func:`_reason`)."""
         if expired():
             raise self._unavailable(action, "no time left in the call's timeout")
         try:
@@ -223,10 +263,7 @@ class Store(ABC):
         except GatherError:
             raise
         except self.unavailable_errors as exc:
-            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if expired():
-                why = f"no answer within the call's timeout ({why})"
-            raise self._unavailable(action, why) from exc
+            raise self._unavailable(action, _reason(exc)) from None
 
     def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
         return StoreUnavailableError(
@@ -500,6 +537,22 @@ class Store(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self), self.url))
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a backend call failed, in one line without secrets: the exception's type and
+    message (and those of its cause, where the message alone says little).
+
+    The backend's exception is not chained to ours: its traceback is the HTTP or Redis
+    client's frames, which say nothing a user can act on.
+    """
+    why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in why:
+        why += f" (from {type(cause).__name__}: {cause})"
+    if expired():
+        why = f"no answer within the call's timeout ({why})"
+    return hide_secrets(" ".join(why.split()))
 
 
 def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | None) -> Store:

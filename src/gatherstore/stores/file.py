@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .base import Buffer, Store, job_directory
+from .base import Buffer, Store, hide_password, job_directory
 
 __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 
@@ -90,9 +90,11 @@ class FileStore(Store):
             raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
         parts = urllib.parse.urlsplit(url)
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise ValueError(f"{url!r}: give an absolute path, e.g. {example}")
+            raise ValueError(f"{hide_password(url)!r}: give an absolute path, e.g. {example}")
         if parts.query or parts.fragment:
-            raise ValueError(f"{url!r}: a {cls.scheme} URL takes no '?' or '#'; e.g. {example}")
+            raise ValueError(
+                f"{hide_password(url)!r}: a {cls.scheme} URL takes no '?' or '#'; e.g. {example}"
+            )
         return cls(urllib.parse.unquote(parts.path))
 
     @property

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import fsspec
 import fsspec.asyn
 
-from .base import Buffer, Store
+from .base import Buffer, Store, hide_password, hide_secrets
 from .deadline import MIN_TIMEOUT, time_left
 
 __all__ = ["FsspecStore"]
@@ -221,10 +221,15 @@ class FsspecStore(Store):
                 url, **(fast_s3_options(options) if self._s3 else options)
             )
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"store URL {url!r} or its options are not valid: {exc}") from None
+            raise ValueError(
+                f"store URL {hide_password(url)!r} or its options are not valid: "
+                f"{hide_secrets(str(exc))}"
+            ) from None
         self.root = root.rstrip("/")
         if self.protocol in _OBJECT_STORES and not self.root:
-            raise ValueError(f"store URL {url!r} names no bucket; use e.g. s3://bucket/prefix")
+            raise ValueError(
+                f"store URL {hide_password(url)!r} names no bucket; use e.g. s3://bucket/prefix"
+            )
         self.storage_options = storage_options
         self.unavailable_errors = _backend_errors()  # type: ignore[misc]
         self.reachable_by_others = self.protocol != "memory"  # type: ignore[misc]

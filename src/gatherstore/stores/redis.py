@@ -63,7 +63,7 @@ _CONNECTION_DEFAULTS: dict[str, Any] = {
     "socket_connect_timeout": 10.0,
     "socket_timeout": 60.0,
     # a few quick retries of a dropped connection; the call's deadline bounds them all
-    "retry": redis.retry.Retry(redis.backoff.ExponentialWithJitterBackoff(0.01, 0.5), 3),
+    "retry": redis.retry.Retry(redis.backoff.EqualJitterBackoff(cap=0.5, base=0.01), 3),
 }
 _SECRETS = ("password",)
 _BATCH = 1000  # keys per SCAN step, per UNLINK and per SPOP
@@ -185,8 +185,12 @@ class _DeadlineConnection:
         return super().read_response(*args, **kwargs)  # type: ignore[misc]
 
     def _bound(self) -> None:
-        if self._sock is not None:
-            self.update_current_socket_timeout(self.socket_timeout)  # type: ignore[attr-defined]
+        """Set the socket's timeout to the time left (redis-py >= 7 has
+        ``update_current_socket_timeout`` for this; the socket call works on every version).
+        A timeout of 0 means redis-py is polling the socket: left alone."""
+        sock = self._sock
+        if sock is not None and sock.gettimeout() != 0:
+            sock.settimeout(self.socket_timeout)
 
 
 def _bounded_class(cls: type[Any]) -> type[Any]:
