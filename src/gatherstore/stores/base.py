@@ -174,6 +174,12 @@ class Store(ABC):
         if keys:
             self._delete(keys)
 
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        """Write ``buffers`` at ``key`` whether or not it exists.  Backends override it to
+        replace the value in one step; this default leaves a moment without one."""
+        self._delete([key])
+        self._write(key, buffers)
+
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         """``_write`` of each (key, buffers), in order; backends that can keep a bounded
         number of writes in flight override it."""
@@ -309,6 +315,20 @@ class Store(ABC):
                     raise self._exists_error(key)
                 return total
             return self._put_chunked(key, buffers, total)
+
+    def replace(self, key: str, data: bytes) -> None:
+        """Write a small value at ``key``, replacing the one there: for bookkeeping such as
+        a job's heartbeat, never for parts (which are create-only).
+
+        Raises:
+            ValueError: ``data`` is larger than the store writes in one piece.
+            StoreUnavailableError: the store cannot be written.
+        """
+        self._check_key(key)
+        if len(data) + HEADER_SIZE > self.max_value_size:
+            raise ValueError(f"replace() takes values up to {self.max_value_size} bytes")
+        with self._mapped(f"write {key!r}"):
+            self._replace(key, [_header(_INLINE, len(data), 0), data])
 
     def _put_chunked(self, key: str, buffers: Sequence[Buffer], total: int) -> int:
         if self._exists(key):
