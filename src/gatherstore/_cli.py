@@ -260,11 +260,21 @@ def _gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     now = time.time()
     for item in removed:
-        print(f"{verb} {item.where} (job {item.job}, {(now - item.created) / 3600:.1f} h old)")
+        quiet = _age(now - item.seen)
+        print(f"{verb} {item.where} (job {item.job}, last {item.source} {quiet} ago)")
     for item in failed:
         print(f"could not remove {item.where}; check its permissions", file=sys.stderr)
     print(f"{verb} {len(removed)} job area(s) from {store}")
     return 1 if failed else 0
+
+
+def _age(seconds: float) -> str:
+    """A duration for people: ``42 s``, ``12 min``, ``3.5 h``, ``2.0 d``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} d"
 
 
 # --- describe ------------------------------------------------------------------------------
@@ -363,9 +373,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_argtype(_seconds), default=60.0, help="per step (60 s)")
     p.set_defaults(handler=_check)
 
-    p = sub.add_parser("gc", help="remove job areas that crashed jobs left behind")
+    p = sub.add_parser(
+        "gc", help="remove the job areas of jobs that are gone (no heartbeat, no live process)"
+    )
     p.add_argument("--store", type=store, required=True, help="store URL")
-    p.add_argument("--older-than", type=_argtype(parse_duration), required=True, help="e.g. 1h, 2d")
+    p.add_argument(
+        "--older-than",
+        type=_argtype(parse_duration),
+        required=True,
+        help="silent for at least this long (and 4 heartbeat intervals), e.g. 1h, 2d",
+    )
     p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     p.set_defaults(handler=_gc)
 
