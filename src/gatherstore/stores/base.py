@@ -46,6 +46,7 @@ __all__ = [
     "Buffer",
     "KeyExistsError",
     "Store",
+    "describe_failure",
     "hide_password",
     "hide_secrets",
     "job_directory",
@@ -261,7 +262,7 @@ class Store(ABC):
     @contextlib.contextmanager
     def _mapped(self, action: str) -> Iterator[None]:
         """Map backend errors to gatherstore's, once: the message keeps the cause, the
-        traceback drops the backend's own frames (see :func:`_reason`)."""
+        traceback drops the backend's own frames (see :func:`describe_failure`)."""
         if expired():
             raise self._unavailable(action, "no time left in the call's timeout")
         try:
@@ -269,7 +270,7 @@ class Store(ABC):
         except GatherError:
             raise
         except self.unavailable_errors as exc:
-            raise self._unavailable(action, _reason(exc)) from None
+            raise self._unavailable(action, describe_failure(exc)) from None
 
     def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
         return StoreUnavailableError(
@@ -559,7 +560,7 @@ class Store(ABC):
         return hash((type(self), self.url))
 
 
-def _reason(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     """Why a backend call failed, in one line without secrets: the exception's type and
     message (and those of its cause, where the message alone says little).
 
