@@ -248,6 +248,8 @@ class FsspecStore(Store):
                 "credentials and options",
                 store=hide_password(url),
             ) from None
+        except ImportError:  # the filesystem's package: open_store says how to install it
+            raise
         except Exception as exc:  # e.g. gcsfs's KeyError for a token without its fields
             raise ValueError(
                 f"store URL {hide_password(url)!r} or its options are not valid: "
