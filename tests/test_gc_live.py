@@ -102,58 +102,60 @@ def _areas(base: Path, redis_url: str) -> tuple[list[str], list[str]]:
     return sorted(p.name for p in base.glob("gatherstore-*")), keys
 
 
-@pytest.mark.timeout(400)
-def test_gc_keeps_a_live_job_between_calls(tmp_path: Path, redis_db: str) -> None:
+#: The job's launcher process, its base and flags folders, and its ranks' PIDs.
+Job = tuple[subprocess.Popen[str], Path, Path, list[int]]
+
+
+@pytest.fixture
+def job(tmp_path: Path, redis_db: str) -> Iterator[Job]:
+    """The job, once both ranks wait between their gathers; killed after the test if on."""
     base, flags = tmp_path / "shared", tmp_path / "flags"
     base.mkdir()
     flags.mkdir()
-    job = _start(base, redis_db, flags)
+    process = _start(base, redis_db, flags)
     try:
-        pids = _wait_ready(job, flags)
-        time.sleep(3)  # the areas are older than --older-than
-        dirs, keys = _areas(base, redis_db)
-        assert len(dirs) == 1 and any(k.endswith(f"/{HEARTBEAT}") for k in keys), (dirs, keys)
+        yield process, base, flags, _wait_ready(process, flags)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.timeout(400)
+def test_gc_keeps_a_live_job_between_calls(job: Job, redis_db: str) -> None:
+    process, base, flags, pids = job
+    time.sleep(3)  # the areas are older than --older-than
+    dirs, keys = _areas(base, redis_db)
+    assert len(dirs) == 1 and any(k.endswith(f"/{HEARTBEAT}") for k in keys), (dirs, keys)
+    for store in (f"file://{base}", redis_db):
+        assert "removed 0 job area(s)" in _gc(store).stdout
+    assert _areas(base, redis_db) == (dirs, keys)
+
+    # frozen, the ranks miss many beats, but on this host their PIDs prove them alive
+    for pid in (process.pid, *pids):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(6)
         for store in (f"file://{base}", redis_db):
             assert "removed 0 job area(s)" in _gc(store).stdout
-        assert _areas(base, redis_db) == (dirs, keys)
-
-        # frozen, the ranks miss many beats, but on this host their PIDs prove them alive
-        for pid in (job.pid, *pids):
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            time.sleep(6)
-            for store in (f"file://{base}", redis_db):
-                assert "removed 0 job area(s)" in _gc(store).stdout
-        finally:
-            for pid in (job.pid, *pids):
-                os.kill(pid, signal.SIGCONT)
-        assert _areas(base, redis_db)[0] == dirs
-
-        (flags / "go").touch()  # the second gather goes through the same areas
-        out, err = job.communicate(timeout=240)
-        assert job.returncode == 0, err
-        assert "['done', 'done']" in out
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
+        for pid in (process.pid, *pids):
+            os.kill(pid, signal.SIGCONT)
+    assert _areas(base, redis_db)[0] == dirs
+
+    (flags / "go").touch()  # the second gather goes through the same areas
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err
+    assert "['done', 'done']" in out
     assert _areas(base, redis_db) == ([], [])  # and the job's end removed them
 
 
 @pytest.mark.timeout(400)
-def test_gc_removes_a_killed_job_once_its_heartbeat_is_stale(tmp_path: Path, redis_db: str) -> None:
-    base, flags = tmp_path / "shared", tmp_path / "flags"
-    base.mkdir()
-    flags.mkdir()
-    job = _start(base, redis_db, flags)
-    try:
-        pids = _wait_ready(job, flags)
-        for pid in (job.pid, *pids):  # all at once: no rank and no launcher sweeps
-            os.kill(pid, signal.SIGKILL)
-        job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
+def test_gc_removes_a_killed_job_once_its_heartbeat_is_stale(job: Job, redis_db: str) -> None:
+    process, base, _, pids = job
+    for pid in (process.pid, *pids):  # all at once: no rank and no launcher sweeps
+        os.kill(pid, signal.SIGKILL)
+    process.communicate(timeout=60)
     dirs, keys = _areas(base, redis_db)
     assert len(dirs) == 1 and keys, (dirs, keys)
     killed = time.time()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_store_s3 import racing_writes
 
 import gatherstore as gs
 from gatherstore.stores.base import KeyExistsError, Store
@@ -155,51 +156,30 @@ def _bucket(scheme: str, options: dict[str, Any]) -> str:
     return f"{scheme}://{name}/jobs"
 
 
-def _raw(store: Store) -> list[str]:
-    assert isinstance(store, FsspecStore)
-    store.fs.invalidate_cache()
-    root = store.root
-    return sorted(p[len(root) + 1 :] for p in store.fs.find(root))
-
-
-class TestGcsStore(StoreTests):
-    @pytest.fixture
-    def store(self, gcs: tuple[_Server, dict[str, Any]]) -> Store:
-        return FsspecStore(_bucket("gs", gcs[1]), **gcs[1])
-
-    def raw_keys(self, store: Store) -> list[str]:
-        return _raw(store)
-
-
-class TestAzureStore(StoreTests):
-    @pytest.fixture
-    def store(self, azurite: tuple[_Server, dict[str, Any]]) -> Store:
-        return FsspecStore(_bucket("az", azurite[1]), **azurite[1])
-
-    def raw_keys(self, store: Store) -> list[str]:
-        return _raw(store)
-
-
 @pytest.fixture(params=["gcs", "azurite"])
 def emulated(request: pytest.FixtureRequest) -> tuple[_Server, Store]:
+    """(the emulator, a store in a fresh bucket of it): gs:// on fake-gcs-server, az:// on
+    Azurite."""
     server, options = request.getfixturevalue(request.param)
     scheme = "gs" if request.param == "gcs" else "az"
     return server, FsspecStore(_bucket(scheme, options), **options)
 
 
+class TestEmulatedStores(StoreTests):
+    @pytest.fixture
+    def store(self, emulated: tuple[_Server, Store]) -> Store:
+        return emulated[1]
+
+    def raw_keys(self, store: Store) -> list[str]:
+        assert isinstance(store, FsspecStore)
+        store.fs.invalidate_cache()
+        return sorted(p[len(store.root) + 1 :] for p in store.fs.find(store.root))
+
+
 def test_writes_are_create_only_at_the_server(emulated: tuple[_Server, Store]) -> None:
     """No check before the PUT: of racing writers of one key, the server lets one win."""
     _, store = emulated
-    results: list[bool] = []
-    writers = [
-        threading.Thread(target=lambda i=i: results.append(store._write("race", [b"%d" % i])))
-        for i in range(6)
-    ]
-    for thread in writers:
-        thread.start()
-    for thread in writers:
-        thread.join(60)
-    assert sorted(results) == [False] * 5 + [True]
+    assert sorted(racing_writes(store, "race", 6)) == [False] * 5 + [True]
     with pytest.raises(KeyExistsError):
         store.put("race", b"again")
     store.delete("")

@@ -52,16 +52,11 @@ def interval() -> float:
     Raises:
         ValueError: the variable is not a positive number.
     """
-    text = os.environ.get("GATHERSTORE_HEARTBEAT", "")
-    if not text:
-        return _DEFAULT_INTERVAL
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ValueError(f"GATHERSTORE_HEARTBEAT={text!r} must be a positive number of seconds")
-    return value
+    text = os.environ.get("GATHERSTORE_HEARTBEAT") or str(_DEFAULT_INTERVAL)
+    with contextlib.suppress(ValueError):
+        if float(text) > 0:
+            return float(text)
+    raise ValueError(f"GATHERSTORE_HEARTBEAT={text!r} must be a positive number of seconds")
 
 
 def _boot_id() -> str:
