@@ -90,6 +90,7 @@ class FileStore(Store):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
         self._fd: int | None = None
+        self._area_of: tuple[FileStore, str] | None = None  # a job area: (its base, its name)
 
     scheme: ClassVar[str] = "file"
 
@@ -128,6 +129,15 @@ class FileStore(Store):
         return self._fd
 
     def _open_root(self, create: bool) -> int:
+        if self._area_of is not None:  # never through a symlink, and only the job's own
+            base, name = self._area_of
+            fd = private.open_directory(name, base._dir())
+            try:
+                base._check_area(str(self.root), os.fstat(fd))
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
         if self.private:
             self._refuse_untrusted(private.untrusted(self.root))
         flags = private.DIRECTORY & ~getattr(os, "O_NOFOLLOW", 0)  # the user's own folder
@@ -344,17 +354,15 @@ class FileStore(Store):
 
     def join_job(self, locator: str) -> Store:
         path = Path(locator)
-        base = self if path.parent == self.root else type(self)(path.parent)
-        with base._mapped(f"open the job directory {locator}"):
-            fd = private.open_directory(path.name, base._dir())
-        try:
-            base._check_area(locator, os.fstat(fd))
-        except BaseException:
-            os.close(fd)
-            raise
         store = FileStore(locator)
-        store._fd = fd
+        store._area_of = (self if path.parent == self.root else type(self)(path.parent), path.name)
         store.sign_parts = self.sign_parts
+        # not there yet: a network filesystem's cache may show it late (opened at first use)
+        with (
+            self._mapped(f"open the job directory {locator}"),
+            contextlib.suppress(FileNotFoundError),
+        ):
+            store._dir()
         return store
 
     def _check_area(self, locator: str, st: os.stat_result) -> None:
