@@ -42,7 +42,7 @@ _FILE = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _logger = logging.getLogger("gatherstore")
 #: (device, inode) of the job areas this process created, until their job ends.
 _created: dict[str, tuple[int, int]] = {}
-_opening = threading.Lock()
+_opening = threading.RLock()  # an area opens its base inside
 
 
 def default_tmpdir_base() -> str:
