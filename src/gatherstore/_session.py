@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ class JobSession:
     base: Store
     locator: str
     store: Store
-    key: bytes | None
+    key: bytes | None = field(repr=False)  # the signing key: never in a repr or a log
     calls: int = 0
     published: str = ""  # key of this area on the launcher's store (rank 0 only)
 

@@ -13,10 +13,12 @@ import urllib.parse
 
 from .deadline import expired
 
-__all__ = ["describe_failure", "hide_password", "hide_secrets"]
+__all__ = ["describe_failure", "hide_password", "hide_secrets", "is_secret"]
 
 #: Query (and fragment) parameters whose values are secrets, by name or by ending.
-_SECRET_NAMES = frozenset({"key", "sig", "pwd", "pass", "auth", "sas", "credential"})
+_SECRET_NAMES = frozenset(
+    {"key", "sig", "pwd", "pass", "auth", "sas", "credential", "creds", "connection_string"}
+)
 _SECRET_ENDINGS = (
     "password",
     "passwd",
@@ -31,7 +33,8 @@ _SECRET_ENDINGS = (
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
-def _is_secret(name: str) -> bool:
+def is_secret(name: str) -> bool:
+    """Whether a parameter or option called ``name`` holds a secret."""
     name = urllib.parse.unquote_plus(name).strip().lower()
     return name in _SECRET_NAMES or name.endswith(_SECRET_ENDINGS)
 
@@ -41,7 +44,7 @@ def _hide_params(text: str) -> str:
     fields = []
     for field in text.split("&"):
         name, eq, _ = field.partition("=")
-        fields.append(f"{name}=***" if eq and _is_secret(name) else field)
+        fields.append(f"{name}=***" if eq and is_secret(name) else field)
     return "&".join(fields)
 
 
