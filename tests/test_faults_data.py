@@ -327,7 +327,7 @@ BAD_SPECS = [
     ("tmpdir://relative", ValueError, "tmpdir:///shared/dir"),
     ("s3://", ValueError, "s3://bucket/prefix"),
     ("nosuchscheme://x", ValueError, "register_store"),
-    ("gs://bucket/prefix", ImportError, "pip install gcsfs"),
+    ("oss://bucket/prefix", ImportError, "Install ossfs"),
 ]
 
 
@@ -345,8 +345,8 @@ def _foreign_frames(exc: BaseException) -> list[str]:
 
 @pytest.mark.parametrize(("spec", "error", "fix"), BAD_SPECS)
 def test_bad_specs_name_the_spec_and_the_fix(spec: str, error: type[Exception], fix: str) -> None:
-    if spec.startswith("gs://") and importlib.util.find_spec("gcsfs"):
-        pytest.skip("gcsfs is installed here")
+    if spec.startswith("oss://") and importlib.util.find_spec("ossfs"):
+        pytest.skip("ossfs is installed here")
     with pytest.raises(error) as info:
         gs.open_store(spec)
     message = str(info.value)

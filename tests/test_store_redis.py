@@ -24,6 +24,7 @@ from _jobs import check_object_collectives, object_collectives_job
 
 import gatherstore as gs
 from gatherstore._bench.measure import PeakMemory
+from gatherstore.stores import _resp
 from gatherstore.stores.base import KeyExistsError, Store
 from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import StoreTests, services
@@ -232,7 +233,8 @@ def test_stopped_server_is_unavailable(tmp_path: Any) -> None:
             action()
         assert PASSWORD not in str(info.value)
         assert "***" in str(info.value) and info.value.store == str(store)
-        assert isinstance(info.value.__cause__, (redis.RedisError, OSError))
+        assert "Connection refused" in str(info.value)  # the cause's message, not its chain
+        assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
 @pytest.mark.slow
@@ -481,7 +483,7 @@ def test_replies_cut_midway_are_read_again_then_unavailable(
         proxy.arm(reply, keep=1000, times=3)  # every try is cut
         with pytest.raises(gs.StoreUnavailableError, match="closed the connection") as info:
             store.get("k")
-        assert isinstance(info.value.__cause__, redis.ConnectionError)
+        assert info.value.__cause__ is None and info.value.__suppress_context__
         assert proxy.cuts == 4
         assert bytes(store.get("k") or b"") == data  # a fresh connection, nothing half-read
     finally:
@@ -518,7 +520,7 @@ def test_large_values_never_use_hiredis_packer(redis_url: str) -> None:
     pytest.importorskip("hiredis")
     store = RedisStore(redis_url)
     try:
-        connection = store._pool.get_connection()
+        connection = _resp.pooled(store._pool)
         try:
             assert isinstance(connection._command_packer, redis.connection.PythonRespSerializer)
         finally:

@@ -119,6 +119,20 @@ def _endpoint_of(store: FsspecStore) -> dict[str, str]:
     }
 
 
+def racing_writes(store: Store, key: str, writers: int) -> list[bool]:
+    """``writers`` threads write ``key`` at once, each its own value: who got it in."""
+    results: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(store._write(key, [b"%d" % i])))
+        for i in range(writers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
 def test_create_only_is_enforced_by_the_server(s3: tuple[S3Endpoint, str, Any]) -> None:
     """No existence check before a PUT: If-None-Match lets exactly one of racing writers win."""
     endpoint, bucket, _ = s3
@@ -126,16 +140,7 @@ def test_create_only_is_enforced_by_the_server(s3: tuple[S3Endpoint, str, Any]) 
     assert store._write("k", [b"first"]) is True
     assert store._write("k", [b"second"]) is False
     assert bytes(store._read("k") or b"") == b"first"
-    results: list[bool] = []
-    writers = [
-        threading.Thread(target=lambda i=i: results.append(store._write("race", [b"%d" % i])))
-        for i in range(6)
-    ]
-    for thread in writers:
-        thread.start()
-    for thread in writers:
-        thread.join(60)
-    assert sorted(results) == [False] * 5 + [True]
+    assert sorted(racing_writes(store, "race", 6)) == [False] * 5 + [True]
     store.delete("")
 
 

@@ -23,21 +23,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .stores._secrets import is_secret
 from .stores.base import Store
 from .stores.registry import default_store, open_store
 
-__all__ = ["is_secret", "launcher_store", "public_spec", "publish", "sweep", "unpublish"]
+__all__ = ["launcher_store", "public_spec", "publish", "sweep", "unpublish"]
 
 _PUBLISHED = "gatherstore-areas"  # counter key on the launcher's store; areas at "<key>/<n>"
-# option and query names that carry credentials (compared in lower case, "-" as "_")
-_SECRET_NAMES = {"key", "secret", "token", "password", "passwd", "pwd", "creds", "credentials"}
-_SECRET_PARTS = ("secret", "password", "token", "credential", "access_key", "account_key", "sas")
-
-
-def is_secret(name: str) -> bool:
-    """Whether an option or query parameter called ``name`` holds a credential."""
-    lowered = name.lower().replace("-", "_")
-    return lowered in _SECRET_NAMES or any(part in lowered for part in _SECRET_PARTS)
 
 
 def _public_url(url: str) -> str:

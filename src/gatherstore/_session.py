@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from . import _control as control
 from . import _gloo as gloo
+from . import _heartbeat as heartbeat
 from . import _published as publication
 from . import _signals as signals
 from ._errors import (
@@ -69,7 +70,7 @@ class JobSession:
     base: Store
     locator: str
     store: Store
-    key: bytes | None
+    key: bytes | None = field(repr=False)  # the signing key: never in a repr or a log
     calls: int = 0
     published: str = ""  # key of this area on the launcher's store (rank 0 only)
 
@@ -98,6 +99,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
         _sessions.update(world=world, by_store={})
     cached: JobSession | None = _sessions["by_store"].get(store)
     if cached is not None:
+        heartbeat.on_call(cached.locator)  # rank 0 shows gc the job is alive
         return cached
     rank = dist.get_rank()
     ends = time.monotonic() + timeout
@@ -113,6 +115,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
                 answer["locator"] = store.prepare_job(job_id)
                 marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
                 store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
+                heartbeat.start(answer["locator"], store.join_job(answer["locator"]), job_id)
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
             answer["kind"] = type(exc).__name__
@@ -191,6 +194,7 @@ def _shared_key(ends: float, timeout: float) -> bytes:
 
 def _end(session: JobSession, *, unpublish: bool = True) -> None:
     try:
+        heartbeat.stop(session.locator)
         session.base.end_job(session.locator)
         if unpublish:
             publication.unpublish(session.published)
