@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -217,7 +218,10 @@ class Parts(Iterator[Any]):
                 self.progress.update(self.sizes[rank])
                 return value
             except BaseException:
-                self._close(wait=True, check=False)  # the first error is the one to report
+                # report the first error at once: what is left to read or delete ends in
+                # the background, within its own deadline (a frozen store must not hold
+                # this rank up past the others' next call)
+                self._close(wait=False)
                 raise
 
     def _read(self, key: str, flush: bool = False) -> None:
@@ -225,8 +229,10 @@ class Parts(Iterator[Any]):
         it is idle (a slow store gets fewer, larger deletes: one request per batch)."""
         if key:
             self.read.append(key)
-        idle = not self.deletes or self.deletes[-1].done()
-        if self.delete and self.read and (flush or idle):
+        last = self.deletes[-1] if self.deletes else None
+        if last is not None and last.done() and last.exception() is not None:
+            return  # the store fails: the rest goes with the job's area (close reports it)
+        if self.delete and self.read and (flush or last is None or last.done()):
             keys, self.read = self.read, []
             self.deletes.append(self.deleter.submit(self._discard, keys))
 
@@ -242,7 +248,7 @@ class Parts(Iterator[Any]):
         """
         self._close(wait=True)
 
-    def _close(self, *, wait: bool, check: bool = True) -> None:
+    def _close(self, *, wait: bool) -> None:
         if self.closed:
             return
         self.closed = True
@@ -253,6 +259,8 @@ class Parts(Iterator[Any]):
             future.cancel()
         self.pool.shutdown(wait=wait)
         self.requested.clear()
+        if wait and self.deletes:  # a store that fails a delete gets no more of them
+            futures.wait(self.deletes[-1:])
         self._read("", flush=True)
         if self.delete and self.todo:
             keys = [part_key(self.prefix, rank) for rank in self.todo]
@@ -264,7 +272,7 @@ class Parts(Iterator[Any]):
                 ).start()
         self.deleter.shutdown(wait=wait)
         deletes, self.deletes = self.deletes, []
-        if wait and check:  # a read part that could not be deleted: the store failed
+        if wait:  # a read part that could not be deleted: the store failed
             for done in deletes:
                 if not done.cancelled() and done.exception() is not None:
                     raise done.exception()  # type: ignore[misc]
