@@ -545,7 +545,8 @@ def _read_ahead_job(url: str) -> dict[str, Any]:
         for got in gs.gather_iter(part, store=store, timeout=120):
             reading = [t for t in threading.enumerate() if t.name.startswith("gatherstore-read")]
             busiest = max(busiest, len(reading))
-            seen.append(int(got[0]) if got.nbytes == READ_PART and (got == got[0]).all() else -1)
+            whole = got.nbytes == READ_PART and got.min() == got.max()  # no temporaries
+            seen.append(int(got[0]) if whole else -1)
             del got
     return {
         "seen": seen,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -54,11 +55,14 @@ AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)
 
 #: Seconds of a call's timeout kept for telling the other ranks that the store failed.
 _REPORT_TIME = 2.0
+#: Seconds a part's deletion may take once the call no longer needs it (see Call.tidy).
+_TIDY_TIME = 5.0
 #: Shortest wait an exchange gets once the call's time is (nearly) up: the others may be
 #: there already (a c10d wait of 0 would mean "forever").
 _MIN_WAIT = 0.05
 
 _opened: dict[str, Store] = {}
+_log = logging.getLogger("gatherstore")
 
 
 def resolve(store: str | Store | None) -> str | Store:
@@ -337,10 +341,19 @@ class Call:
             agree(mine, timeout=self.left(), what=self.what, error=error)
         except BaseException:
             if wrote:
-                with self.deadline():
-                    session.store.discard(part_key(prefix, self.rank))
+                self.tidy(session, part_key(prefix, self.rank))
             raise
         return session, prefix
+
+    def tidy(self, session: JobSession, key: str) -> None:
+        """Delete this rank's part ``key`` once nobody needs it, best effort: within a few
+        seconds of its own (the call's time may be over, and the call's own outcome is
+        what to report); what is left goes with the job's area."""
+        try:
+            with deadline(min(self.timeout, _TIDY_TIME)):
+                session.store.discard(key)
+        except GatherError as exc:
+            _log.debug("gatherstore: %s: part %s left for the job's end: %s", self.what, key, exc)
 
     def left(self) -> float:
         """Seconds left of this call's one deadline, for its next phase (every phase of

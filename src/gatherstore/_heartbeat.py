@@ -2,8 +2,9 @@
 
 The process that creates a job area (rank 0) writes a small ``heartbeat``
 value into it at once, then from a daemon timer thread every interval
-(``GATHERSTORE_HEARTBEAT`` seconds, default 30) and from its calls at most
-every half interval, until the job's end.  The value says when (wall clock),
+(``GATHERSTORE_HEARTBEAT`` seconds, default 30, and at once when a call finds
+the last beat over half an interval old: the call itself never waits for a
+beat), until the job's end.  The value says when (wall clock),
 at what interval, and which process beats: host, boot, PID and the process's
 start time.  An area counts as gone only when its last beat is older than
 ``MISSED`` intervals (and than gc's ``--older-than``), and, seen from the
@@ -123,6 +124,7 @@ class _Area:
 _lock = threading.Lock()
 _areas: dict[str, _Area] = {}  # locator -> area
 _wake = [threading.Event()]  # set: the timer thread ends
+_nudge = threading.Event()  # set: the timer thread looks at once (a call, or the end)
 
 
 def start(locator: str, store: Store, job: str) -> None:
@@ -142,11 +144,12 @@ def start(locator: str, store: Store, job: str) -> None:
 
 
 def on_call(locator: str) -> None:
-    """A call uses the area at ``locator``: beat if this process beats there and the last
-    beat is more than half an interval old (a dict lookup otherwise)."""
+    """A call uses the area at ``locator``: if this process beats there and the last beat
+    is more than half an interval old, have the timer thread beat now.  Never waits: a
+    slow or frozen store must not hold up the call (which has its own deadline)."""
     area = _areas.get(locator)
     if area is not None and time.monotonic() - area.last > area.every / 2:
-        area.beat()
+        _nudge.set()
 
 
 def stop(locator: str) -> None:
@@ -156,6 +159,7 @@ def stop(locator: str) -> None:
         area = _areas.pop(locator, None)
         if not _areas:
             _wake[0].set()
+            _nudge.set()
     if area is not None:
         with area.lock:
             area.stopped = True
@@ -165,7 +169,9 @@ def _timer(wake: threading.Event) -> None:
     while True:
         with _lock:
             every = min((a.every for a in _areas.values()), default=_DEFAULT_INTERVAL)
-        if wake.wait(every):
+        _nudge.wait(every)  # an interval, or a call's nudge
+        _nudge.clear()
+        if wake.is_set():
             return
         with _lock:
             areas = list(_areas.values())

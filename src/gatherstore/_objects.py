@@ -92,8 +92,7 @@ def all_gather_object(
             error, mine = exc, failure(exc)
         agree(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
     finally:
-        with call.deadline():
-            session.store.discard(part_key(prefix, call.rank))
+        call.tidy(session, part_key(prefix, call.rank))
     return out
 
 
@@ -233,7 +232,6 @@ def broadcast_object(
         agree(mine, timeout=call.left(), what="broadcast_object (read)", error=error)
     finally:
         if call.rank == src:
-            with call.deadline():
-                session.store.discard(part_key(prefix, src))
+            call.tidy(session, part_key(prefix, src))
     call.finish()
     return out

@@ -1,12 +1,13 @@
 """Reading a stored gather back: parts in rank order, read ahead within a byte budget.
 
-The reader keeps up to :data:`IN_FLIGHT` reads going at once in threads (small
-parts: their latency overlaps, so a thousand of them do not wait in line), as
-long as the parts read ahead of the consumer fit the call's read-ahead budget
-in bytes.  A part larger than the budget is read when the consumer asks for
-it, so the destination holds what the consumer keeps plus at most the budget.
-Parts are verified in the reading threads (checksums release the GIL), and
-deleted once read, also in the background.
+The reader requests up to :data:`IN_FLIGHT` parts at once, in two batches, each
+one :meth:`Store.get_many` (a Redis pipeline, concurrent S3 GETs on one event
+loop), so that the latency of a thousand small parts overlaps instead of adding
+up; as long as the parts read ahead of the consumer fit the call's read-ahead
+budget in bytes.  A part larger than the budget is read when the consumer asks
+for it, so the destination holds what the consumer keeps plus at most the
+budget.  Parts are verified in the reading threads (checksums release the GIL),
+and deleted once read, in batches (:meth:`Store.discard_many`) in the background.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -24,10 +26,11 @@ from ._session import JobSession
 from .stores.base import Store
 from .stores.deadline import END_JOB_TIMEOUT, deadline
 
-__all__ = ["IN_FLIGHT", "Parts", "Reading", "binding", "fetch", "part_key"]
+__all__ = ["IN_FLIGHT", "Parts", "Reading", "binding", "fetch", "fetch_many", "part_key"]
 
-#: Reads (and deletes) a reader keeps going at once.
+#: Parts a reader requests at once (in two batches of one store request each).
 IN_FLIGHT = 32
+_BATCHES = 2
 
 
 class Reading(Protocol):
@@ -56,37 +59,62 @@ def binding(session: JobSession, prefix: str, rank: int) -> bytes:
 def fetch(
     call: Reading, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
 ) -> serialize.Verified:
-    """Read and verify one part (checksums release the GIL: this runs ahead in a thread);
-    ``fresh`` as in the call's ``deadline``.
+    """Read and verify one part; ``fresh`` as in the call's ``deadline``.
 
     Raises:
         IntegrityError: the part is damaged, planted or replayed; names ``rank``.
         GatherError: the part is gone (deleted, or its TTL ran out).
     """
-    key = part_key(prefix, rank)
-    where = f"{session.store} {key}"
+    outcome = fetch_many(call, session, prefix, [rank], fresh=fresh)[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def fetch_many(
+    call: Reading, session: JobSession, prefix: str, ranks: list[int], *, fresh: bool = False
+) -> list[serialize.Verified | BaseException]:
+    """Read the parts of ``ranks`` together and verify each (checksums release the GIL:
+    this runs ahead in a thread); per rank its verified part or what went wrong.
+
+    Raises:
+        GatherError: the store failed for all of them (e.g. StoreUnavailableError).
+    """
+    keys = [part_key(prefix, rank) for rank in ranks]
     try:
         with call.deadline(fresh=fresh):
-            raw = session.store.get(key)
+            raws = session.store.get_many(keys)
     except IntegrityError as exc:
-        raise IntegrityError(
-            f"{call.what}: part of rank {rank}: {exc}", rank=rank, key=where
-        ) from None
-    if raw is None:
-        raise GatherError(
-            f"{call.what}: the part of rank {rank} is gone from {session.store} (deleted, "
-            "or it expired: raise the store's ttl)"
-        )
-    bind = binding(session, prefix, rank)
-    return serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where)
+        if len(ranks) > 1:  # which one: read them one at a time
+            return [fetch_many(call, session, prefix, [r], fresh=fresh)[0] for r in ranks]
+        where = f"{session.store} {keys[0]}"
+        message = f"{call.what}: part of rank {ranks[0]}: {exc}"
+        return [IntegrityError(message, rank=ranks[0], key=where)]
+    out: list[serialize.Verified | BaseException] = []
+    for rank, key, raw in zip(ranks, keys, raws, strict=True):
+        if raw is None:
+            out.append(
+                GatherError(
+                    f"{call.what}: the part of rank {rank} is gone from {session.store} "
+                    "(deleted, or it expired: raise the store's ttl)"
+                )
+            )
+            continue
+        bind, where = binding(session, prefix, rank), f"{session.store} {key}"
+        try:
+            out.append(serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where))
+        except IntegrityError as exc:
+            out.append(exc)
+    return out
 
 
 class Parts(Iterator[Any]):
     """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
 
     ``budget`` bounds the bytes of the parts read ahead of the one the consumer
-    asks for, ``in_flight`` the reads and deletes going at once.  With ``delete``
-    each part is deleted once read, and closing early deletes the rest.  Reads
+    asks for, ``in_flight`` how many parts are requested at once (in two batches,
+    each one store request batch).  With ``delete`` each part is deleted once read
+    (in batches, in the background), and closing early deletes the rest.  Reads
     share the call's deadline, or with ``lazy`` (a ``gather_iter``, paced by its
     consumer) each part has the call's whole timeout.
     """
@@ -107,11 +135,15 @@ class Parts(Iterator[Any]):
         self.call, self.session, self.prefix = call, session, prefix
         self.own_rank, self.own, self.delete, self.lazy = own_rank, own, delete, lazy
         self.budget, self.sizes, self.in_flight = budget, call.sizes, in_flight
+        self.batch = max(in_flight // _BATCHES, 1)
         self.todo = [r for r in range(len(self.sizes)) if r != own_rank]
         self.next_rank = 0
         self.closed = False
-        self.pool = ThreadPoolExecutor(in_flight, thread_name_prefix="gatherstore-read")
-        self.ahead: dict[int, Future[serialize.Verified]] = {}
+        self.pool = ThreadPoolExecutor(_BATCHES, thread_name_prefix="gatherstore-read")
+        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="gatherstore-delete")
+        # rank -> (the future of its batch, its place in the batch)
+        self.requested: dict[int, tuple[Future[list[Any]], int]] = {}
+        self.read: list[str] = []  # keys of parts read, not yet handed to the deleter
         self.deletes: list[Future[None]] = []
         incoming = sum(self.sizes) - self.sizes[own_rank]
         self.progress = Progress(
@@ -131,21 +163,33 @@ class Parts(Iterator[Any]):
             raise
 
     def _read_ahead(self, asked: int | None = None) -> None:
-        """Start the reads of the part the consumer ``asked`` for (whatever its size) and of
-        the parts after it, in rank order, while they fit the budget and IN_FLIGHT."""
-        window = sum(self.sizes[r] for r in self.ahead if r != asked)
+        """Request the part the consumer ``asked`` for (whatever its size) and the parts
+        after it, in rank order, while they fit the budget and ``in_flight``."""
+        pending = [r for r in self.todo if r in self.requested]
+        window = sum(self.sizes[r] for r in pending if r != asked)
+        count = len(pending)
+        batch: list[int] = []
         for rank in self.todo:
-            if rank in self.ahead:
+            if rank in self.requested:
                 continue
-            if len(self.ahead) >= self.in_flight:
-                return
             if rank != asked:
-                if window + self.sizes[rank] > self.budget:
-                    return
+                if count >= self.in_flight or window + self.sizes[rank] > self.budget:
+                    break
                 window += self.sizes[rank]
-            self.ahead[rank] = self.pool.submit(
-                fetch, self.call, self.session, self.prefix, rank, fresh=self.lazy
-            )
+            batch.append(rank)
+            count += 1
+            if len(batch) == self.batch:
+                self._request(batch)
+                batch = []
+        if batch:
+            self._request(batch)
+
+    def _request(self, ranks: list[int]) -> None:
+        future = self.pool.submit(
+            fetch_many, self.call, self.session, self.prefix, ranks, fresh=self.lazy
+        )
+        for place, rank in enumerate(ranks):
+            self.requested[rank] = (future, place)
 
     def __iter__(self) -> Parts:
         return self
@@ -161,24 +205,40 @@ class Parts(Iterator[Any]):
         with self.call.deadline(fresh=self.lazy):  # the clean-up after a failure too
             try:
                 self._read_ahead(asked=rank)
-                future = self.ahead.pop(rank)
+                future, place = self.requested.pop(rank)
                 self.todo.remove(rank)
                 try:
-                    verified = future.result()
+                    outcome = future.result()[place]
                 finally:
-                    if self.delete:
-                        self.deletes.append(self.pool.submit(self._discard, rank))
+                    self._read(part_key(self.prefix, rank))
+                if isinstance(outcome, BaseException):
+                    raise outcome
                 self._read_ahead()  # the window has room again
-                value = serialize.load(verified)
+                value = serialize.load(outcome)
                 self.progress.update(self.sizes[rank])
                 return value
             except BaseException:
-                self._close(wait=True, check=False)  # the first error is the one to report
+                # report the first error at once: what is left to read or delete ends in
+                # the background, within its own deadline (a frozen store must not hold
+                # this rank up past the others' next call)
+                self._close(wait=False)
                 raise
 
-    def _discard(self, rank: int) -> None:
+    def _read(self, key: str, flush: bool = False) -> None:
+        """Note a part read; with ``delete``, hand the parts read so far to the deleter once
+        it is idle (a slow store gets fewer, larger deletes: one request per batch)."""
+        if key:
+            self.read.append(key)
+        last = self.deletes[-1] if self.deletes else None
+        if last is not None and last.done() and last.exception() is not None:
+            return  # the store fails: the rest goes with the job's area (close reports it)
+        if self.delete and self.read and (flush or last is None or last.done()):
+            keys, self.read = self.read, []
+            self.deletes.append(self.deleter.submit(self._discard, keys))
+
+    def _discard(self, keys: list[str]) -> None:
         with self.call.deadline(fresh=self.lazy):
-            self.session.store.discard(part_key(self.prefix, rank))
+            self.session.store.discard_many(keys)
 
     def close(self) -> None:
         """Stop reading ahead; with ``delete``, delete the parts not read yet.
@@ -188,18 +248,20 @@ class Parts(Iterator[Any]):
         """
         self._close(wait=True)
 
-    def _close(self, *, wait: bool, check: bool = True) -> None:
+    def _close(self, *, wait: bool) -> None:
         if self.closed:
             return
         self.closed = True
         self.next_rank = len(self.sizes)
         self.progress.close()
         self.call.finish()
-        for future in self.ahead.values():  # reads not started are dropped, deletes are not
+        for future, _ in self.requested.values():  # reads not started are dropped
             future.cancel()
         self.pool.shutdown(wait=wait)
-        self.ahead.clear()
-        deletes, self.deletes = self.deletes, []
+        self.requested.clear()
+        if wait and self.deletes:  # a store that fails a delete gets no more of them
+            futures.wait(self.deletes[-1:])
+        self._read("", flush=True)
         if self.delete and self.todo:
             keys = [part_key(self.prefix, rank) for rank in self.todo]
             if wait:
@@ -208,7 +270,9 @@ class Parts(Iterator[Any]):
                 threading.Thread(
                     target=_discard, args=(self.session.store, keys), daemon=True
                 ).start()
-        if wait and check:  # a read part that could not be deleted: the store failed
+        self.deleter.shutdown(wait=wait)
+        deletes, self.deletes = self.deletes, []
+        if wait:  # a read part that could not be deleted: the store failed
             for done in deletes:
                 if not done.cancelled() and done.exception() is not None:
                     raise done.exception()  # type: ignore[misc]

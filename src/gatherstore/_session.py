@@ -202,6 +202,16 @@ def _end(session: JobSession, *, unpublish: bool = True) -> None:
         return
 
 
+def _forget_in_forked_child() -> None:
+    """A process forked from a rank (a DataLoader worker, say) does not own the rank's
+    job areas: it must not remove them when it exits."""
+    _sessions.update(world=None, by_store={}, timeout=None)
+    atexit.unregister(_end)
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
 def has_sessions() -> bool:
     """Whether this job has used a store."""
     return bool(_sessions.get("by_store"))

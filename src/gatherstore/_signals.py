@@ -8,6 +8,9 @@ only where the program has not installed its own, and they act only while
 they are the installed ones: a handler the program installs later wins, and
 ours does nothing when that handler calls it as "the previous one".
 
+A process forked from a rank (a DataLoader worker) gets the program's own
+handlers back: a signal to it is not a signal to the rank.
+
 Python runs signal handlers in the main thread between bytecodes, so a rank
 blocked in a C++ wait (a store wait, a gloo op) would run its handler only
 after the grace period.  A watcher thread, woken through ``signal.set_wakeup_fd``,
@@ -86,6 +89,29 @@ def uninstall() -> None:
         _state["thread"].join(timeout=5)
         os.close(read_end)
     _state.clear()
+
+
+def _in_forked_child() -> None:
+    """A forked child (a DataLoader worker, say) is not the rank: it gets back the
+    handlers and wakeup fd the program had, so that a signal to it neither removes the
+    rank's areas nor reaches the rank's watcher through the shared pipe."""
+    if not _state:
+        return
+    with contextlib.suppress(ValueError):  # only the main thread may set handlers
+        for sig, previous in _state["replaced"].items():
+            if signal.getsignal(sig) is _handle:
+                signal.signal(sig, previous)
+        if "pipe" in _state:
+            current = signal.set_wakeup_fd(-1)
+            if current != _state["pipe"][1]:  # not ours any more: leave it be
+                signal.set_wakeup_fd(current)
+    for fd in _state.get("pipe", ()):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _state.clear()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def _ours(signum: int) -> bool:

@@ -52,7 +52,7 @@ __all__ = [
     "job_keys",
 ]
 
-_LAYOUTS_KEPT = 256  # chunk layouts remembered between get and discard
+_LAYOUTS_KEPT = 4096  # chunk layouts remembered between get and discard
 #: Every job area is named after this: ``gatherstore/<job>/`` keys in key-value and
 #: object stores, ``gatherstore-<job>-*`` directories in filesystem stores.
 JOB_AREA = "gatherstore"
@@ -330,27 +330,53 @@ class Store(ABC):
         Raises:
             IntegrityError: the value or one of its chunks is damaged or missing.
         """
-        self._check_key(key)
-        with self._mapped(f"read {key!r}"):
-            raw = self._read(key)
-            if raw is None:
-                return None
-            kind, total, count, body = self._parse(key, raw)
-            if kind == _INLINE:
-                return body
-            layout = self._chunk_layout(key, count, body)
-            layouts = self._layouts()
-            if len(layouts) >= _LAYOUTS_KEPT:  # values read but never discarded here
-                layouts.clear()
-            layouts[key] = [chunk for chunk, _ in layout]  # discard reads it no more
-            out = _writable(total)
-            view, pos, places = memoryview(out), 0, []
-            for chunk, size in layout:
-                places.append((chunk, view[pos : pos + size]))
-                pos += size
-            for (chunk, place), n in zip(places, self._read_many_into(places), strict=True):
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """The values at ``keys`` (None where absent), read together: backends keep their
+        requests in flight at once (see ``_read_many``), and every chunk of every
+        chunked value is read in one go.
+
+        Raises:
+            IntegrityError: a value or one of its chunks is damaged or missing.
+        """
+        for key in keys:
+            self._check_key(key)
+        action = f"read {keys[0]!r}" if len(keys) == 1 else f"read {len(keys)} values"
+        with self._mapped(action):
+            out: list[Buffer | None] = []
+            places: list[tuple[str, memoryview]] = []
+            owners: list[str] = []
+            for key, raw in zip(keys, self._read_many(keys), strict=True):
+                if raw is None:
+                    out.append(None)
+                    continue
+                kind, total, count, body = self._parse(key, raw)
+                layouts = self._layouts()
+                if len(layouts) >= _LAYOUTS_KEPT:  # values read but never discarded here
+                    layouts.clear()
+                if kind == _INLINE:
+                    layouts[key] = []  # discard need not look at it again
+                    out.append(body)
+                    continue
+                layout = self._chunk_layout(key, count, body)
+                layouts[key] = [chunk for chunk, _ in layout]  # discard reads it no more
+                value = _writable(total)
+                view, pos = memoryview(value), 0
+                for chunk, size in layout:
+                    places.append((chunk, view[pos : pos + size]))
+                    owners.append(key)
+                    pos += size
+                out.append(value)
+            got = self._read_many_into(places) if places else []
+            for key, (chunk, place), n in zip(owners, places, got, strict=True):
                 self._check_chunk(key, chunk, len(place), n)
             return out
+
+    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Each key's whole value, or None when absent; backends that can keep many reads
+        in flight at once override it."""
+        return [self._read(key) for key in keys]
 
     def _check_chunk(self, key: str, chunk: str, size: int, got: int | None) -> None:
         """Raise when a chunk of ``key`` is gone (``got`` None) or not ``size`` bytes."""
@@ -453,6 +479,20 @@ class Store(ABC):
                 except (GatherError, struct.error, UnicodeDecodeError):  # a damaged manifest
                     self._delete_prefix(f"{key}{CHUNKS}/")
             self._delete([key, *chunks])  # the manifest first: readers see all or nothing
+
+    def discard_many(self, keys: Sequence[str]) -> None:
+        """:meth:`discard` of every key; values this store read with :meth:`get` or
+        :meth:`get_many` (their chunks are known) go in one backend delete."""
+        for key in keys:
+            self._check_key(key)
+        known = [key for key in keys if key in self._layouts()]
+        with self._mapped(f"delete {len(known)} values"):
+            names = [n for key in known for n in (key, *self._layouts().pop(key))]
+            if names:
+                self._delete(names)  # each manifest before its chunks
+        for key in keys:
+            if key not in known:
+                self.discard(key)
 
     def delete(self, prefix: str) -> None:
         """Delete the key ``prefix`` (with its chunks) and every key under ``prefix/``.

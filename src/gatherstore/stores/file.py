@@ -4,17 +4,20 @@ Values are files; a write goes to a temp file with vectored writes and is
 published with ``link`` (atomic and create-only, on NFS too).  Every file is
 reached relative to a descriptor of the store's folder (a job area is opened
 with ``O_NOFOLLOW`` inside its base): a folder renamed or replaced after it
-was opened cannot redirect the job (see ``_private``).  Values are read
-into private memory (one copy, no memory map): a file another process
-truncates or rewrites after it was read cannot change what was verified, nor
-kill the reader with SIGBUS, and arrays decoded from it stay valid after the
-file is deleted.
+was opened cannot redirect the job (see ``_private``).  On a shared
+filesystem values are read into private memory (one copy): a file another
+process truncates or rewrites after it was read cannot change what was
+verified, nor kill the reader with SIGBUS.  In a private job folder
+(``tmpdir``), where only the job's own processes can write, large values are
+mapped copy-on-write instead: no copy, pages shared with the file.  Either way
+arrays decoded from a value stay valid after its file is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -36,6 +39,8 @@ _TMP = ".tmp-"
 _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
 _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
 _READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
+_MAP_MIN = 1 << 20  # values from this size on are mapped in a private job folder
+_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _IOV_MAX = 1024
 _SHM = "/dev/shm"
 _FILE = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
@@ -245,11 +250,17 @@ class FileStore(Store):
             raise
 
     def _read(self, key: str) -> Buffer | None:
+        """The value in private memory; in a private job folder (``tmpdir``) a large one is
+        mapped instead (copy-on-write: no copy, no zero-fill, pages shared with the file)."""
         fd = self._open(key)
         if fd is None:
             return None
         try:
-            buf = bytearray(os.fstat(fd).st_size)
+            size = os.fstat(fd).st_size
+            if size >= _MAP_MIN and self._in_private_area():
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=_READ_WRITE)
+                return memoryview(mapped)
+            buf = bytearray(size)
             view, pos = memoryview(buf), 0
             while pos < len(buf):
                 n = os.readv(fd, [view[pos : pos + _READ_STEP]])
@@ -259,6 +270,13 @@ class FileStore(Store):
             return buf
         finally:
             os.close(fd)
+
+    def _in_private_area(self) -> bool:
+        """Whether this is a job folder in a private base, which only the job's own
+        processes can change: there a part can be mapped, since nobody truncates or
+        rewrites it under the reader (elsewhere it is read into private memory, so that
+        what was verified is what is unpickled, and no truncation raises SIGBUS)."""
+        return self._area_of is not None and self._area_of[0].private
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         fd = self._open(key)

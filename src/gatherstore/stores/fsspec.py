@@ -31,6 +31,7 @@ also when the filesystem is created.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import uuid
@@ -57,6 +58,7 @@ _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempt
 #: Largest object written in one PUT; larger values are chunked into objects this size.
 S3_CHUNK_SIZE = 16 << 20
 _IN_FLIGHT = 4  # S3 chunk PUTs or GETs at once per store call
+_MANY_IN_FLIGHT = 32  # GETs of whole values (parts, small as a rule) at once
 _DELETE_BATCH = 1000  # keys per S3 DeleteObjects request (the API's limit)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -191,6 +193,21 @@ async def _body_into(body: Any, view: memoryview) -> int:
         view[pos : pos + n] = memoryview(piece)[:n]
         pos += n
     return pos
+
+
+async def _cat_many(fs: Any, paths: list[str], limit: int, step: int) -> list[bytes | None]:
+    """The first ``step`` bytes of every object (None where absent), ``limit`` GETs at once."""
+    gate = asyncio.Semaphore(limit)
+
+    async def first(path: str) -> bytes | None:
+        async with gate:
+            try:
+                head: bytes = await fs._cat_file(path, start=0, end=step)
+            except _ABSENT:
+                return None
+            return head
+
+    return list(await asyncio.gather(*(first(path) for path in paths)))
 
 
 async def _delete_objects(fs: Any, paths: list[str]) -> None:
@@ -377,6 +394,19 @@ class FsspecStore(Store):
 
         return _in_flight(fetch, items)
 
+    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """On object stores, up to ``_MANY_IN_FLIGHT`` GETs at once on the filesystem's event
+        loop (small values do not wait for each other); a value past one ranged GET is
+        then read in ranges."""
+        if not (self._object_store and getattr(self.fs, "async_impl", False)) or len(keys) < 2:
+            return super()._read_many(keys)
+        paths = [self._path(key) for key in keys]
+        firsts = self._call_async("read", _cat_many, self.fs, paths, _MANY_IN_FLIGHT, _STEP)
+        return [
+            None if first is None else self._read_ranges(path, first)
+            for path, first in zip(paths, firsts, strict=True)
+        ]
+
     def _read(self, key: str) -> Buffer | None:
         """The value in one writable buffer, so arrays and tensors decode without copies."""
         path = self._path(key)
@@ -398,14 +428,16 @@ class FsspecStore(Store):
             return None
         return out if pos == len(out) else out[:pos]
 
-    def _read_ranges(self, path: str) -> bytearray:
-        """An object in one preallocated buffer, by ranged GETs of ``_STEP`` bytes.
+    def _read_ranges(self, path: str, first: bytes | None = None) -> bytearray:
+        """An object in one preallocated buffer, by ranged GETs of ``_STEP`` bytes
+        (``first``: the first range, read already).
 
         A whole-object GET holds the body two or three times over while it is
         joined and copied; this holds one buffer plus one range.  A small object
         still costs one request.
         """
-        first = self._call("cat_file", path, start=0, end=_STEP)
+        if first is None:
+            first = self._call("cat_file", path, start=0, end=_STEP)
         if len(first) < _STEP:
             return bytearray(first)
         out = bytearray(self._call("size", path))

@@ -76,7 +76,8 @@ _INDEX = ".keys"  # suffix of a job's index: "<prefix>gatherstore/<job>.keys"
 _SENTINEL = b"/"  # a member of every index from the job's start (no key has this name)
 _GLOB_SPECIALS = "\\*?[]"
 _connection: Any = redis.connection  # redis-py's helpers, untyped
-_IN_FLIGHT = 4  # SETs or GETs sent ahead of their replies on one connection
+_IN_FLIGHT = 4  # SETs or GETs of large values sent ahead of their replies on one connection
+_MANY_IN_FLIGHT = 32  # GETs of whole values (parts, small as a rule) sent ahead at once
 _ATTEMPTS = 3  # tries of a wire batch when the connection drops
 _T = TypeVar("_T")
 
@@ -285,14 +286,15 @@ class RedisStore(Store):
         job, inside, _ = rest.partition("/")
         return f"{root}/{job}{_INDEX}" if root == JOB_AREA and job and inside else None
 
-    def _wire(self, work: Callable[[_resp.Wire], _T]) -> tuple[_T, int]:
-        """``work`` on a pooled connection's wire, and how many tries it took: a dropped
-        connection is replaced and ``work`` runs again (``_ATTEMPTS`` in all)."""
+    def _wire(self, work: Callable[[_resp.Wire], _T], window: int = _IN_FLIGHT) -> tuple[_T, int]:
+        """``work`` on a pooled connection's wire (``window`` commands ahead of their
+        replies), and how many tries it took: a dropped connection is replaced and
+        ``work`` runs again (``_ATTEMPTS`` in all)."""
         for attempt in range(1, _ATTEMPTS + 1):
             conn = _resp.pooled(self._pool)
             try:
                 # each send and reply waits at most the socket timeout (or the time left)
-                wire = _resp.Wire(conn, _IN_FLIGHT, conn._bound)
+                wire = _resp.Wire(conn, window, conn._bound)
                 return work(wire), attempt
             except (ConnectionError, redis.ConnectionError):
                 conn.disconnect()
@@ -367,6 +369,16 @@ class RedisStore(Store):
         self._renew(key)
         value: Buffer | None = self._get_many([self._key(key)], [None])[0][1]
         return value
+
+    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Many values with one pipeline of GETs: small values do not wait for each other."""
+        if keys:
+            self._renew(keys[0])
+        commands = [_resp.pack(b"GET", self._key(key)) for key in keys]
+        got = self._wire(
+            lambda wire: wire.run(commands, lambda i: wire.bulk(None)), window=_MANY_IN_FLIGHT
+        )[0]
+        return [value for _, value in got]
 
     def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
         if items:

@@ -50,6 +50,9 @@ class ScopedStore(Store):
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         return self.parent._write_many([(self.prefix + k, b) for k, b in items])
 
+    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return self.parent._read_many([self.prefix + k for k in keys])
+
     def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
         return self.parent._read_many_into([(self.prefix + k, v) for k, v in items])
 
