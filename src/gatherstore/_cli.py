@@ -117,10 +117,12 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import scale
 
         return scale.main(args.scale)
+    if args.share_local and not args.hosts:
+        raise ValueError("--share-local goes with --hosts 2")
     if args.hosts:
         from ._bench import hostbench
 
-        return hostbench.main()
+        return hostbench.main(share_local=args.share_local, repeats=args.repeats)
     plan = bench.Plan(args.sizes, args.world, args.payloads, args.repeats, args.timeout)
     failed = bench.run(
         plan,
@@ -352,7 +354,12 @@ def _parser() -> argparse.ArgumentParser:
         "--hosts",
         type=int,
         choices=[2],
-        help="instead: 200 MiB per rank across 2 simulated hosts (root; sshfs, Redis)",
+        help="instead: 200 MiB per rank across 2 simulated hosts (root; sshfs, Redis, S3)",
+    )
+    p.add_argument(
+        "--share-local",
+        action="store_true",
+        help="with --hosts: host 1 reads the share from local disk (only host 2 mounts it)",
     )
     p.set_defaults(handler=_bench)
 
