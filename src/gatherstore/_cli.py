@@ -117,6 +117,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import scale
 
         return scale.main(args.scale)
+    if args.latency:
+        from ._bench import latency
+
+        return latency.main(args.latency)
     if args.share_local and not args.hosts:
         raise ValueError("--share-local goes with --hosts 2")
     if args.hosts:
@@ -349,6 +353,15 @@ def _parser() -> argparse.ArgumentParser:
         const=[64, 256, 1024],
         metavar="WORLDS",
         help="instead: the control exchange with simulated ranks (64,256,1024)",
+    )
+    p.add_argument(
+        "--latency",
+        type=_argtype(_ints),
+        nargs="?",
+        const=[32],
+        metavar="WORLDS",
+        help="instead: median and p90 latency of 1 KiB and 1 MiB gathers, gatherstore's and "
+        "torch's, in one job of W processes each (32)",
     )
     p.add_argument(
         "--hosts",

@@ -3,8 +3,8 @@
 Builds the hosts of :mod:`gatherstore._bench.hosts` (a share over sshfs mounted on
 both hosts, or on host 2 alone with ``share_local``; Redis and S3 on host 1).  Each
 round first measures the share's own ceiling: the bytes a gather moves through it,
-(W - 1) parts of ``size``, written by one process on host 2 and read back by one on
-host 1 with plain file I/O through the mounts.  Then, for each case, it starts
+(W - 1) parts of ``size``, written on host 2 and read back on host 1 with plain
+file I/O through the mounts, a thread per part.  Then, for each case, it starts
 ``gs.launch(nnodes=2)`` on both hosts (fresh processes per case), every rank holding
 ``size`` random bytes (a numpy array), and gathers them to rank 0.  Prints per case
 the median over the rounds of rank 0's time, its ratio to ``all_gather_object``,
@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -90,30 +91,33 @@ def _node(argv: list[str]) -> None:
 def _share(argv: list[str]) -> None:
     """On one host: ``write|read directory count size``, plain file I/O; prints seconds.
 
-    ``write`` creates ``count`` files of ``size`` random bytes; ``read`` reads them
-    into memory one after the other, then deletes them (not timed).
+    ``write`` creates ``count`` files of ``size`` random bytes, ``read`` reads each
+    into memory and then deletes them (not timed); one thread per file, all at once
+    (the most this share gives one process: concurrent reads overlap its round trips).
     """
     import numpy as np
 
     mode, directory, count, size = argv[0], Path(argv[1]), int(argv[2]), int(argv[3])
     paths = [directory / f"ceiling-{i}" for i in range(count)]
-    if mode == "write":
-        data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
-        began = time.perf_counter()
-        for path in paths:
-            with open(path, "xb") as f:
-                f.write(data)
-    else:
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+    def write(path: Path) -> None:
+        with open(path, "xb") as f:
+            f.write(data)
+
+    def read(path: Path) -> None:
         buf = bytearray(size)
+        with open(path, "rb", buffering=0) as f:
+            view, pos = memoryview(buf), 0
+            while pos < size and (n := f.readinto(view[pos:])):
+                pos += n
+        if pos != size:
+            raise RuntimeError(f"{path}: read {pos} of {size} bytes")
+
+    with ThreadPoolExecutor(count) as pool:
         began = time.perf_counter()
-        for path in paths:
-            with open(path, "rb", buffering=0) as f:
-                view, pos = memoryview(buf), 0
-                while pos < size and (n := f.readinto(view[pos:])):
-                    pos += n
-            if pos != size:
-                raise RuntimeError(f"{path}: read {pos} of {size} bytes")
-    seconds = time.perf_counter() - began
+        list(pool.map(write if mode == "write" else read, paths))
+        seconds = time.perf_counter() - began
     if mode == "read":
         for path in paths:
             path.unlink()
@@ -168,6 +172,43 @@ def _gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f} GB/s ({seconds:.2f} s)"
 
 
+def _table(
+    out: TextIO,
+    moved: int,
+    ceilings: list[tuple[float, float]],
+    runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    """The share's ceiling, then a row per case: medians over the rounds; ``of share``
+    is the median of each round's write+read time over the case's time that round."""
+    write = statistics.median(c[0] for c in ceilings)
+    read = statistics.median(c[1] for c in ceilings)
+    both = [sum(c) for c in ceilings]
+    out.write(
+        f"share ceiling, plain file I/O of {format_bytes(moved)} (written on host 2, read on "
+        f"host 1): write {_gbps(moved, write)}, read {_gbps(moved, read)}, write+read "
+        f"{_gbps(moved, statistics.median(both))}; runs {_each(both)}\n"
+    )
+    head = f"{'case':<26}{'time':>9}{'ratio':>8}{'of share':>10}{'dst peak':>12}{'others peak':>13}"
+    out.write(head + "  runs\n")
+    baseline = None
+    for case in CASES:
+        times = [ranks[0]["seconds"] for ranks in runs[case]]
+        seconds = statistics.median(times)
+        baseline = baseline or seconds
+        share = statistics.median(c / t for c, t in zip(both, times, strict=True))
+        dst = max(ranks[0]["growth"] for ranks in runs[case])
+        others = max(r["growth"] for ranks in runs[case] for r in ranks[1:])
+        flag = "" if all(r["ok"] for ranks in runs[case] for r in ranks) else "  (wrong result)"
+        out.write(
+            f"{case:<26}{seconds:>8.2f}s{seconds / baseline:>7.2f}x{share:>9.2f}x"
+            f"{format_bytes(dst):>12}{format_bytes(others):>13}  {_each(times)}{flag}\n"
+        )
+
+
+def _each(seconds: list[float]) -> str:
+    return " / ".join(f"{s:.2f}" for s in seconds)
+
+
 def main(
     size: int = 200 << 20,
     out: TextIO = sys.stdout,
@@ -194,28 +235,7 @@ def main(
             ceilings.append(_ceiling(hosts, size))
             for case in CASES:
                 runs[case].append(_case(hosts, case, size, free_ports()[0]))
-    write = statistics.median(c[0] for c in ceilings)
-    read = statistics.median(c[1] for c in ceilings)
-    both = statistics.median(sum(c) for c in ceilings)
-    out.write(
-        f"share ceiling, plain file I/O of {format_bytes(moved)} (written on host 2, read on "
-        f"host 1): write {_gbps(moved, write)}, read {_gbps(moved, read)}, "
-        f"write+read {_gbps(moved, both)}\n"
-    )
-    head = f"{'case':<26}{'time':>9}{'ratio':>8}{'of share':>10}{'dst peak':>12}{'others peak':>13}"
-    out.write(head + "  runs\n")
-    baseline = None
-    for case in CASES:
-        seconds = statistics.median(ranks[0]["seconds"] for ranks in runs[case])
-        baseline = baseline or seconds
-        dst = max(ranks[0]["growth"] for ranks in runs[case])
-        others = max(r["growth"] for ranks in runs[case] for r in ranks[1:])
-        each = " / ".join(f"{ranks[0]['seconds']:.2f}" for ranks in runs[case])
-        flag = "" if all(r["ok"] for ranks in runs[case] for r in ranks) else "  (wrong result)"
-        out.write(
-            f"{case:<26}{seconds:>8.2f}s{seconds / baseline:>7.2f}x{both / seconds:>9.2f}x"
-            f"{format_bytes(dst):>12}{format_bytes(others):>13}  {each}{flag}\n"
-        )
+    _table(out, moved, ceilings, runs)
     out.flush()
     return 0
 
