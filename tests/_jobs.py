@@ -62,3 +62,29 @@ def hiredis_in_use() -> bool:
     import redis.utils
 
     return bool(redis.utils.HIREDIS_AVAILABLE)
+
+
+def wait_between_gathers(urls: list[str], flags: str) -> str:
+    """Run in every rank: a gather through each store, ``ready-<rank>`` (the PID) in
+    ``flags``, then, once ``flags/go`` exists, another gather through each store."""
+    import os
+    import time
+    from pathlib import Path
+
+    import gatherstore as gs
+
+    rank, world = gs.get_rank(), gs.get_world_size()
+    stores = [gs.open_store(url) for url in urls]
+    for store in stores:
+        assert gs.all_gather_object(rank, store=store, timeout=60) == list(range(world))
+    Path(flags, f"ready-{rank}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 300
+    while not Path(flags, "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("no go within 300 s")
+        time.sleep(0.05)
+    for store in stores:
+        assert gs.all_gather_object(rank + 10, store=store, timeout=60) == [
+            r + 10 for r in range(world)
+        ]
+    return "done"

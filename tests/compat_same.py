@@ -36,19 +36,22 @@ def same(a: Any, b: Any, where: str = "value") -> list[str]:
 
 
 def outcome(fn: Callable[[], Any]) -> Any:
-    """``fn()``'s value, or ("raised", exception class) when it raises."""
+    """``fn()``'s value, or ("raised", exception class, message) when it raises."""
     try:
         return fn()
     except Exception as exc:
-        return ("raised", type(exc))
+        return ("raised", type(exc), str(exc))
 
 
-def same_outcome(a: Any, b: Any, where: str) -> list[str]:
-    """As :func:`same`, where a compat exception may subclass the original's."""
+def same_outcome(a: Any, b: Any, where: str, messages: bool = False) -> list[str]:
+    """As :func:`same`, where a compat exception may subclass the original's (and, with
+    ``messages``, must say the same words)."""
     if isinstance(a, tuple) and a[:1] == ("raised",):
         if isinstance(b, tuple) and b[:1] == ("raised",) and issubclass(b[1], a[1]):
+            if messages and a[2] != b[2]:
+                return [f"{where}: message {a[2]!r} != {b[2]!r}"]
             return []
-        return [f"{where}: original raised {a[1].__name__}, compat gave {b!r}"]
+        return [f"{where}: original raised {a[1].__name__}: {a[2]}, compat gave {b!r}"]
     return same(a, b, where)
 
 
@@ -79,3 +82,56 @@ def failure(fn: Callable[[], Any], message: str) -> dict[str, Any]:
             "says why": message in str(exc),
         }
     return {"raised": None}
+
+
+def recorder() -> tuple[list[tuple[str, Any]], Callable[[str, Callable[[], Any]], None]]:
+    """A list of (label, outcome) and the function that runs a call and records it there."""
+    out: list[tuple[str, Any]] = []
+
+    def record(label: str, fn: Callable[[], Any]) -> None:
+        out.append((label, outcome(fn)))
+
+    return out, record
+
+
+def differences(
+    original: list[tuple[str, Any]],
+    compat: list[tuple[str, Any]],
+    messages: Callable[[str], bool] = lambda label: False,
+) -> list[str]:
+    """Every difference between two recordings of the same script; ``messages(label)``: whether
+    that call's exception must say the original's words."""
+    return [
+        p
+        for (label, a), (_, b) in zip(original, compat, strict=True)
+        for p in same_outcome(a, b, label, messages(label))
+    ]
+
+
+def module_signature_differences(original: Any, compat: Any) -> list[str]:
+    """:func:`signature_differences` for every public function ``original`` defines, each of
+    which ``compat`` must export."""
+    names = [
+        name
+        for name, value in vars(original).items()
+        if callable(value)
+        and getattr(value, "__module__", None) == original.__name__
+        and not name.startswith("_")
+    ]
+    problems = [f"{name}: not exported" for name in names if name not in compat.__all__]
+    return problems + [
+        p
+        for name in names
+        for p in signature_differences(getattr(original, name), getattr(compat, name), name)
+    ]
+
+
+class Unsendable:
+    """An object that can be copied (libraries copy states before they sync) but not
+    pickled: a gather fails on the rank that holds one."""
+
+    def __deepcopy__(self, memo: Any) -> Unsendable:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("this item cannot be sent")

@@ -106,6 +106,9 @@ def test_baselines_in_two_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_select_cases() -> None:
     cases = [Case(name, "gather_object") for name in ALL_CASES]
     assert select(cases, None) == cases
+    opt_in = Case("torchmetrics.map", "torchmetrics", opt_in=True)
+    assert select([*cases, opt_in], None) == cases  # opt-in cases run only when named
+    assert select([*cases, opt_in], ["torchmetrics.*"]) == [opt_in]
     assert [c.name for c in select(cases, ["gs.tmpdir*", BASELINE])] == [
         BASELINE,
         "gs.tmpdir-shm",
@@ -293,6 +296,24 @@ def test_bench_gathers_through_redis_over_tcp_and_its_unix_socket() -> None:
         client = redis.Redis.from_url(server.url)
         assert client.dbsize() == 0  # nothing left behind
         client.close()
+
+
+@pytest.mark.timeout(300)
+def test_bench_torchmetrics_map_unpatched_patched_and_on_rank_0() -> None:
+    pytest.importorskip("torchmetrics")
+    result = run_bench("--cases", "torchmetrics.*", "--map-images", "3", "--json", timeout=290)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines[0] == {"kind": "ceilings"}  # no gather case, no ceilings measured
+    cases = {c["case"]: c for c in lines[1:]}
+    assert list(cases) == ["torchmetrics.map", "torchmetrics.map-gs", "torchmetrics.map-gs-on0"]
+    for case in cases.values():
+        assert case["error"] is None and case["same_map"], case
+        assert case["kind"] == "torchmetrics" and case["world"] == 2 and case["images"] == 3
+        assert case["sync_s"] > 0 and case["compute_s"] > 0
+    assert len({c["map"] for c in cases.values()}) == 1  # the same mAP three ways
+    calls = [(c["torch_calls"], c["gs_calls"]) for c in cases.values()]
+    assert calls[1:] == [(0, 1), (0, 2)] and calls[0][0] > 3 * 7 and calls[0][1] == 0
 
 
 @pytest.mark.timeout(120)

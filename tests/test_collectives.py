@@ -361,6 +361,49 @@ def _slow_but_in_time() -> bool:
 
 
 @pytest.mark.timeout(120)
+def _tensor_calls_with_a_timeout(case: str) -> dict[str, Any]:
+    rank = gs.get_rank()
+    calls = {
+        "all_reduce": lambda: gs.all_reduce(rank + 1, timeout=3),
+        "all_reduce_dict": lambda: gs.all_reduce_dict({"a": rank}, timeout=3),
+        "reduce_dict": lambda: gs.reduce_dict({"a": float(rank)}, timeout=3),
+        "all_gather_tensor": lambda: gs.all_gather_tensor(torch.ones(rank + 1), timeout=3),
+        "broadcast_tensor": lambda: gs.broadcast_tensor(torch.ones(2), timeout=3),
+    }
+    out: dict[str, Any] = {}
+    for name, call in calls.items():
+        started = time.monotonic()
+        try:
+            if case == "late" and rank == 2:
+                time.sleep(5)  # arrives after the others gave up
+            elif case == "elsewhere" and rank == 2:  # in an object gather meanwhile
+                call = lambda: gs.all_gather_object(rank, timeout=3)  # noqa: E731
+            call()
+            out[name] = ("ok", [], time.monotonic() - started)
+        except gs.GatherError as exc:
+            out[name] = (type(exc).__name__, getattr(exc, "ranks", []), time.monotonic() - started)
+        gs.barrier(timeout=60)
+    out["after"] = gs.all_reduce(rank + 1, timeout=30)
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["late", "elsewhere"])
+def test_tensor_collectives_with_a_timeout_name_the_ranks_in_time(case: str) -> None:
+    """A rank that is late, or in an object gather, ends every tensor collective with a
+    timeout on every rank within it (not the process group's timeout), naming it."""
+    results = launch(_tensor_calls_with_a_timeout, 3, case)
+    for rank, out in enumerate(results):
+        assert out.pop("after") == 6
+        for name, (error, ranks, seconds) in out.items():
+            if case == "late":
+                assert error == "GatherTimeout", (rank, name, error)
+                assert ranks == [2], (rank, name, ranks)
+            else:  # every rank sees the other call at the same step
+                assert error == "MismatchError", (rank, name, error)
+            assert seconds < 3 + 5 + 20, (rank, name, seconds)
+
+
 def test_barrier_with_a_generous_timeout_passes() -> None:
     assert launch(_slow_but_in_time, 3) == [True, True, True]
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from compat_same import outcome, same_outcome, signature_differences
+from compat_same import differences, outcome, recorder, signature_differences
 
 import gatherstore as gs
 from gatherstore.compat import mmengine as compat
@@ -22,10 +22,7 @@ OPS = ["sum", "mean", "max", "min", "product"]
 def script(d: Any, tmp: Path, tag: str) -> list[tuple[str, Any]]:
     """The same calls on ``d`` (mmengine.dist or the compat module), with their outcomes."""
     rank, world = d.get_rank(), d.get_world_size()
-    out: list[tuple[str, Any]] = []
-
-    def record(label: str, fn: Any) -> None:
-        out.append((label, outcome(fn)))
+    out, record = recorder()
 
     for name in ("get_world_size", "get_rank", "get_dist_info", "is_main_process"):
         record(name, getattr(d, name))
@@ -85,27 +82,41 @@ def script(d: Any, tmp: Path, tag: str) -> list[tuple[str, Any]]:
             ),
         )
     nested = {"x": torch.ones(1), "y": [torch.zeros(2), torch.zeros(1)]}
+    cpu = torch.device("cpu")
     record("get_data_device", lambda: d.get_data_device(nested))
     record("get_data_device empty", lambda: d.get_data_device([]))
+    record("get_data_device empty dict", lambda: d.get_data_device({"a": []}))
     record("get_data_device bad", lambda: d.get_data_device(3))
+    meta = torch.ones(1, device="meta")
+    record("get_data_device mixed", lambda: d.get_data_device([torch.ones(1), meta]))
+    record("get_data_device mixed dict", lambda: d.get_data_device({"m": meta, "c": torch.ones(1)}))
     record("cast_data_device", lambda: d.cast_data_device(nested, torch.device("cpu")))
     dst = {"x": torch.zeros(1), "y": [torch.ones(2), torch.ones(1)]}
     record(
         "cast_data_device out", lambda: (d.cast_data_device(nested, torch.device("cpu"), dst), dst)
     )
     record("cast_data_device bad out", lambda: d.cast_data_device(nested, torch.device("cpu"), []))
+    record("cast_data_device short out", lambda: d.cast_data_device(nested, cpu, {"x": dst["x"]}))
+    record("cast_data_device set out", lambda: d.cast_data_device({1}, cpu, {2}))
+    record("cast_data_device empty", lambda: d.cast_data_device([], cpu))
+    record("cast_data_device bad", lambda: d.cast_data_device("s", cpu))
     record("init_dist bad launcher", lambda: d.init_dist("ssh"))
     return out
 
 
+# mmengine's messages kept word for word (they say what to pass instead), except where
+# mmengine names data's type twice: out's own type is named here
+SAME_WORDS = {"get_data_device", "cast_data_device"}
+OWN_WORDS = "cast_data_device bad out"
+
+
 def compare(tmp: Path) -> list[str]:
     """Run the script on both modules; every difference, plus this rank's local answers."""
-    original, ours = script(mmdist, tmp, "mm"), script(compat, tmp, "gs")
-    problems = [
-        p
-        for (label, a), (_, b) in zip(original, ours, strict=True)
-        for p in same_outcome(a, b, label)
-    ]
+    problems = differences(
+        script(mmdist, tmp, "mm"),
+        script(compat, tmp, "gs"),
+        lambda label: label.split()[0] in SAME_WORDS and label != OWN_WORDS,
+    )
     if not (tmp / "user-gs").is_dir():
         problems.append("collect_results removed the user's tmpdir")
     return problems
@@ -206,11 +217,11 @@ def test_evaluator_patched_equals_unpatched_and_uses_the_store(tmp_path: Path) -
         assert plain[rank]["metrics"] == patched[rank]["metrics"] == expected
         # mmengine removes the collect_dir it was given.  Patched, the parts went through
         # gatherstore's file:// store there: it created its private job folder inside the
-        # user's folder, deleted the parts once read (only the job's marker is left until
-        # shutdown) and keeps the user's folder
+        # user's folder, deleted the parts once read (only the job's marker and heartbeat
+        # are left until shutdown) and keeps the user's folder
         assert plain[rank]["user_dir"] is None
         assert len(patched[rank]["job_dirs"]) == 1
-        assert patched[rank]["left"] == ["marker"]
+        assert sorted(patched[rank]["left"]) == ["heartbeat", "marker"]
     assert not any(p.name.startswith("gatherstore-") for p in (tmp_path / "patched").iterdir())
 
 
@@ -229,3 +240,56 @@ def test_patch_swaps_bindings_and_undoes() -> None:
     assert metric.collect_results is original
     handle.undo()  # again: nothing
     assert mmengine.dist.collect_results is original
+
+
+# --- init_dist under SLURM: the node list through gatherstore's one parser -----------------
+
+
+def slurm_init(env: dict[str, str], port: int) -> Any:
+    """init_dist("slurm") in a one-task job with ``env``: the master it chose, or why not
+    and which variables it had set by then.  The environment is restored afterwards."""
+    import os
+
+    import torch.distributed as dist
+
+    task = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1", **env}
+    before = dict(os.environ)
+    os.environ.update(task)
+    try:
+        compat.init_dist("slurm", backend="gloo", port=port)
+        joined = (os.environ["MASTER_ADDR"], dist.get_world_size())
+        dist.destroy_process_group()
+        return joined
+    except ValueError as exc:
+        changed = sorted(k for k in os.environ if k not in task and os.environ[k] != before.get(k))
+        return ("raised", str(exc), changed)
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+@pytest.mark.timeout(180)
+def test_init_dist_under_slurm_takes_the_master_from_the_steps_node_list() -> None:
+    import multiprocessing as mp
+    import socket
+    from concurrent.futures import ProcessPoolExecutor
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cases = {
+        # every 127.x address is this machine: the group comes up on the host chosen
+        "job": {"SLURM_NODELIST": "127.0.0.[1-3],cpu1"},
+        "step": {"SLURM_NODELIST": "gpu[01-02]", "SLURM_STEP_NODELIST": "127.0.0.[7-8]"},
+        "malformed": {"SLURM_NODELIST": "gpu[04-01]"},
+    }
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        got = {
+            k: pool.submit(slurm_init, env, port).result(timeout=120) for k, env in cases.items()
+        }
+    assert got["job"] == ("127.0.0.1", 1)
+    assert got["step"] == ("127.0.0.7", 1)  # the step's first node, where rank 0 runs
+    kind, message, changed = got["malformed"]
+    assert kind == "raised"
+    assert "gpu[04-01]" in message and "[01-04,07]" in message  # names the list and the form
+    assert changed == []  # nothing set before the list was read

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,33 +82,38 @@ def test_a_summary_that_declines_or_fails_sends_every_value() -> None:
 
 @pytest.mark.timeout(60)
 def test_simulated_late_ranks_get_the_verdict_of_the_first_timeout() -> None:
-    """Ranks time out after 1 s while ranks 5 and 9 arrive at 2 s: everyone, the late
-    ranks too, names [5, 9]; rank 0 waits 30 s but adopts the verdict; nothing remains."""
+    """Ranks time out after 1 s, and ranks 5 and 9 arrive only once one of them has its
+    verdict: everyone, the late ranks too, names [5, 9]; rank 0, which would wait an hour,
+    adopts the verdict (else the test times out); nothing remains."""
     world, late = 12, (5, 9)
+    on_time = threading.Barrier(world - len(late))  # they arrive together, well within 1 s
+    judged = threading.Event()
 
     def body(store: Any, rank: int) -> Any:
         if rank in late:
-            time.sleep(2)
-        timeout = 30 if rank == 0 else 1
-        return exchange_on(store, "x/", rank, world, b"v", timeout=timeout)
+            judged.wait(50)
+            return exchange_on(store, "x/", rank, world, b"v", timeout=1)
+        on_time.wait(50)
+        try:
+            return exchange_on(store, "x/", rank, world, b"v", timeout=3600 if rank == 0 else 1)
+        finally:
+            judged.set()
 
-    began = time.monotonic()
     results, server = scale.simulate(world, body)
     assert results == [Outcome(late=[5, 9])] * world
-    assert time.monotonic() - began < 20  # rank 0 did not wait out its own 30 s
     assert server.num_keys() == 0
 
 
 class _Stalls:
-    """A rank's real store client that stalls ``seconds`` before counting itself in
-    (a rank descheduled between publishing its value and arriving)."""
+    """A rank's real store client that, having published its value, stalls before it
+    counts itself in until ``until`` is set (a rank descheduled between the two)."""
 
-    def __init__(self, store: Any, seconds: float) -> None:
-        self.store, self.seconds = store, seconds
+    def __init__(self, store: Any, until: threading.Event) -> None:
+        self.store, self.until = store, until
 
     def add(self, key: str, amount: int) -> int:
         if key.endswith("arrived"):
-            time.sleep(self.seconds)
+            self.until.wait(50)
         return int(self.store.add(key, amount))
 
     def __getattr__(self, name: str) -> Any:
@@ -115,14 +122,20 @@ class _Stalls:
 
 @pytest.mark.timeout(60)
 def test_a_last_arriver_that_stalls_past_the_judge_still_gets_the_verdict() -> None:
-    """Every key is in, but the last arriver stalls 7 s before it gathers: the judge
-    (timeouts of 1 s) publishes after its 5 s grace; the stalled rank's own gathering
-    must still find every key, every rank gets the values, and nothing remains."""
+    """Every key is in, but the last arriver stalls before it gathers until the others
+    have their verdict: the judge (timeouts of 1 s) publishes after its 5 s grace; the
+    stalled rank's own gathering must still find every key, every rank gets the values,
+    and nothing remains."""
     world = 6
+    judged = threading.Event()
 
     def body(store: Any, rank: int) -> Any:
-        client = _Stalls(store, 7.0) if rank == 5 else store
-        return exchange_on(client, "j/", rank, world, b"%d" % rank, timeout=1, full=[0])
+        if rank == 5:
+            return exchange_on(_Stalls(store, judged), "j/", rank, world, b"5", timeout=1, full=[0])
+        try:
+            return exchange_on(store, "j/", rank, world, b"%d" % rank, timeout=1, full=[0])
+        finally:
+            judged.set()
 
     results, server = scale.simulate(world, body, timeout=30)
     assert results == [Outcome(values=[b"%d" % r for r in range(world)])] * world
@@ -137,7 +150,7 @@ def test_scale_bench_runs(algorithm: str) -> None:
 # --- real gloo groups -------------------------------------------------------------------------
 
 
-def _exchange_job() -> dict[str, Any]:
+def _exchange_job(signals: str) -> dict[str, Any]:
     from gatherstore import _control as control
 
     rank, out = gs.get_rank(), {}
@@ -149,13 +162,17 @@ def _exchange_job() -> dict[str, Any]:
         summarize=lambda values: b"%d" % sum(map(int, values)),
         full=[1],
     )
-    # rank 2 is 2 s late; rank 1 gives up after 1 s, rank 0 would wait 20 s
-    if rank == 2:
-        time.sleep(2)
+    # rank 2 arrives once rank 1 gave up (after 5 s); rank 0 would wait 60 s
+    gave_up = Path(signals, "rank-1-gave-up")
+    end = time.monotonic() + 60
+    while rank == 2 and not gave_up.exists() and time.monotonic() < end:
+        time.sleep(0.02)
     try:
-        control.exchange(b"", timeout={0: 20, 1: 1, 2: 20}[rank], what="late")
+        control.exchange(b"", timeout={0: 60, 1: 5, 2: 60}[rank], what="late")
     except gs.GatherTimeout as exc:
         out["late"] = exc.ranks
+    if rank == 1:
+        gave_up.touch()
     try:
         control.exchange(b"", timeout=30, what="other" if rank == 1 else "mine")
     except gs.GatherError as exc:
@@ -176,9 +193,13 @@ def _exchange_job() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_exchange_in_a_gloo_group_hosted_by_rank_0() -> None:
+def test_exchange_in_a_gloo_group_hosted_by_rank_0(tmp_path: Path) -> None:
     results = gs.launch(
-        _exchange_job, nproc_per_node=3, backend="gloo", master_port=free_ports()[0]
+        _exchange_job,
+        nproc_per_node=3,
+        backend="gloo",
+        master_port=free_ports()[0],
+        args=(str(tmp_path),),
     )
     for rank, out in enumerate(results):
         assert out["values"] == [b"0", b"1", b"2"]

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cgroups import run_in_memory_cgroup
 
 import gatherstore as gs
-from gatherstore._memory import READ_AHEAD
 from gatherstore.stores.fsspec import FsspecStore
 from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import services
@@ -123,9 +123,9 @@ def test_frozen_then_killed_s3_ends_every_call_within_its_timeout(tmp_path: Path
 
 
 # --- 2. tampered parts: replayed, swapped, truncated, planted ------------------------------
-#: The tampering sender: the first rank past dst's read-ahead window, whose part dst
-#: reads only after the tampering (the ranks before it are read ahead at once).
-TAMPERER = READ_AHEAD + 1
+#: The tampering sender: the first rank past dst's read-ahead window (two parts), whose
+#: part dst reads only after the tampering (the ranks before it are read ahead at once).
+TAMPERER = 3
 
 
 def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -136,6 +136,7 @@ def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
     store = gs.open_store(url, **options)
     rank = gs.get_rank()
     obj = {"rank": rank, "data": np.full(100_000, rank, dtype=np.int64)}
+    window = (TAMPERER - 1) * serialize.encode(obj).nbytes  # dst reads ahead the ranks before
     saved: dict[str, Any] = {}
 
     def raw(key: str) -> bytes:
@@ -165,7 +166,7 @@ def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
     }
     out: list[tuple[str, Any]] = []
     for name, tamper in tampers.items():
-        parts = gs.gather_iter(obj, store=store, timeout=30)
+        parts = gs.gather_iter(obj, store=store, timeout=30, read_ahead=window)
         job = session_for(store, 30).store
         if rank == TAMPERER:
             tamper(f"call-{session_for(store, 30).calls}")
@@ -254,25 +255,6 @@ PART = 200 << 20  # bytes each sender holds
 MARGIN = 300 << 20  # what the cgroup allows beyond what the job holds once its parts exist
 
 
-def _memory_cgroup() -> tuple[Path, str, str, str] | None:
-    """A fresh memory cgroup: (dir, limit file, usage file, OOM-kill counter file)."""
-    name = f"gatherstore-test-{uuid.uuid4().hex[:8]}"
-    root = Path("/sys/fs/cgroup")
-    controllers = root / "cgroup.controllers"
-    if controllers.exists() and "memory" in controllers.read_text().split():
-        layout = (root / name, "memory.max", "memory.current", "memory.events")
-    elif (root / "memory" / "cgroup.procs").exists():
-        v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.oom_control")
-        layout = (root / "memory" / name, *v1)
-    else:
-        return None
-    try:
-        layout[0].mkdir()
-    except OSError:
-        return None
-    return layout
-
-
 def _memory_job(limit_file: str, usage_file: str) -> list[str]:
     """Senders hold PART bytes; the cgroup then allows MARGIN more; every big gather must fail."""
     from gatherstore import _memory
@@ -314,31 +296,9 @@ for line in gs.launch(t._memory_job, nproc_per_node=3, backend="gloo", args=tupl
 
 @pytest.mark.timeout(240)
 def test_gathers_that_outgrow_the_memory_cgroup_fail_on_every_rank_before_moving_data() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("creating a memory cgroup needs root")
-    layout = _memory_cgroup()
-    if layout is None:
-        pytest.skip("no writable memory cgroup (v1 or v2) on this machine")
-    directory, limit, usage, events = layout
     shm_before = set(os.listdir("/dev/shm"))
     tmp_before = set(os.listdir(tempfile.gettempdir()))
-    try:
-        paths = [str(directory / name) for name in ("cgroup.procs", limit, usage)]
-        done = subprocess.run(
-            [sys.executable, "-c", _IN_CGROUP, *paths],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(Path(__file__).parent)])},
-            capture_output=True,
-            text=True,
-            timeout=200,
-        )
-        oom = (directory / events).read_text()
-    finally:
-        for _ in range(50):
-            try:
-                directory.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+    done, oom = run_in_memory_cgroup(_IN_CGROUP, [], timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [eval(line) for line in done.stdout.splitlines()]
     assert len(lines) == 3
@@ -367,7 +327,7 @@ BAD_SPECS = [
     ("tmpdir://relative", ValueError, "tmpdir:///shared/dir"),
     ("s3://", ValueError, "s3://bucket/prefix"),
     ("nosuchscheme://x", ValueError, "register_store"),
-    ("gs://bucket/prefix", ImportError, "pip install gcsfs"),
+    ("oss://bucket/prefix", ImportError, "Install ossfs"),
 ]
 
 
@@ -385,8 +345,8 @@ def _foreign_frames(exc: BaseException) -> list[str]:
 
 @pytest.mark.parametrize(("spec", "error", "fix"), BAD_SPECS)
 def test_bad_specs_name_the_spec_and_the_fix(spec: str, error: type[Exception], fix: str) -> None:
-    if spec.startswith("gs://") and importlib.util.find_spec("gcsfs"):
-        pytest.skip("gcsfs is installed here")
+    if spec.startswith("oss://") and importlib.util.find_spec("ossfs"):
+        pytest.skip("ossfs is installed here")
     with pytest.raises(error) as info:
         gs.open_store(spec)
     message = str(info.value)
@@ -468,15 +428,16 @@ def test_redis_job_end_deletes_its_keys_by_name_without_scan() -> None:
 @pytest.mark.timeout(60)
 def test_redis_parts_outlive_their_ttl_while_read_and_expiry_is_not_tampering() -> None:
     with services.start_redis() as server:
-        store = RedisStore(server.url, ttl=1.0, chunk_size=1024)
+        ttl = 2.0  # reading renews every ttl / 4: a read may come up to 1.5 s late
+        store = RedisStore(server.url, ttl=ttl, chunk_size=1024)
         job = store.join_job(store.prepare_job(uuid.uuid4().hex[:16]))
         job.put("read", b"r")
         job.put("waiting", os.urandom(5000))
-        end = time.monotonic() + 2.5  # a slow consumer: one read every 0.3 s
+        end = time.monotonic() + 2 * ttl  # the job reads other parts for two TTLs
         while time.monotonic() < end:
             assert job.get("read") is not None
-            time.sleep(0.3)
-        assert job.get("waiting") is not None  # 2.5 s > its 1 s TTL
+            time.sleep(0.02)
+        assert job.get("waiting") is not None  # outlived its TTL twice over
         chunks = store._client.keys("*waiting.chunks/*")
         store._client.unlink(chunks[0])  # one chunk expires
         with pytest.raises(gs.GatherError, match="expired") as info:

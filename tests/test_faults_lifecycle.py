@@ -123,6 +123,12 @@ def report(exc: BaseException, start: float) -> dict[str, Any]:
 def rank_main(scenario: str, out: str, redis_url: str) -> None:
     """One rank of an independent job; writes ``<out>/<rank>.json`` when its call fails."""
     rank = int(os.environ["RANK"])
+    if scenario == "late-handler":
+        late_handler_rank(out, redis_url, rank)
+        return
+    if scenario == "stream-killed-sender":
+        killed_sender_rank(out, rank)
+        return
     if scenario == "own-handler" and rank == 1:
 
         def mine(signum: int, frame: Any) -> None:
@@ -158,6 +164,49 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
     gs.shutdown()
     outcome["shutdown_seconds"] = time.monotonic() - began
     Path(out, f"{rank}.json").write_text(json.dumps(outcome))
+
+
+def late_handler_rank(out: str, redis_url: str, rank: int) -> None:
+    """Gathers in a loop; rank 1 installs a SIGTERM handler after its first gathers, and
+    the loop ends when rank 0 sees ``<out>/stop``."""
+    gs.init_from_env(backend="gloo")
+    at_init = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+    urls = urls_for(Path(out), redis_url)
+    use_stores(urls)
+    if rank == 1:
+
+        def mine(signum: int, frame: Any) -> None:
+            Path(out, "late-handler-ran").write_text(str(signum))
+
+        signal.signal(signal.SIGTERM, mine)
+    Path(out, f"ready-{rank}").write_text(str(os.getpid()))
+    calls = 0
+    while True:
+        stop = rank == 0 and Path(out, "stop").exists()
+        flags = gs.all_gather_object((stop, bytes(60_000)), store=urls[calls % 3], timeout=30)
+        calls += 1
+        if flags[0][0]:
+            break
+    gs.shutdown()
+    Path(out, f"{rank}.json").write_text(json.dumps({"calls": calls, "at_init": at_init}))
+
+
+def killed_sender_rank(out: str, rank: int) -> None:
+    """A streamed gather to rank 0 in which rank 2 dies (SIGKILL) as it sends its part."""
+    import torch.distributed as dist
+
+    gs.init_from_env(backend="gloo")
+    Path(out, f"ready-{rank}").write_text(str(os.getpid()))
+    if rank == 2:
+        dist.isend = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        gathered = gs.gather_object(bytes(4 << 20), store="stream", timeout=10)
+        outcome: dict[str, Any] = {"error": None, "parts": None if gathered is None else 3}
+    except Exception as exc:
+        outcome = report(exc, start)
+    Path(out, f"{rank}.json").write_text(json.dumps(outcome))
+    os._exit(0)  # the group lost a rank: leave without a shutdown that would wait for it
 
 
 def start_job(world: int, scenario: str, out: Path, redis_url: str) -> list[subprocess.Popen[str]]:
@@ -316,6 +365,72 @@ def test_a_signal_to_every_rank_leaves_nothing_and_a_users_handler_is_kept(
         assert (shm / "own-handler-ran").exists()
     else:  # KeyboardInterrupt, as without gatherstore
         assert all("KeyboardInterrupt" in text for text in errors), errors
+
+
+@pytest.mark.timeout(180)
+def test_a_handler_installed_after_gathers_is_in_charge(shm: Path, redis_url: str) -> None:
+    """gatherstore's handler (installed by init_from_env) steps aside for a later one: the
+    rank handles SIGTERM its own way, even while blocked in a store or gloo wait, and lives."""
+    procs = start_job(3, "late-handler", shm, redis_url)
+    try:
+        for _ in range(5):  # land in different places of the loop: Python, C++ waits
+            time.sleep(random.uniform(0.1, 0.4))
+            os.kill(procs[1].pid, signal.SIGTERM)
+        wait_for("rank 1's own handler", (shm / "late-handler-ran").exists)
+        (shm / "stop").write_text("")
+        codes = [proc.wait(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert codes == [0, 0, 0], [stderr_of(shm, r) for r in range(3)]
+    done = outcomes(shm, [0, 1, 2])
+    assert all(o["at_init"] for o in done.values()), "installed at init, not in a gather"
+    assert done[1]["calls"] == done[0]["calls"] > 3
+    assert leftovers(shm, redis_url) == []
+
+
+def test_gatherstores_handler_does_nothing_when_a_later_handler_chains_to_it() -> None:
+    """A program's handler that calls "the previous handler" (as Lightning's does) keeps
+    the process alive: gatherstore's handler acts only while it is the installed one."""
+    script = """
+import os, signal, sys
+from gatherstore import _signals
+cleaned = []
+_signals.install(lambda: cleaned.append(1))
+previous = signal.getsignal(signal.SIGTERM)
+def mine(signum, frame):
+    print("mine", flush=True)
+    previous(signum, frame)
+signal.signal(signal.SIGTERM, mine)
+os.kill(os.getpid(), signal.SIGTERM)
+signal.signal(signal.SIGINT, lambda *a: previous(signal.SIGINT, None))
+os.kill(os.getpid(), signal.SIGINT)
+print("alive", cleaned, flush=True)
+"""
+    env = {**os.environ, "PYTHONPATH": SRC}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["mine", "alive", "[]"]
+
+
+@pytest.mark.timeout(120)
+def test_a_sender_killed_on_the_stream_route_is_named(shm: Path, redis_url: str) -> None:
+    procs = start_job(3, "stream-killed-sender", shm, redis_url)
+    try:
+        codes = [proc.wait(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert codes[2] == -signal.SIGKILL
+    dst, sender = outcomes(shm, [0, 1]).values()
+    assert dst["gather_error"], dst  # not torch's RuntimeError
+    assert 2 in (dst["ranks"] or [dst["rank"]]), dst
+    assert dst["seconds"] < 10 + MARGIN
+    assert sender == {"error": None, "parts": None}
 
 
 # --- gs.launch and torchrun: the launcher stops the job ------------------------------------------
@@ -630,7 +745,7 @@ def test_fresh_store_objects_share_one_job_area(shm: Path, redis_url: str) -> No
     assert leftovers(shm, redis_url) == []
 
 
-def _bounded_waits(url: str) -> dict[str, Any]:
+def _bounded_waits(url: str, signals: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     store = gs.open_store(url)
     # an abandoned gather_iter: the finaliser neither blocks nor leaves parts behind
@@ -645,15 +760,19 @@ def _bounded_waits(url: str) -> dict[str, Any]:
     area = next(Path(url[9:]).glob("gatherstore-*"))
     wait_for("unread parts deleted", lambda: not list(area.glob("call-*/*")), timeout=20)
 
+    gave_up = Path(signals, "rank-1-gave-up")
+
     @gs.one_rank_only(rank=0, with_barrier=True, timeout=2)
-    def slow() -> None:
-        time.sleep(6)
+    def slow() -> None:  # done only once rank 1 stopped waiting for it
+        wait_for("rank 1 to give up", gave_up.exists)
 
     start = time.monotonic()
     try:
         slow()
     except gs.GatherError as exc:
         seen["one_rank_only"] = report(exc, start)
+    if gs.get_rank() == 1:
+        gave_up.touch()
     return seen
 
 
@@ -661,7 +780,7 @@ def _bounded_waits(url: str) -> dict[str, Any]:
 def test_abandoned_gather_iter_and_one_rank_only_timeout(shm: Path) -> None:
     (shm / "tmp").mkdir()
     results = gs.launch(
-        _bounded_waits, nproc_per_node=2, backend="gloo", args=(f"tmpdir://{shm / 'tmp'}",)
+        _bounded_waits, nproc_per_node=2, backend="gloo", args=(f"tmpdir://{shm / 'tmp'}", str(shm))
     )
     assert results[0]["del_seconds"] < 2
     other = results[1]["one_rank_only"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 import zlib
@@ -65,6 +66,11 @@ def prefix() -> str:
 
 
 class TestS3Store(StoreTests):
+    known_failures = {  # noqa: RUF012
+        "test_damaged_value_is_reported[emptied]": "FsspecStore on S3 reads an empty object "
+        "with a range GET: InvalidRange becomes StoreUnavailableError, not IntegrityError",
+    }
+
     @pytest.fixture
     def store(self, s3: tuple[S3Endpoint, str, Any], prefix: str) -> Iterator[Store]:
         endpoint, bucket, _ = s3
@@ -73,13 +79,35 @@ class TestS3Store(StoreTests):
         store.delete("")
 
     def raw_keys(self, store: Store) -> list[str]:
-        assert isinstance(store, FsspecStore)
-        bucket, _, prefix = store.root.partition("/")
-        client = _client(S3Endpoint(**_endpoint_of(store)))
-        try:
-            return _raw_objects(client, bucket, f"{prefix}/")
-        finally:
-            client.close()
+        with _raw_client(store) as (client, bucket, prefix):
+            return _raw_objects(client, bucket, prefix)
+
+    def raw_get(self, store: Store, key: str) -> bytes | None:
+        with _raw_client(store) as (client, bucket, prefix):
+            try:
+                return client.get_object(Bucket=bucket, Key=prefix + key)["Body"].read()  # type: ignore[no-any-return]
+            except client.exceptions.NoSuchKey:
+                return None
+
+    def raw_set(self, store: Store, key: str, data: bytes) -> None:
+        with _raw_client(store) as (client, bucket, prefix):
+            client.put_object(Bucket=bucket, Key=prefix + key, Body=data)
+
+    def raw_delete(self, store: Store, key: str) -> None:
+        with _raw_client(store) as (client, bucket, prefix):
+            client.delete_object(Bucket=bucket, Key=prefix + key)
+
+
+@contextlib.contextmanager
+def _raw_client(store: Store) -> Iterator[tuple[Any, str, str]]:
+    """(a botocore client of the store's endpoint, its bucket, its key prefix)."""
+    assert isinstance(store, FsspecStore)
+    bucket, _, prefix = store.root.partition("/")
+    client = _client(S3Endpoint(**_endpoint_of(store)))
+    try:
+        yield client, bucket, f"{prefix}/"
+    finally:
+        client.close()
 
 
 def _endpoint_of(store: FsspecStore) -> dict[str, str]:
@@ -91,6 +119,20 @@ def _endpoint_of(store: FsspecStore) -> dict[str, str]:
     }
 
 
+def racing_writes(store: Store, key: str, writers: int) -> list[bool]:
+    """``writers`` threads write ``key`` at once, each its own value: who got it in."""
+    results: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(store._write(key, [b"%d" % i])))
+        for i in range(writers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
 def test_create_only_is_enforced_by_the_server(s3: tuple[S3Endpoint, str, Any]) -> None:
     """No existence check before a PUT: If-None-Match lets exactly one of racing writers win."""
     endpoint, bucket, _ = s3
@@ -98,16 +140,7 @@ def test_create_only_is_enforced_by_the_server(s3: tuple[S3Endpoint, str, Any]) 
     assert store._write("k", [b"first"]) is True
     assert store._write("k", [b"second"]) is False
     assert bytes(store._read("k") or b"") == b"first"
-    results: list[bool] = []
-    writers = [
-        threading.Thread(target=lambda i=i: results.append(store._write("race", [b"%d" % i])))
-        for i in range(6)
-    ]
-    for thread in writers:
-        thread.start()
-    for thread in writers:
-        thread.join(60)
-    assert sorted(results) == [False] * 5 + [True]
+    assert sorted(racing_writes(store, "race", 6)) == [False] * 5 + [True]
     store.delete("")
 
 

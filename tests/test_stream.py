@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -113,5 +114,41 @@ def test_a_stalled_sender_is_named_within_the_timeout() -> None:
     assert dst[2] < 5 + 20, "named within the call's timeout plus a margin (loaded CI)"
     assert "rank 1 did not stream its part of the call within 5 s" in dst[3]
     assert stalled[0] == "ok"
-    # the other sender's chunks were never taken (dst gave up on rank 1 first): it names dst
-    assert other[:2] == ("GatherTimeout", [0])
+    # dst gave up on rank 1 before it took the other sender's part: that sender is released
+    # at once and names rank 1, the one that stalled, not dst
+    assert other[:2] == ("GatherTimeout", [1])
+    assert "rank 0 stopped the gather" in other[3] and "rank 1 did not stream" in other[3]
+
+
+def _close_early(how: str) -> dict[str, Any]:
+    rank = gs.get_rank()
+    part = np.full(3 << 18, rank, dtype=np.int32)  # 3 MiB: 12 chunks of 256 KiB
+    started = time.monotonic()
+    parts = gs.gather_iter(part, store="stream", timeout=60)
+    out: dict[str, Any] = {"sender_seconds": time.monotonic() - started}
+    if rank == 0:
+        out["first"] = [int(next(parts)[0]), int(next(parts)[0])]
+        if how == "close":
+            parts.close()
+        else:  # dropped without closing: the garbage collector closes it
+            del parts
+            gc.collect()
+    # the group is still in step: the stream and collective routes work on every rank
+    out["again"] = [int(p[0]) for p in gs.gather_object(part, store="stream", timeout=60) or []]
+    out["all"] = gs.all_gather_object(rank, store="collective", timeout=60)
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_streamed_gather_iter_stopped_early_releases_its_senders_at_once(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    monkeypatch.setenv("GATHERSTORE_STREAM_CHUNK", str(256 << 10))
+    results = gs.launch(_close_early, nproc_per_node=3, backend="gloo", args=(how,))
+    assert results[0]["first"] == [0, 1]
+    for rank, out in enumerate(results):
+        # senders return as soon as dst stops reading, long before the 60 s timeout
+        assert out["sender_seconds"] < 30, (rank, out)
+        assert out["again"] == ([0, 1, 2] if rank == 0 else [])
+        assert out["all"] == [0, 1, 2]

@@ -421,3 +421,35 @@ def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
 def test_expand_nodelist_rejects_malformed_lists(nodelist: str) -> None:
     with pytest.raises(ValueError, match="node list"):
         expand_nodelist(nodelist)
+
+
+def _one_rank_asks_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A hand-made group (no launcher variables): only rank 0 asks for the layout, while
+    the others go straight to a gather."""
+    for name in list(os.environ):
+        if name in LAUNCHER_VARS or name.startswith(("SLURM_", "OMPI_")):
+            del os.environ[name]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        result: dict[str, Any] = {}
+        if gs.is_main_process():
+            result["describe"] = gs.describe()
+        result["gathered"] = gs.all_gather_object(rank, timeout=60)
+        result["local"] = [gs.get_local_rank(), gs.get_local_size(), gs.get_nnodes()]
+        result["again"] = gs.all_gather_object(rank * 2, timeout=60)
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_asked_for_on_one_rank_puts_no_call_out_of_step(tmp_path: Path) -> None:
+    torch_mp.spawn(_one_rank_asks_worker, args=(3, free_ports()[0], str(tmp_path)), nprocs=3)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
+    assert results[0]["describe"]["local_size"] == 3
+    for rank, result in enumerate(results):
+        assert result["gathered"] == [0, 1, 2]
+        assert result["local"] == [rank, 3, 1]
+        assert result["again"] == [0, 2, 4]

@@ -30,16 +30,14 @@ if _TYPE_CHECKING:
     from ._collectives import (
         all_gather_tensor,
         all_reduce,
-        all_reduce_dict,
         barrier,
         broadcast_tensor,
-        one_rank_only,
-        rank_zero_only,
-        reduce_dict,
         shared_random_seed,
     )
+    from ._dicts import all_reduce_dict, reduce_dict
     from ._launch import init_from_env, launch, shutdown
     from ._objects import all_gather_object, broadcast_object, gather_iter, gather_object
+    from ._rank_filters import one_rank_only, rank_zero_only
     from ._results import collect_results
     from ._topology import (
         backend,
@@ -62,19 +60,11 @@ __version__ = "0.1.0"
 #: Where each lazily loaded public name is defined.
 _LAZY = {
     **dict.fromkeys(
-        [
-            "all_gather_tensor",
-            "all_reduce",
-            "all_reduce_dict",
-            "barrier",
-            "broadcast_tensor",
-            "one_rank_only",
-            "rank_zero_only",
-            "reduce_dict",
-            "shared_random_seed",
-        ],
+        ["all_gather_tensor", "all_reduce", "barrier", "broadcast_tensor", "shared_random_seed"],
         "._collectives",
     ),
+    **dict.fromkeys(["all_reduce_dict", "reduce_dict"], "._dicts"),
+    **dict.fromkeys(["one_rank_only", "rank_zero_only"], "._rank_filters"),
     **dict.fromkeys(["init_from_env", "launch", "shutdown"], "._launch"),
     **dict.fromkeys(
         ["all_gather_object", "broadcast_object", "gather_iter", "gather_object"], "._objects"

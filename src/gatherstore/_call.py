@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _config as config
 from . import _control as control
 from . import _gloo as gloo
 from . import _memory as memory
@@ -31,11 +32,11 @@ from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import (
     GatherError,
-    IntegrityError,
     MismatchError,
     RemoteRankError,
     StoreUnavailableError,
 )
+from ._parts import binding, part_key
 from ._progress import log_call
 from ._session import JobSession, after_failure, note_timeout, session_for
 from .stores.base import Store
@@ -53,6 +54,9 @@ AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)
 
 #: Seconds of a call's timeout kept for telling the other ranks that the store failed.
 _REPORT_TIME = 2.0
+#: Shortest wait an exchange gets once the call's time is (nearly) up: the others may be
+#: there already (a c10d wait of 0 would mean "forever").
+_MIN_WAIT = 0.05
 
 _opened: dict[str, Store] = {}
 
@@ -112,12 +116,15 @@ def _raise_failures(statuses: list[Any], what: str, error: BaseException | None)
     )
 
 
-def facts(statuses: list[Any], receivers: Sequence[int], root: int | None) -> dict[str, Any] | None:
+def facts(
+    statuses: list[Any], receivers: Sequence[int], root: int | None, streamed: bool = False
+) -> dict[str, Any] | None:
     """What every rank decides a call's route and memory check from, computed once
     from every rank's status: ``total`` and ``longest`` part, the ``root``'s part
-    size, a ``broken`` gloo group, and each route's per-node memory shortfalls.
-    None when a rank failed or ranks are in different calls (every rank then needs
-    every status, to raise the same error)."""
+    size, a ``broken`` gloo group, and each route's per-node memory shortfalls
+    (``streamed``: the receivers read with ``gather_iter``).  None when a rank failed
+    or ranks are in different calls (every rank then needs every status, to raise
+    the same error)."""
     if not all(s["ok"] for s in statuses) or any(
         s["call"] != statuses[0]["call"] for s in statuses
     ):
@@ -128,7 +135,10 @@ def facts(statuses: list[Any], receivers: Sequence[int], root: int | None) -> di
         "longest": max(sizes),
         "root": 0 if root is None else sizes[root],
         "broken": next((s["broken"] for s in statuses if s["broken"]), ""),
-        "short": {r: memory.shortfalls(r, statuses, sizes, receivers) for r in memory.ROUTES},
+        "short": {
+            r: memory.shortfalls(r, statuses, sizes, receivers, streamed=streamed)
+            for r in memory.ROUTES
+        },
     }
 
 
@@ -142,8 +152,11 @@ class Call:
         timeout: Timeout,
         progress: bool | None = None,
         root: int | None = None,
+        read_ahead: int | None = None,
+        streamed: bool = False,
     ) -> None:
         self.started = time.perf_counter()
+        self.read_ahead, self.streamed = read_ahead, streamed
         self.what = what
         self.progress = progress
         self.timeout = to_seconds(timeout)
@@ -175,15 +188,19 @@ class Call:
         self.frame: serialize.Frame | None = None
         self.own: Any = None
         error: BaseException | None = None
-        root = self.root
+        root, streamed = self.root, self.streamed
         try:
             self.own = prepare()
             if send:
                 self.frame = serialize.encode(self.own)
+            avail = memory.headroom()
+            self.budget = config.read_ahead(self.read_ahead, avail)
             mine = status(
                 True,
                 size=self.frame.nbytes if self.frame else 0,
-                avail=memory.headroom(),
+                rebuilt=self.frame.rebuilt if self.frame else 0,
+                avail=avail,
+                window=self.budget,
                 shm=memory.shm_free(),
                 node=socket.gethostname(),
                 call=self.shape,
@@ -193,12 +210,12 @@ class Call:
             error, mine = exc, failure(exc)
 
         def summarize(raw: list[bytes]) -> bytes | None:
-            found = facts([json.loads(s) for s in raw], receivers, root)
+            found = facts([json.loads(s) for s in raw], receivers, root, streamed)
             return None if found is None else json.dumps(found).encode()
 
         try:
             raw, summary = control.exchange_summary(
-                mine, timeout=self.timeout, what=self.what, summarize=summarize, full=full
+                mine, timeout=self.left(), what=self.what, summarize=summarize, full=full
             )
         except GatherError as exc:
             after_failure(exc)
@@ -208,7 +225,7 @@ class Call:
             assert statuses is not None
             _raise_failures(statuses, self.what, error)
             self._same_call(statuses)
-        found = json.loads(summary) if summary else facts(statuses or [], receivers, root)
+        found = json.loads(summary) if summary else facts(statuses or [], receivers, root, streamed)
         assert found is not None
         if statuses is not None:
             self.sizes = [int(s["size"]) for s in statuses]
@@ -300,61 +317,42 @@ class Call:
         assert isinstance(self.target, Store)
         error: BaseException | None = None
         mine = status(True)
+        # a store's set-up at its first use in the job has a deadline of its own: the call
+        # absorbs it (gs.launch and init_from_env set up the default store before any call)
+        started = time.monotonic()
         session = session_for(self.target, self.timeout)
+        self.ends_at += time.monotonic() - started
         prefix = session.next_call()
         wrote = False
         try:
             if self.rank in writers and self.frame is not None:
                 with self.deadline():
-                    sealed = self.frame.seal(session.key, self.bind(session, prefix, self.rank))
-                    session.store.put(self.key(prefix, self.rank), sealed.segments)
+                    sealed = self.frame.seal(session.key, binding(session, prefix, self.rank))
+                    session.store.put(part_key(prefix, self.rank), sealed.segments)
                 wrote = True
         except Exception as exc:
             error, mine = exc, failure(exc)
         self.frame = None
         try:
-            agree(mine, timeout=self.timeout, what=self.what, error=error)
+            agree(mine, timeout=self.left(), what=self.what, error=error)
         except BaseException:
             if wrote:
                 with self.deadline():
-                    session.store.discard(self.key(prefix, self.rank))
+                    session.store.discard(part_key(prefix, self.rank))
             raise
         return session, prefix
 
-    def deadline(self) -> contextlib.AbstractContextManager[None]:
-        """Bound the store operations inside to this call's timeout, less the time kept
-        to report a store failure before the other ranks stop waiting for this one."""
-        return deadline(self.timeout - min(self.timeout / 4, _REPORT_TIME))
+    def left(self) -> float:
+        """Seconds left of this call's one deadline, for its next phase (every phase of
+        every route shares it: a slow but live store cannot stretch the call)."""
+        return max(self.ends_at - time.monotonic(), _MIN_WAIT)
 
-    @staticmethod
-    def key(prefix: str, rank: int) -> str:
-        return f"{prefix}/{rank}"
+    def deadline(self, *, fresh: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Bound the store operations inside to this call's deadline, less the time kept
+        to report a store failure before the other ranks stop waiting for this one.
 
-    @staticmethod
-    def bind(session: JobSession, prefix: str, rank: int) -> bytes:
-        """What a part is signed together with: its job area, call and rank."""
-        return f"{session.locator}\0{prefix}\0{rank}".encode()
-
-    def fetch(self, session: JobSession, prefix: str, rank: int) -> serialize.Verified:
-        """Read and verify one part (checksums release the GIL: this runs ahead in a thread).
-
-        Raises:
-            IntegrityError: the part is damaged, planted or replayed; names ``rank``.
-            GatherError: the part is gone (deleted, or its TTL ran out).
+        ``fresh`` gives them the call's whole timeout instead: for the reads of a
+        ``gather_iter``, paced by its consumer after the call has returned.
         """
-        key = self.key(prefix, rank)
-        where = f"{session.store} {key}"
-        try:
-            with self.deadline():
-                raw = session.store.get(key)
-        except IntegrityError as exc:
-            raise IntegrityError(
-                f"{self.what}: part of rank {rank}: {exc}", rank=rank, key=where
-            ) from None
-        if raw is None:
-            raise GatherError(
-                f"{self.what}: the part of rank {rank} is gone from {session.store} (deleted, "
-                "or it expired: raise the store's ttl)"
-            )
-        bind = self.bind(session, prefix, rank)
-        return serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where)
+        keep = min(self.timeout / 4, _REPORT_TIME)
+        return deadline(self.timeout - keep if fresh else self.left() - keep)

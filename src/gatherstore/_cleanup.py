@@ -1,12 +1,19 @@
-"""``gatherstore gc``: remove the job areas that crashed jobs left in a store.
+"""``gatherstore gc``: remove the job areas of jobs that are gone.
 
 A job area is what :mod:`gatherstore._session` creates at a store's first use:
 on tmpdir/file stores a directory ``gatherstore-<job>-*`` under the base
 directory, on key stores the prefix ``gatherstore/<job>/``; each holds a
-``marker`` value, JSON with the job id and its creation time.  Only areas
-that match this shape are touched: a directory without a readable marker
-counts only when its name is ``gatherstore-<16 hex digits>-*`` (its age is
-then its mtime), and only directories owned by the current user.
+``marker`` (JSON: job id, creation time) and a ``heartbeat`` that the job's
+rank 0 rewrites while it runs (see :mod:`gatherstore._heartbeat`).  An area is
+removed only when its job shows no sign of life: its last beat (else its
+creation) is older than ``--older-than`` and than ``MISSED`` beat intervals,
+and, seen from the host that beat, the beating process no longer runs.  Age
+alone never decides.
+
+Only areas of this shape are touched: a directory (never a symlink) of the
+current user whose marker or heartbeat names its job, or, without either, whose
+name is ``gatherstore-<16 hex digits>-*``; on key stores a prefix whose marker
+or heartbeat names its job.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import _heartbeat as heartbeat
+from ._errors import GatherError
 from ._session import MARKER
-from .stores.base import JOB_AREA, Store, job_directory
+from .stores.base import JOB_AREA, Store, hide_password, job_directory
 from .stores.file import FileStore
 
 __all__ = ["Leftover", "collect", "find", "parse_duration"]
@@ -46,23 +55,48 @@ def parse_duration(text: str) -> float:
 
 @dataclass(frozen=True)
 class Leftover:
-    """One job area: where it is, its job id, its creation time and how that was known."""
+    """One job area: where it is, its job, its last sign of life and what showed it."""
 
     where: str
     job: str
-    created: float
-    source: str  # "marker" | "mtime"
+    seen: float  # wall-clock time of the last beat (else of the creation)
+    source: str  # "heartbeat" | "marker" | "mtime"
+    every: float  # the job's beat interval (the default where it never beat)
+    running: bool = False  # its beating process runs on this host
+
+    def gone(self, older_than: float, now: float) -> bool:
+        """Whether the job shows no sign of life for ``older_than`` s and MISSED beats."""
+        quiet = now - self.seen
+        return not self.running and quiet >= max(older_than, heartbeat.MISSED * self.every)
 
 
-def _marker(store: Store, key: str) -> dict[str, Any] | None:
-    """The marker JSON at ``key``, or None when absent or unreadable."""
+def _value(store: Store, key: str, job: str | None = None) -> dict[str, Any] | None:
+    """The JSON object at ``key`` naming ``job`` (any job: None), or None when absent,
+    unreadable or another job's."""
     try:
         raw = store.get(key)
         value = json.loads(bytes(raw)) if raw is not None else None
-    except Exception:  # a damaged or foreign marker: treated as absent
+    except Exception:  # a damaged or foreign value: treated as absent
         return None
-    if isinstance(value, dict) and isinstance(value.get("created"), (int, float)):
-        return value
+    if not isinstance(value, dict) or (job is not None and value.get("job") != job):
+        return None
+    return value
+
+
+def _judge(where: str, job: str, area: Store, fallback: float | None) -> Leftover | None:
+    """The area's last sign of life: its heartbeat, else its marker, else ``fallback``
+    (a directory's mtime; None: not an area gatherstore made)."""
+    beat = _value(area, heartbeat.HEARTBEAT, job)
+    default = heartbeat.interval()
+    if beat is not None and isinstance(beat.get("at"), (int, float)):
+        every = beat.get("every")
+        every = float(every) if isinstance(every, (int, float)) and every > 0 else default
+        return Leftover(where, job, float(beat["at"]), "heartbeat", every, heartbeat.running(beat))
+    marker = _value(area, MARKER, job)
+    if marker is not None and isinstance(marker.get("created"), (int, float)):
+        return Leftover(where, job, float(marker["created"]), "marker", default)
+    if fallback is not None:
+        return Leftover(where, job, fallback, "mtime", default)
     return None
 
 
@@ -71,62 +105,83 @@ def _directories(store: FileStore) -> Iterator[Leftover]:
         children = list(store.root.iterdir())
     except FileNotFoundError:
         return
+    uid = os.geteuid()
     for path in sorted(children):
-        if not path.name.startswith(job_directory()) or path.is_symlink() or not path.is_dir():
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
             continue
-        if path.stat().st_uid != os.getuid():
+        if not path.name.startswith(job_directory()) or not path.is_dir() or path.is_symlink():
             continue
-        marker = _marker(FileStore(path), MARKER)
+        if st.st_uid != uid:
+            continue
         named = _JOB_DIR.fullmatch(path.name)
-        if marker is not None and path.name.startswith(job_directory(str(marker.get("job")))):
-            yield Leftover(str(path), str(marker["job"]), float(marker["created"]), "marker")
-        elif named is not None:
-            yield Leftover(str(path), named.group(1), path.stat().st_mtime, "mtime")
+        try:
+            area = store.join_job(str(path))  # O_NOFOLLOW, inside the base
+        except GatherError:
+            continue
+        try:
+            marker = _value(area, MARKER)
+            job = str(marker.get("job")) if marker else named.group(1) if named else None
+            if job is None or not path.name.startswith(job_directory(job)):
+                continue
+            found = _judge(str(path), job, area, st.st_mtime if named else None)
+        finally:
+            area.close()
+        if found is not None:
+            yield found
 
 
 def _prefixes(store: Store) -> Iterator[Leftover]:
     jobs = sorted({key.split("/")[1] for key in store.list(f"{JOB_AREA}/") if key.count("/") >= 2})
+    shown = hide_password(store.url)
     for job in jobs:
-        marker = _marker(store, f"{JOB_AREA}/{job}/{MARKER}")
-        if _JOB_ID.fullmatch(job) and marker is not None and marker.get("job") == job:
-            yield Leftover(
-                f"{store.url}/{JOB_AREA}/{job}/", job, float(marker["created"]), "marker"
-            )
+        if not _JOB_ID.fullmatch(job):
+            continue
+        found = _judge(f"{shown}/{JOB_AREA}/{job}/", job, store.scoped(f"{JOB_AREA}/{job}"), None)
+        if found is not None:
+            yield found
 
 
 def find(store: Store) -> list[Leftover]:
-    """Every job area gatherstore created in ``store``, young and old."""
+    """Every job area gatherstore created in ``store``, alive and gone."""
     if isinstance(store, FileStore):
         return list(_directories(store))
     return list(_prefixes(store))
 
 
 def _remove(store: Store, item: Leftover) -> bool:
-    if isinstance(store, FileStore):
-        store.end_job(item.where)
-        return not Path(item.where).exists()
-    area = f"{JOB_AREA}/{item.job}"
-    store.end_job(f"{area}/")  # by the job's index where the store keeps one
-    if store.list(f"{area}/"):  # keys the index does not name (e.g. an older gatherstore's)
-        store.delete(area)
-    return not store.list(f"{area}/")
+    try:
+        if isinstance(store, FileStore):
+            store.end_job(item.where)
+            return not Path(item.where).exists()
+        area = f"{JOB_AREA}/{item.job}"
+        store.end_job(f"{area}/")  # by the job's index where the store keeps one
+        if store.list(f"{area}/"):  # keys the index does not name (e.g. an older gatherstore's)
+            store.delete(area)
+        return not store.list(f"{area}/")
+    except GatherError:
+        return False
 
 
 def collect(
     store: Store, older_than: float, *, dry_run: bool = False, now: float | None = None
 ) -> tuple[list[Leftover], list[Leftover]]:
-    """Remove the job areas of ``store`` created more than ``older_than`` seconds ago.
+    """Remove the job areas of ``store`` whose jobs are gone (see the module docstring):
+    no beat for ``older_than`` seconds nor for ``MISSED`` beat intervals, and no live
+    beating process on this host.
 
     Returns:
         (removed, or with ``dry_run`` the areas that would be; those that could not be removed).
 
     Raises:
         StoreUnavailableError: the store cannot be listed.
+        ValueError: ``GATHERSTORE_HEARTBEAT`` is not a positive number.
     """
     now = time.time() if now is None else now
     removed, failed = [], []
     for item in find(store):
-        if now - item.created < older_than:
+        if not item.gone(older_than, now):
             continue
         if dry_run or _remove(store, item):
             removed.append(item)

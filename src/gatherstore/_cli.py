@@ -30,6 +30,7 @@ from ._cleanup import collect, parse_duration
 from ._errors import GatherError, IntegrityError, RemoteRankError, StoreUnavailableError
 from ._launch import init_from_env, launch, shutdown
 from ._session import MARKER
+from .stores.base import hide_password
 from .stores.file import FileStore, default_tmpdir_base
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
 
@@ -61,9 +62,9 @@ def _store_spec(spec: str) -> str:
     scheme = urllib.parse.urlsplit(spec).scheme or spec.split(":", 1)[0]
     if scheme not in known_schemes():
         raise ValueError(
-            f"unknown store scheme {scheme!r} in {spec!r}; use tmpdir, tmpdir:///base, "
-            "file:///dir, redis://host:port/db, s3://bucket/prefix (any fsspec protocol), "
-            "collective or auto"
+            f"unknown store scheme {scheme!r} in {hide_password(spec)!r}; use tmpdir, "
+            "tmpdir:///base, file:///dir, redis://host:port/db, s3://bucket/prefix "
+            "(any fsspec protocol), collective or auto"
         )
     return spec
 
@@ -127,7 +128,13 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import hostbench
 
         return hostbench.main(share_local=args.share_local, repeats=args.repeats)
-    plan = bench.Plan(args.sizes, args.world, args.payloads, args.repeats, args.timeout)
+    if args.parts:
+        from ._bench import parts
+
+        return parts.main(args.parts, args.part_size, args.repeats)
+    plan = bench.Plan(
+        args.sizes, args.world, args.payloads, args.repeats, args.timeout, args.map_images
+    )
     failed = bench.run(
         plan,
         patterns=args.cases,
@@ -228,7 +235,7 @@ def _check_rank(spec: str, timeout: float) -> dict[str, Any]:
 
 
 def _check_report(facts: dict[str, Any]) -> str:
-    spec = facts["store"]
+    spec = hide_password(facts["store"])
     lines = [f"route {spec}: the process group" if spec in ROUTES else f"store {spec}: reachable"]
     if "seconds" in facts:
         mode = f" (mode {facts['mode'][2:]})" if "mode" in facts else ""
@@ -265,11 +272,21 @@ def _gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     now = time.time()
     for item in removed:
-        print(f"{verb} {item.where} (job {item.job}, {(now - item.created) / 3600:.1f} h old)")
+        quiet = _age(now - item.seen)
+        print(f"{verb} {item.where} (job {item.job}, last {item.source} {quiet} ago)")
     for item in failed:
         print(f"could not remove {item.where}; check its permissions", file=sys.stderr)
     print(f"{verb} {len(removed)} job area(s) from {store}")
     return 1 if failed else 0
+
+
+def _age(seconds: float) -> str:
+    """A duration for people: ``42 s``, ``12 min``, ``3.5 h``, ``2.0 d``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} d"
 
 
 # --- describe ------------------------------------------------------------------------------
@@ -290,7 +307,7 @@ def _describe(args: argparse.Namespace) -> int:
     if ranks is None:
         return 0
     info.update(
-        default_store=str(default_store()),
+        default_store=hide_password(str(default_store())),
         auto_threshold=objects.AUTO_THRESHOLD,
         tmpdir_base=default_tmpdir_base(),
         versions=_versions(),
@@ -327,7 +344,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--world", type=_argtype(_ints), default=[2, 4], help="world sizes (2,4)")
     p.add_argument("--repeats", type=_argtype(_positive_int), default=3, help="median of (3)")
-    p.add_argument("--cases", type=_names, help="glob patterns of case names, e.g. 'gs.*'")
+    p.add_argument(
+        "--cases",
+        type=_names,
+        help="glob patterns of case names, e.g. 'gs.*'; 'torchmetrics.*': MAP sync (opt-in)",
+    )
+    p.add_argument(
+        "--map-images",
+        type=_argtype(_positive_int),
+        default=200,
+        help="images per rank of the torchmetrics cases (200)",
+    )
     p.add_argument(
         "--payloads",
         type=_argtype(_payloads),
@@ -374,6 +401,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --hosts: host 1 reads the share from local disk (only host 2 mounts it)",
     )
+    p.add_argument(
+        "--parts",
+        type=_argtype(_positive_int),
+        metavar="W",
+        help="instead: the destination reading W parts through each store (e.g. 1000)",
+    )
+    p.add_argument(
+        "--part-size", type=_argtype(parse_size), default=64 << 10, help="with --parts (64KB)"
+    )
     p.set_defaults(handler=_bench)
 
     p = sub.add_parser("check", help="check that a store works for every rank")
@@ -382,9 +418,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_argtype(_seconds), default=60.0, help="per step (60 s)")
     p.set_defaults(handler=_check)
 
-    p = sub.add_parser("gc", help="remove job areas that crashed jobs left behind")
+    p = sub.add_parser(
+        "gc", help="remove the job areas of jobs that are gone (no heartbeat, no live process)"
+    )
     p.add_argument("--store", type=store, required=True, help="store URL")
-    p.add_argument("--older-than", type=_argtype(parse_duration), required=True, help="e.g. 1h, 2d")
+    p.add_argument(
+        "--older-than",
+        type=_argtype(parse_duration),
+        required=True,
+        help="silent for at least this long (and 4 heartbeat intervals), e.g. 1h, 2d",
+    )
     p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     p.set_defaults(handler=_gc)
 

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import json
 import os
+import socket
 import struct
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -38,16 +40,22 @@ from ._errors import GatherTimeout, MismatchError, RemoteRankError
 
 __all__ = [
     "Outcome",
+    "bounded",
     "control_group",
     "exchange",
     "exchange_on",
     "exchange_summary",
+    "hosts",
     "is_initialized",
     "reset",
+    "serialized",
+    "step",
+    "store",
 ]
 
 # the verdict key's value: every rank's value, a summary of them, or the ranks that were late
 _VALUES, _SUMMARY, _LATE = b"V", b"S", b"L"
+_HOSTS = "host/"  # a rank's hostname at "host/<rank>"
 
 #: Computes, on one rank, what every rank needs from all values (None: send all values).
 Summarize = Callable[[list[bytes]], bytes | None]
@@ -69,8 +77,38 @@ _JUDGE_GRACE = 5.0
 #: (an exchange may take up to _JUDGE_GRACE more than its timeout to agree on a verdict).
 HOST_GRACE = 2 * _JUDGE_GRACE
 
+# one gatherstore collective at a time per process (see serialized)
+_calls = threading.RLock()
+F = TypeVar("F", bound=Callable[..., Any])
+
 # the default group this state belongs to, its control store, gloo group, step counter
 _state: dict[str, Any] = {"world": None}
+
+
+def serialized(fn: F) -> F:
+    """Run ``fn`` (a gatherstore collective) while no other thread of this process is
+    in one: the calls of a rank must reach the control plane one after another.
+
+    Ranks pair their calls by order; a call made outside the main thread carries its
+    thread's name in its label, so that calls that different threads made in a
+    different order on different ranks raise MismatchError instead of exchanging
+    each other's data.
+    """
+
+    @functools.wraps(fn)
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        with _calls:
+            return fn(*args, **kwargs)
+
+    return one_at_a_time  # type: ignore[return-value]
+
+
+def _label(what: str) -> bytes:
+    """``what``, with the calling thread's name outside the main thread."""
+    thread = threading.current_thread()
+    if thread is threading.main_thread():
+        return what.encode()
+    return f"{what} (thread {thread.name!r})".encode()
 
 
 def is_initialized() -> bool:
@@ -83,8 +121,39 @@ def _current() -> dict[str, Any]:
     if _state["world"] is not world:
         base = dist.distributed_c10d._get_default_store()
         store = dist.PrefixStore("gatherstore", base)  # type: ignore[attr-defined]
+        # where this rank runs, for the layout (see hosts()): published at its first use
+        # of the control plane, outside the exchanges' steps
+        store.set(f"{_HOSTS}{dist.get_rank()}", socket.gethostname())
         _state.update(world=world, store=store, group=None, step=0)
     return _state
+
+
+def hosts(timeout: float) -> list[str]:
+    """Every rank's hostname, in rank order.
+
+    Each rank publishes its own at its first use of the control plane (init, or its
+    first gatherstore collective), outside the exchanges' numbered steps: a rank
+    that asks alone waits only until the others next use gatherstore, and no call
+    is put out of step.
+
+    Raises:
+        GatherTimeout: some ranks did not publish within ``timeout`` s (named).
+    """
+    store, world = _current()["store"], dist.get_world_size()
+    keys = [f"{_HOSTS}{r}" for r in range(world)]
+
+    def read() -> list[str]:
+        try:
+            store.wait(keys, _dt.timedelta(seconds=timeout))
+        except RuntimeError:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not missing:  # they arrived just now
+                return read()
+            raise _late("topology", missing, timeout) from None
+        return [value.decode() for value in store.multi_get(keys)]
+
+    found: list[str] = bounded(read, timeout, "topology")
+    return found
 
 
 def control_group() -> Any:
@@ -99,6 +168,31 @@ def control_group() -> Any:
             backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT)
         )
     return state["group"]
+
+
+def step() -> int:
+    """The number of exchanges this job has run: the same on every rank between two
+    exchanges, so it names the current call (e.g. keys of its own on :func:`store`)."""
+    return int(_current()["step"])
+
+
+def store() -> Any:
+    """The job's rendezvous store, under gatherstore's own key prefix."""
+    return _current()["store"]
+
+
+def bounded(run: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``run()`` (requests to the rendezvous store), given up on after ``timeout`` plus
+    :data:`HOST_GRACE` s where a rank other than this one hosts the store (a frozen
+    host would otherwise block the request for the store's own timeout).
+
+    Raises:
+        GatherTimeout: the store's host did not answer in time.
+    """
+    hosts = _rank0_hosts_store()
+    if hosts and dist.get_rank() == 0:
+        return run()
+    return _bounded(run, timeout, what, hosts)
 
 
 def reset() -> None:
@@ -145,7 +239,7 @@ def exchange_summary(
         return [payload], _summary(summarize, [payload])
     state = _current()
     state["step"] += 1
-    labelled = what.encode() + b"\0" + payload
+    labelled = _label(what) + b"\0" + payload
     rank, hosts = dist.get_rank(), _rank0_hosts_store()
 
     def summarize_labelled(values: list[bytes]) -> bytes | None:
@@ -167,7 +261,7 @@ def exchange_summary(
 
     try:
         # rank 0 hosting the store cannot wait on a frozen host: itself
-        outcome = run() if rank == 0 and hosts else _bounded(run, timeout, what, hosts)
+        outcome: Outcome = run() if rank == 0 and hosts else _bounded(run, timeout, what, hosts)
     except RuntimeError as exc:
         raise RemoteRankError(
             0,
@@ -190,12 +284,7 @@ def _summary(summarize: Summarize | None, values: list[bytes]) -> bytes | None:
         return None
 
 
-def _bounded(
-    run: Callable[[], Outcome],
-    timeout: float,
-    what: str,
-    rank0_hosts: bool,
-) -> Outcome:
+def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: bool) -> Any:
     """``run()`` in a thread, given up on after ``timeout`` plus :data:`HOST_GRACE` s.
 
     A c10d store client waits on a frozen (stopped, not dead) store host for the
@@ -224,8 +313,7 @@ def _bounded(
         )
     if "error" in box:
         raise box["error"]
-    outcome: Outcome = box["value"]
-    return outcome
+    return box["value"]
 
 
 def exchange_on(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -16,16 +17,21 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _published as publication
 from . import _session as session
 from . import _signals as signals
 from . import _slurm as slurm
 from . import _topology as topology
+from ._call import resolve
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
+from .stores.base import Store
+from .stores.registry import default_store
 
 __all__ = ["init_from_env", "launch", "shutdown"]
 
 _KILL_GRACE = 5.0  # seconds a stopped child has to clean up before SIGKILL
+_log = logging.getLogger("gatherstore")
 
 
 def _pick_backend(requested: str, nproc_per_node: int) -> str:
@@ -50,6 +56,23 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Ti
     )
     if world_size > 1:
         control.control_group()
+        topology.settle()
+        # a stopped job removes its areas; installed now, not inside the first gather, so
+        # that the program sees the same handlers from the start (see _signals)
+        signals.install(session.abandon)
+        _prepare_default_store(to_seconds(timeout))
+
+
+def _prepare_default_store(timeout: float) -> None:
+    """Set up the job's area in the default store now, if one is configured
+    (``GATHERSTORE_STORE`` or ``set_default_store``), so that the first call does
+    not.  A store that cannot be set up now is tried again, and reported, there."""
+    try:
+        store = resolve(default_store())
+        if isinstance(store, Store):  # not a route ("auto", "collective", "stream")
+            session.session_for(store, timeout)
+    except (GatherError, ValueError, ImportError) as exc:  # every rank alike
+        _log.info("gatherstore: the default store is set up at its first call instead: %s", exc)
 
 
 def launch(
@@ -154,7 +177,7 @@ def launch(
         for conn in conns:
             conn.close()
         if server is not None:  # what a stopped job left behind, rank 0 published here
-            session.sweep_published(server)
+            publication.sweep(server)
         del server  # stops the store's server, if this process hosted one
 
 
@@ -278,7 +301,8 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     ``wait`` (the default) every rank meets first, so no rank is still reading.
     That meeting waits at most ``timeout`` seconds (default: the timeout of the
     job's last call that used a store) for ranks that are gone; if rank 0 is
-    gone, this rank removes the areas itself.
+    gone (its rendezvous store with it), this rank removes the areas itself; a
+    rank 0 that is only late removes them when it gets here.
 
     Raises:
         ValueError: ``timeout`` is not a positive number of seconds.
@@ -287,9 +311,13 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     if topology.is_distributed():
         if wait and session.has_sessions():
             try:
-                control.exchange(b"", timeout=seconds or to_seconds(None), what="shutdown")
+                control.serialized(control.exchange)(
+                    b"", timeout=seconds or to_seconds(None), what="shutdown"
+                )
             except GatherError as exc:
-                session.after_failure(exc)
+                # a rank 0 that is only late (say, still reading a gather_iter) removes its
+                # areas itself; one whose rendezvous store is gone does not
+                session.after_failure(exc, late_counts=False)
         session.end_sessions()
         signals.uninstall()
         dist.destroy_process_group()

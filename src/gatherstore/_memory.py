@@ -35,9 +35,6 @@ __all__ = [
     "shortfalls",
 ]
 
-#: Parts a reader fetches and verifies at once: its window besides what it returns.
-READ_AHEAD = 2
-
 SHM = "/dev/shm"
 #: The kinds of route whose memory need differs (see :func:`route_need`).
 ROUTES = ("collective", "shm", "store")
@@ -145,30 +142,41 @@ def route_need(
     ranks: Sequence[int],
     *,
     all_receive: bool,
+    rebuilt: Sequence[int] = (),
+    windows: Sequence[int] = (),
+    streamed: bool = False,
 ) -> NodeNeed:
     """Bytes the ``ranks`` of one node allocate for a gather of parts ``sizes``.
 
     ``route`` is ``"collective"``, ``"shm"`` (a store whose files live in this
     node's RAM) or ``"store"`` (any other store).  ``receivers`` read parts;
     ``all_receive`` marks an all-gather (parts stay until every rank has read
-    them).  A streamed gather has no receivers here: it holds a bounded window.
+    them); ``streamed`` a ``gather_iter``, whose receiver holds one part at a time.
+    ``rebuilt`` is what unpickling each rank's part allocates besides the part
+    (see :mod:`gatherstore._sizing`): every receiver rebuilds every other part.
+    ``windows`` is each rank's read-ahead budget in bytes.
 
     The collective route gives every receiver ``W`` slots of the largest part
     (plus a send buffer in an all-gather) and every sender one padded part.  A
-    store route gives each receiver a private copy of what it reads, plus a
-    window of ``READ_AHEAD`` parts; on /dev/shm the written parts take RAM too, which a
-    gather frees as it reads (the copies replace them) and an all-gather does not.
+    store route gives each receiver a private copy of what it reads (of one part
+    at a time, streamed), plus its read-ahead budget; on /dev/shm the written parts
+    take RAM too, which a gather frees as it reads (the copies replace them) and an
+    all-gather does not.
     """
     world, largest, total = len(sizes), max(sizes, default=0), sum(sizes)
+    built = list(rebuilt) or [0] * world
+    window = list(windows) or [0] * world
     receiving = set(receivers)
     mine = [r for r in ranks if r in receiving]
+    objects = sum(sum(built) - built[r] for r in mine)
     if route == "collective":
-        ram = sum(largest * (world + all_receive) for _ in mine)
+        ram = sum(largest * (world + all_receive) for _ in mine) + objects
         ram += sum(largest for r in ranks if r not in receiving and sizes[r])
         return NodeNeed(ram, 0)
-    reads = sum(total - sizes[r] for r in mine) + (
-        0 if all_receive or not mine else READ_AHEAD * largest
-    )
+    if streamed:  # the consumer's part, rebuilt, and the window
+        reads = sum(largest + max(built) + window[r] for r in mine)
+    else:
+        reads = sum(total - sizes[r] + window[r] for r in mine) + objects
     if route != "shm":
         return NodeNeed(reads, 0)
     written = sum(sizes[r] for r in ranks)
@@ -187,19 +195,35 @@ def in_ram(store: Store | str) -> bool:
 
 
 def shortfalls(
-    route: str, statuses: Sequence[Any], sizes: Sequence[int], receivers: Sequence[int]
+    route: str,
+    statuses: Sequence[Any],
+    sizes: Sequence[int],
+    receivers: Sequence[int],
+    *,
+    streamed: bool = False,
 ) -> list[str]:
     """Per node that lacks room for ``route``: what it needs there and what it has.
 
-    ``statuses`` are every rank's reports (``avail``, ``shm``, ``node``); the
-    ranks of one node share its memory, so their needs add up.
+    ``statuses`` are every rank's reports (``avail``, ``shm``, ``node``, ``rebuilt``,
+    ``window``); the ranks of one node share its memory, so their needs add up.
     """
     nodes: dict[str, list[int]] = {}
     for rank, status in enumerate(statuses):
         nodes.setdefault(status["node"], []).append(rank)
+    rebuilt = [int(status.get("rebuilt", 0)) for status in statuses]
+    windows = [int(status.get("window", 0)) for status in statuses]
     out = []
     for node, ranks in nodes.items():
-        need = route_need(route, sizes, receivers, ranks, all_receive=len(receivers) > 1)
+        need = route_need(
+            route,
+            sizes,
+            receivers,
+            ranks,
+            all_receive=len(receivers) > 1,
+            rebuilt=rebuilt,
+            windows=windows,
+            streamed=streamed,
+        )
         room = min(int(statuses[r]["avail"]) for r in ranks)
         shm = min(int(statuses[r]["shm"]) for r in ranks)
         if need.ram > room or need.shm > shm:
@@ -225,7 +249,8 @@ def check(what: str, target: Store | str, total: int, short: dict[str, list[str]
     if found:
         raise InsufficientMemoryError(
             f"{what} of {total / 2**30:.2f} GiB over {target} would not fit: "
-            f"{'; '.join(found)} (free memory, capped by the memory cgroup). Use "
+            f"{'; '.join(found)} (free memory, capped by the memory cgroup; the need counts "
+            "what unpickling the parts allocates, not only their bytes). Use "
             "gs.gather_iter (one part in memory at a time), gather less per call, or raise "
             "the job's memory limit"
         )

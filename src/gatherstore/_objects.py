@@ -18,13 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import _config as config
+from . import _control as control
 from . import _gloo as gloo
 from . import _serialize as serialize
 from . import _stream as stream_route
 from . import _topology as topology
 from ._call import AUTO_THRESHOLD, Call, agree, failure, status
 from ._config import Timeout
-from ._parts import Parts
+from ._parts import Parts, fetch, part_key
 from .stores.base import Store
 
 __all__ = [
@@ -42,6 +44,7 @@ def _serial_check(dst: int, what: str) -> None:
         raise ValueError(f"{what}: dst={dst} is not a rank of this job (world size {world})")
 
 
+@control.serialized
 def all_gather_object(
     obj: Any,
     *,
@@ -74,7 +77,7 @@ def all_gather_object(
             obj if r == call.rank else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)
         ]
     if call.target == "stream":
-        everything = [stream_route.broadcast_from(call, src) for src in everyone]
+        everything = stream_route.all_from(call)
         call.finish()
         return everything
     session, prefix = call.write(everyone)
@@ -83,16 +86,18 @@ def all_gather_object(
     mine = status(True)
     try:
         try:
-            out = list(Parts(call, session, prefix, call.rank, obj, delete=False))
+            reader = Parts(call, session, prefix, call.rank, obj, budget=call.budget, delete=False)
+            out = list(reader)
         except Exception as exc:
             error, mine = exc, failure(exc)
-        agree(mine, timeout=call.timeout, what="all_gather_object (read)", error=error)
+        agree(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
     finally:
         with call.deadline():
-            session.store.discard(call.key(prefix, call.rank))
+            session.store.discard(part_key(prefix, call.rank))
     return out
 
 
+@control.serialized
 def gather_object(
     obj: Any,
     dst: int = 0,
@@ -117,6 +122,7 @@ def gather_object(
     return None if parts is None else list(parts)
 
 
+@control.serialized
 def gather_iter(
     obj: Any,
     dst: int = 0,
@@ -124,18 +130,37 @@ def gather_iter(
     store: str | Store | None = None,
     timeout: Timeout = None,
     progress: bool | None = None,
+    read_ahead: int | None = None,
 ) -> Iterator[Any]:
     """Every rank's ``obj`` on ``dst`` as an iterator in rank order, one part in memory at a time.
 
-    The collective part runs when this is called (every rank must call it);
-    ``dst`` then reads and deletes one part per step.  Other ranks get an empty
-    iterator.  Closing the iterator early deletes the parts not read.
+    The collective part runs when this is called (every rank must call it), within
+    ``timeout``; ``dst`` then reads and deletes one part per step, each read
+    within ``timeout`` of its own (the consumer sets the pace; on the ``stream``
+    route the senders wait for it, within the call's timeout).  Other ranks get an
+    empty iterator.  Closing the iterator early deletes the parts not read.
+
+    ``dst`` holds the part its consumer keeps plus at most ``read_ahead`` bytes of
+    the parts after it (default: ``GATHERSTORE_READ_AHEAD``, 32 MiB, at most 1/8
+    of the free memory); a part larger than that is read when it is asked for.
+
+    Raises:
+        ValueError: a ``dst`` outside the job or a negative ``read_ahead``.
+        and the errors of :func:`gather_object`.
     """
     _serial_check(dst, "gather_iter")
+    config.read_ahead(read_ahead, 0)  # a bad value fails here, before anything is sent
     if not topology.is_distributed():
         return iter([obj])
     parts = gather_prepared(
-        lambda: obj, dst, store, timeout, "gather_iter", stream=True, progress=progress
+        lambda: obj,
+        dst,
+        store,
+        timeout,
+        "gather_iter",
+        stream=True,
+        progress=progress,
+        read_ahead=read_ahead,
     )
     return iter(()) if parts is None else parts
 
@@ -148,12 +173,13 @@ def gather_prepared(
     what: str,
     stream: bool = False,
     progress: bool | None = None,
+    read_ahead: int | None = None,
 ) -> Iterator[Any] | None:
     """The gather behind the public calls: ``prepare()`` builds each rank's object,
     and its exceptions are reported to every rank instead of raised alone."""
-    call = Call(what, store, timeout, progress, root=dst)
+    call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, streamed=stream)
     others = [r for r in range(call.world) if r != dst]
-    sizes = call.agree(prepare, [] if stream else [dst], send=call.rank != dst, full=[dst])
+    sizes = call.agree(prepare, [dst], send=call.rank != dst, full=[dst])
     obj = call.own
     if call.target == "collective":
         slots = call.collective_to(dst, sizes)
@@ -170,10 +196,11 @@ def gather_prepared(
     if call.rank != dst:
         call.finish()
         return None
-    parts = Parts(call, session, prefix, dst, obj)
+    parts = Parts(call, session, prefix, dst, obj, budget=call.budget, lazy=stream)
     return parts if stream else iter(list(parts))
 
 
+@control.serialized
 def broadcast_object(
     obj: Any = None, src: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
 ) -> Any:
@@ -199,14 +226,14 @@ def broadcast_object(
     out = obj
     try:
         if call.rank != src:
-            out = serialize.load(call.fetch(session, prefix, src))
+            out = serialize.load(fetch(call, session, prefix, src))
     except Exception as exc:
         error, mine = exc, failure(exc)
     try:
-        agree(mine, timeout=call.timeout, what="broadcast_object (read)", error=error)
+        agree(mine, timeout=call.left(), what="broadcast_object (read)", error=error)
     finally:
         if call.rank == src:
             with call.deadline():
-                session.store.discard(call.key(prefix, src))
+                session.store.discard(part_key(prefix, src))
     call.finish()
     return out

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Batch", "Column", "pack"]
+__all__ = ["Batch", "Column", "pack", "structure"]
 
 #: Shortest run of records worth a batch.
 MIN_RUN = 8
@@ -46,7 +46,7 @@ class Column:
         self.nbytes = sum(s.nbytes for s in segments)
 
 
-def _structure(record: Any) -> tuple[type, tuple[str, ...]] | None:
+def structure(record: Any) -> tuple[type, tuple[str, ...]] | None:
     """(record type, field names) of a dict or plain dataclass instance, else None."""
     kind = type(record)
     if kind is dict:
@@ -212,7 +212,7 @@ def _concat(chunks: list[Any]) -> list[Any]:
 
 
 def _pack_list(items: list[Any]) -> Any:
-    signatures = [_structure(item) for item in items]
+    signatures = [structure(item) for item in items]
     chunks: list[Any] = []
     start = 0
     batched = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from . import _control as control
 from ._config import Timeout
 from ._objects import gather_prepared
 from ._topology import is_distributed
@@ -52,6 +53,7 @@ def _ordered(parts: list[list[Any]], order: str, size: int | None) -> list[Any]:
     return merged if size is None else merged[:size]
 
 
+@control.serialized
 def collect_results(
     results: list[Any],
     size: int | None = None,

@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from . import _records as records
-from ._errors import IntegrityError
+from . import _sizing as sizing
+from . import _watch as watch
+from ._errors import GatherError, IntegrityError
 
 __all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "encode", "load", "verify"]
 
@@ -65,6 +67,8 @@ class Frame:
     _fields: tuple[int, int, int, int]  # flags, buffers, columns, pickle length
     _body: list[memoryview]  # table, padding, pickle stream, regions
     segments: list[memoryview] = field(default_factory=list)
+    #: Estimated bytes unpickling allocates besides the part (see ``_sizing``).
+    rebuilt: int = 0
 
     def seal(self, key: bytes | None, bind: bytes = b"") -> Frame:
         """Compute the digest (signature when ``key`` is given) over ``bind`` and the frame.
@@ -225,16 +229,22 @@ def encode(obj: Any) -> Frame:
         body += segments
         pos += size
     table_view = memoryview(struct.pack(f"<{len(table)}Q", *table))
-    return Frame(pos, (flags, len(buffers), len(columns), len(data)), [table_view, *body])
+    fields = (flags, len(buffers), len(columns), len(data))
+    return Frame(
+        pos, fields, [table_view, *body], rebuilt=sizing.rebuilt_size(obj, _OUT_OF_BAND_MIN)
+    )
 
 
 @dataclass
 class Verified:
-    """A part whose digest checked out: its pickle stream and regions, as views."""
+    """A part whose digest checked out: its pickle stream and regions, as views, and
+    whose part it is (for the errors of :func:`load`)."""
 
     stream: memoryview
     buffers: list[memoryview]
     columns: list[memoryview]
+    rank: int | None = None
+    where: str | None = None
 
 
 def verify(
@@ -292,23 +302,56 @@ def verify(
     pos = _PREFIX + 16 * regions
     pickle_at = pos + _pad(pos, pickle_len)
     views = [view[off : off + n] for off, n in zip(table[::2], table[1::2], strict=True)]
-    return Verified(view[pickle_at : pickle_at + pickle_len], views[:count], views[count:])
+    return Verified(
+        view[pickle_at : pickle_at + pickle_len], views[:count], views[count:], rank, where
+    )
 
 
-class _ColumnUnpickler(pickle.Unpickler):
-    def __init__(self, verified: Verified) -> None:
-        super().__init__(io.BytesIO(verified.stream), buffers=verified.buffers)
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a verified part from ``stream`` (a file over its pickle stream),
+    columns by persistent id."""
+
+    def __init__(self, verified: Verified, stream: Any) -> None:
+        super().__init__(stream, buffers=verified.buffers)
         self.columns = verified.columns
 
     def persistent_load(self, pid: Any) -> Any:
         return self.columns[pid]
 
 
-def load(verified: Verified) -> Any:
-    """Unpickle a verified part; arrays are views into its buffer."""
+def _unpickle(verified: Verified) -> Any:
+    """The part's object: straight from its stream in place, or, when memory could run
+    low, through a reader that stops before it does (see ``_watch``)."""
+    if watch.needs_watch(len(verified.stream)):
+        who = "a part" if verified.rank is None else f"the part of rank {verified.rank}"
+        reader = io.BufferedReader(watch.Watched(verified.stream, who), watch.STEP)
+        return _Unpickler(verified, reader).load()
     if verified.columns:
-        return _ColumnUnpickler(verified).load()
+        return _Unpickler(verified, io.BytesIO(verified.stream)).load()
     return pickle.loads(verified.stream, buffers=verified.buffers)
+
+
+def load(verified: Verified) -> Any:
+    """Unpickle a verified part; arrays are views into its buffer.
+
+    Raises:
+        InsufficientMemoryError: memory ran low while the part was rebuilt.
+        GatherError: the part cannot be rebuilt in this process (say, its class is
+            missing here or its ``__setstate__`` fails); names the rank whose part it
+            is, with the unpickler's error as its cause.
+    """
+    try:
+        return _unpickle(verified)
+    except (GatherError, MemoryError):
+        raise
+    except Exception as exc:
+        who = "a part" if verified.rank is None else f"the part of rank {verified.rank}"
+        where = f" ({verified.where})" if verified.where else ""
+        raise GatherError(
+            f"{who}{where} was sent intact but cannot be rebuilt here: "
+            f"{type(exc).__name__}: {exc}; every rank must be able to import and rebuild what "
+            "the others send (same code and package versions on every rank)"
+        ) from exc
 
 
 def decode(

@@ -10,27 +10,27 @@ exit on rank 0).  When the job is stopped from outside, whoever outlives rank
 0 sweeps: every rank on SIGTERM/SIGINT (see ``_signals``), a rank that finds
 rank 0 late or its rendezvous store gone (:func:`after_failure`), and the
 ``gs.launch`` parent, which hosts the rendezvous store and reads there the
-areas rank 0 published (:func:`sweep_published`).
+areas rank 0 published (see ``_published``).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
 from . import _control as control
 from . import _gloo as gloo
+from . import _heartbeat as heartbeat
+from . import _published as publication
 from . import _signals as signals
 from ._errors import (
     GatherError,
@@ -40,6 +40,7 @@ from ._errors import (
     StoreUnavailableError,
 )
 from .stores.base import Store
+from .stores.deadline import deadline
 
 __all__ = [
     "MARKER",
@@ -51,7 +52,6 @@ __all__ = [
     "last_timeout",
     "note_timeout",
     "session_for",
-    "sweep_published",
 ]
 
 MARKER = "marker"
@@ -59,7 +59,8 @@ MARKER = "marker"
 # filesystem may lag by seconds, but a store that is not shared must fail fast
 _VISIBILITY_WAIT = (2.0, 10.0)
 _RETRY_PAUSE = 0.1  # between lookups that failed with a store error
-_PUBLISHED = "gatherstore-areas"  # counter key on the launcher's store; areas at "<key>/<n>"
+_REPORT_TIME = 2.0  # seconds of the set-up kept for telling the others that rank 0 failed
+_MIN_WAIT = 0.05  # the shortest wait an exchange gets (a c10d wait of 0 means "forever")
 
 
 @dataclass
@@ -69,7 +70,7 @@ class JobSession:
     base: Store
     locator: str
     store: Store
-    key: bytes | None
+    key: bytes | None = field(repr=False)  # the signing key: never in a repr or a log
     calls: int = 0
     published: str = ""  # key of this area on the launcher's store (rank 0 only)
 
@@ -86,6 +87,9 @@ _sessions: dict[str, Any] = {"world": None, "by_store": {}, "timeout": None}
 def session_for(store: Store, timeout: float) -> JobSession:
     """The job's session on ``store``, set up collectively at its first use.
 
+    Every step of the set-up (rank 0 creating the area, the exchanges, the signing
+    key) shares one deadline, ``timeout`` seconds from now.
+
     Raises:
         StoreNotSharedError: some ranks cannot see rank 0's marker.
         RemoteRankError: rank 0 could not prepare the store.
@@ -95,20 +99,28 @@ def session_for(store: Store, timeout: float) -> JobSession:
         _sessions.update(world=world, by_store={})
     cached: JobSession | None = _sessions["by_store"].get(store)
     if cached is not None:
+        heartbeat.on_call(cached.locator)  # rank 0 shows gc the job is alive
         return cached
     rank = dist.get_rank()
+    ends = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(ends - time.monotonic(), _MIN_WAIT)
+
     answer: dict[str, str] = {}
     if rank == 0:
         job_id = uuid.uuid4().hex[:16]
         try:
-            answer["locator"] = store.prepare_job(job_id)
-            marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
-            store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
+            with deadline(timeout - min(timeout / 4, _REPORT_TIME)):
+                answer["locator"] = store.prepare_job(job_id)
+                marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
+                store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
+                heartbeat.start(answer["locator"], store.join_job(answer["locator"]), job_id)
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
             answer["kind"] = type(exc).__name__
     reply = json.loads(
-        control.exchange(json.dumps(answer).encode(), timeout=timeout, what="store setup")[0]
+        control.exchange(json.dumps(answer).encode(), timeout=left(), what="store setup")[0]
     )
     if reply.get("kind") == "StoreUnavailableError":
         raise StoreUnavailableError(
@@ -119,7 +131,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
     job = store.join_job(reply["locator"])
     session = JobSession(store, reply["locator"], job, None)
     missed = "" if rank == 0 else _misses_marker(job, timeout)
-    flags = control.exchange(missed.encode(), timeout=timeout, what="store check")
+    flags = control.exchange(missed.encode(), timeout=left(), what="store check")
     blind = [r for r, flag in enumerate(flags) if flag]
     if blind:
         if rank == 0:
@@ -134,46 +146,15 @@ def session_for(store: Store, timeout: float) -> JobSession:
             store=str(store),
         )
     if job.sign_parts:
-        session.key = _shared_key(timeout)
+        session.key = _shared_key(ends, timeout)
     _sessions["by_store"][store] = session
-    signals.install(abandon)  # a stopped job removes its areas (where the user has no handler)
+    # a stopped job removes its areas (where the program has no handler); gs.launch and
+    # init_from_env installed this already, here it covers groups the program created
+    signals.install(abandon)
     if rank == 0:
-        session.published = _publish(session)
+        session.published = publication.publish(store, session.locator)
         atexit.register(_end, session)
     return session
-
-
-def _launcher_store() -> Any | None:
-    """The rendezvous store itself (no prefix) when a launcher hosts it, else None."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.distributed_c10d._get_default_store()
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store
-
-
-def _publish(session: JobSession) -> str:
-    """Publish the area on the launcher's rendezvous store (``gs.launch`` sweeps it if the
-    job is stopped); returns the key, "" when no launcher hosts the store."""
-    with contextlib.suppress(Exception):  # best effort: the signal handlers sweep too
-        launcher = _launcher_store()
-        if launcher is not None:
-            key = f"{_PUBLISHED}/{launcher.add(_PUBLISHED, 1)}"
-            launcher.set(key, cloudpickle.dumps((session.base, session.locator)))
-            return key
-    return ""
-
-
-def sweep_published(launcher: Any) -> None:
-    """In ``gs.launch``'s parent, after its children stopped: end every area still published."""
-    for n in range(1, int(launcher.add(_PUBLISHED, 0)) + 1):
-        key = f"{_PUBLISHED}/{n}"
-        with contextlib.suppress(Exception):  # best effort, like `_end`
-            if launcher.check([key]):
-                base, locator = cloudpickle.loads(launcher.get(key))
-                base.end_job(locator)
-                launcher.delete_key(key)
 
 
 def _misses_marker(job: Store, timeout: float) -> str:
@@ -199,13 +180,13 @@ def _misses_marker(job: Store, timeout: float) -> str:
             time.sleep(_RETRY_PAUSE)
 
 
-def _shared_key(timeout: float) -> bytes:
-    """32 random bytes from rank 0, broadcast over the gloo control group."""
+def _shared_key(ends: float, timeout: float) -> bytes:
+    """32 random bytes from rank 0, broadcast over the gloo control group by ``ends``."""
     buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
     gloo.transfer(
         gloo.broadcast(buf, 0),
         what="store setup (signing key)",
-        deadline=time.monotonic() + timeout,
+        deadline=ends,
         timeout=timeout,
     )
     return bytes(buf.numpy())
@@ -213,11 +194,10 @@ def _shared_key(timeout: float) -> bytes:
 
 def _end(session: JobSession, *, unpublish: bool = True) -> None:
     try:
+        heartbeat.stop(session.locator)
         session.base.end_job(session.locator)
-        if session.published and unpublish:
-            launcher = _launcher_store()
-            if launcher is not None:
-                launcher.delete_key(session.published)
+        if unpublish:
+            publication.unpublish(session.published)
     except Exception:  # best effort at exit; `gatherstore gc` removes leftovers
         return
 
@@ -248,16 +228,17 @@ def end_sessions() -> None:
     _sessions.update(world=None, by_store={}, timeout=None)
 
 
-def after_failure(exc: BaseException) -> None:
+def after_failure(exc: BaseException, *, late_counts: bool = True) -> None:
     """After a failed exchange: if rank 0 (the areas' creator) is late or its
     rendezvous store is gone, this surviving rank sweeps the job's areas.
 
-    A late rank 0 counts too: the job cannot go on in step without it, and a
-    frozen rank 0 that is killed later would leave its areas to the TTLs.
+    A late rank 0 counts too (unless ``late_counts`` is False): the job cannot go
+    on in step without it, and a frozen rank 0 that is killed later would leave
+    its areas to the TTLs.
     """
     cause = exc.__cause__
     gone = isinstance(exc, RemoteRankError) and exc.rank == 0 and isinstance(cause, RuntimeError)
-    late = isinstance(exc, GatherTimeout) and 0 in exc.ranks
+    late = late_counts and isinstance(exc, GatherTimeout) and 0 in exc.ranks
     if late or (gone and not isinstance(cause, GatherError)):
         abandon()
 

@@ -4,7 +4,9 @@ A launcher that stops a job (``gs.launch``, torchrun, SLURM) sends SIGTERM,
 waits a grace period, then SIGKILL.  A rank then removes the job's areas in
 its stores and ends as the default action would: SIGTERM kills the process
 with that signal, SIGINT raises KeyboardInterrupt.  Handlers are installed
-only where the user has not installed their own.
+only where the program has not installed its own, and they act only while
+they are the installed ones: a handler the program installs later wins, and
+ours does nothing when that handler calls it as "the previous one".
 
 Python runs signal handlers in the main thread between bytecodes, so a rank
 blocked in a C++ wait (a store wait, a gloo op) would run its handler only
@@ -40,7 +42,8 @@ _lock = threading.Lock()
 def install(cleanup: Callable[[], None]) -> None:
     """Run ``cleanup`` once on SIGTERM/SIGINT, then end as the default handler would.
 
-    Only in the main thread, and only for signals whose handler is still the default.
+    Only in the main thread, and only for signals whose handler is still the default;
+    a later call with another ``cleanup`` does nothing (the first one stays).
     """
     if _state or threading.current_thread() is not threading.main_thread():
         return
@@ -85,6 +88,11 @@ def uninstall() -> None:
     _state.clear()
 
 
+def _ours(signum: int) -> bool:
+    """Whether gatherstore's handler is still the one installed for ``signum``."""
+    return signal.getsignal(signum) is _handle
+
+
 def _run_cleanup() -> None:
     with _lock:
         if not _state or _state["done"]:
@@ -102,9 +110,11 @@ def _watch(read_end: int, signals: set[int]) -> None:
             return
         if not data:
             return
-        if any(byte in signals for byte in data):
+        # a handler the program installed after ours is in charge: leave the signal to it
+        mine = [sig for sig in signals if sig in data and _ours(sig)]
+        if mine:
             _run_cleanup()
-        if signal.SIGTERM in signals and signal.SIGTERM in data:
+        if signal.SIGTERM in mine:
             _die(signal.SIGTERM)
 
 
@@ -122,6 +132,8 @@ def _die(signum: int) -> None:
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
+    if not _ours(signum):  # called by the program's own handler, which replaced ours
+        return
     _run_cleanup()
     if signum == signal.SIGINT:
         _state["done"] = False  # the program may go on: clean up again next time

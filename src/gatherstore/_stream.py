@@ -12,16 +12,26 @@ chunk straight into the buffer of the part it returns:
 
 Every send and receive waits at most for the time the call has left: a rank
 that is killed or frozen makes the waiting side raise :class:`GatherTimeout`
-naming it, instead of hanging on the process group's own timeout, and marks
-gatherstore's gloo group broken (later calls that need it refuse at once).
+(or :class:`RemoteRankError` when its connection closed) naming it, instead of
+hanging on the process group's own timeout, and marks gatherstore's gloo group
+broken (later calls that need it refuse at once).
+
+When the destination stops early (a ``gather_iter`` closed or dropped, a part
+that cannot be rebuilt, a sender that stalled), it tells the senders through
+the :class:`Halt` keys of the call on the rendezvous store, and takes the one
+chunk each of them may have in flight: they are released at once, with the
+destination's reason (naming the rank that stalled, or returning quietly after
+an early close), and the group stays usable.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
+import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,31 +40,64 @@ import torch.distributed as dist
 from . import _control as control
 from . import _gloo as gloo
 from . import _serialize as serialize
-from ._errors import GatherTimeout
+from ._errors import GatherError, GatherTimeout, RemoteRankError
 from ._progress import Progress, wanted
 
 if TYPE_CHECKING:
     from ._call import Call
 
-__all__ = ["CHUNK", "broadcast", "broadcast_from", "gather_to", "receive", "send"]
+__all__ = [
+    "CHUNK",
+    "Halt",
+    "all_from",
+    "broadcast",
+    "broadcast_from",
+    "gather_to",
+    "receive",
+    "send",
+]
 
 #: Bytes per point-to-point message (``GATHERSTORE_STREAM_CHUNK`` overrides it).
 CHUNK = int(os.environ.get("GATHERSTORE_STREAM_CHUNK", str(16 << 20)))
+# added to a sender's chunk counter by a destination that stops early
+_HALTED = 1 << 40
+# seconds the destination gives each sender's chunk in flight after it stopped early
+_RELEASE_GRACE = 5.0
 
 
-def _wait(work: Any, peer: int, deadline: float, what: str, timeout: float) -> None:
-    left = deadline - time.monotonic()
+def chunk_count(size: int) -> int:
+    """How many chunks a part of ``size`` bytes travels in."""
+    return -(-size // CHUNK)
+
+
+def _wait(
+    post: Callable[[], Any], peer: int, deadline: float, what: str, timeout: float, late: str
+) -> None:
+    """Post one point-to-point op and wait for it until ``deadline``.
+
+    Raises:
+        GatherTimeout: ``peer`` did not do its side in time (``late`` says what).
+        RemoteRankError: ``peer``'s connection closed: its process died or left.
+    """
+    error = "timed out"
     try:
-        if left <= 0 or not work.wait(timeout=_dt.timedelta(seconds=left)):
-            raise RuntimeError("timed out")
-    except RuntimeError as exc:
-        how_on = gloo.mark_broken(what, f"rank {peer} did not stream within {timeout:g} s")
+        work = post()
+        left = deadline - time.monotonic()
+        if left > 0 and work.wait(timeout=_dt.timedelta(seconds=left)):
+            return
+    except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out ..."
+        if time.monotonic() < deadline and "timed out" not in str(exc).lower():
+            error = str(exc).splitlines()[0]
+    how_on = gloo.mark_broken(what, f"rank {peer} {late}")
+    if error == "timed out":
         raise GatherTimeout(
-            f"{what}: rank {peer} did not stream its part of the call within {timeout:g} s; "
-            f"it is busy, stuck or gone; {how_on}",
+            f"{what}: rank {peer} {late} within {timeout:g} s; it is busy, stuck or gone; {how_on}",
             ranks=[peer],
             timeout=timeout,
-        ) from exc
+        ) from None
+    raise RemoteRankError(
+        peer, f"its connection closed mid-transfer ({error}); {how_on}", context=what
+    ) from None
 
 
 def _chunks(segments: list[memoryview], size: int) -> Iterator[torch.Tensor]:
@@ -84,40 +127,137 @@ def _into(part: bytearray) -> Iterator[torch.Tensor]:
             yield whole[start : start + CHUNK]
 
 
+class Halt:
+    """One streamed gather's keys on the rendezvous store: a counter per sender of the
+    chunks it posted, and the destination's reason for stopping early.
+
+    A sender claims each chunk before posting it (one atomic ``add``); a destination
+    that stops adds a huge number to each counter instead.  So a claim that comes
+    later sees the halt and posts nothing, and the destination learns from its own
+    ``add`` exactly how many chunks each sender posted: it takes those, and every
+    sender is released with the gloo group in step.  When the destination stopped
+    because its own wait timed out, gloo has closed its connections: the senders'
+    waits fail at once, and they read the reason instead.
+    """
+
+    def __init__(self, call_id: int, *, deadline: float, what: str) -> None:
+        self.prefix = f"stream/{call_id}/"
+        self.store, self.deadline, self.what = control.store(), deadline, what
+
+    def _run(self, fn: Callable[[], Any]) -> Any:
+        left = max(self.deadline - time.monotonic(), 0.0) + _RELEASE_GRACE
+        return control.bounded(fn, left, self.what)
+
+    def claim(self, rank: int) -> bool:
+        """Claim one more chunk for ``rank`` to post; False once the destination stopped."""
+        key = f"{self.prefix}sent/{rank}"
+        return int(self._run(lambda: self.store.add(key, 1))) <= _HALTED
+
+    def done(self, rank: int) -> None:
+        """``rank`` posts no more chunks: forget its counter."""
+        key = f"{self.prefix}sent/{rank}"
+        self._run(lambda: self.store.delete_key(key))
+
+    def stop(self, reason: dict[str, Any], unfinished: dict[int, int]) -> dict[int, int]:
+        """Stop the ``unfinished`` senders (rank -> chunks of its part) for ``reason``;
+        returns how many chunks each had posted."""
+        store, prefix, named = self.store, self.prefix, set(reason.get("ranks", ()))
+
+        def run() -> dict[int, int]:
+            store.set(prefix + "reason", json.dumps(reason))
+            posted = {r: store.add(f"{prefix}sent/{r}", _HALTED) - _HALTED for r in unfinished}
+            # who will read the reason: every sender whose claim fails, and after a timeout
+            # (no chunk is taken) also those whose last chunk was in flight
+            readers = [
+                r
+                for r, n in posted.items()
+                if r not in named and (n < unfinished[r] or reason["kind"] == "timeout")
+            ]
+            if store.add(prefix + "readers", len(readers)) == 0:
+                self._forget()
+            return posted
+
+        posted: dict[int, int] = self._run(run)
+        return posted
+
+    def reason(self, rank: int, wait: float = 0.0) -> dict[str, Any] | None:
+        """The destination's reason for stopping, waiting up to ``wait`` s for it (None
+        when there is none); the last reader removes the keys."""
+        store, prefix = self.store, self.prefix
+
+        def run() -> dict[str, Any] | None:
+            ends = time.monotonic() + wait
+            while not store.check([prefix + "reason"]):
+                if time.monotonic() >= ends:
+                    return None
+                time.sleep(0.05)
+            reason: dict[str, Any] = json.loads(store.get(prefix + "reason"))
+            store.delete_key(f"{prefix}sent/{rank}")
+            if rank not in reason.get("ranks", ()) and store.add(prefix + "readers", -1) == 0:
+                self._forget()
+            return reason
+
+        reason: dict[str, Any] | None = self._run(run)
+        return reason
+
+    def _forget(self) -> None:
+        for name in ("reason", "readers"):
+            self.store.delete_key(self.prefix + name)
+
+
 def send(
     segments: list[memoryview],
     size: int,
     dst: int,
     group: Any,
+    halt: Halt,
     *,
     deadline: float,
     what: str,
     timeout: float,
-) -> None:
+) -> dict[str, Any] | None:
     """Send the ``size`` bytes of ``segments`` to ``dst``, chunk by chunk.
+
+    Returns None once ``dst`` took every chunk, or ``dst``'s reason when it stopped early.
 
     Raises:
         GatherTimeout: ``dst`` did not take a chunk before ``deadline``.
+        RemoteRankError: ``dst``'s connection closed.
     """
+    rank = dist.get_rank()
     for chunk in _chunks(segments, size):
-        _wait(dist.isend(chunk, dst, group=group), dst, deadline, what, timeout)
+        if not halt.claim(rank):
+            return halt.reason(rank)
+        # dst may be stopping for another rank's sake: it then takes this chunk, or (after
+        # a timeout of its own) closes the connection and says why on the store
+        late = f"did not take the part of rank {rank}"
+        post = functools.partial(dist.isend, chunk, dst, group=group)
+        try:
+            _wait(post, dst, deadline + _RELEASE_GRACE, what, timeout, late)
+        except GatherError:
+            reason = halt.reason(rank, wait=_RELEASE_GRACE)
+            if reason is None:
+                raise
+            return reason
+    if size:
+        halt.done(rank)
+    return None
 
 
-def receive(
-    sizes: list[int], own: int, group: Any, *, deadline: float, what: str, timeout: float
-) -> Iterator[tuple[int, bytearray]]:
-    """Each other rank's part, in rank order, received chunk by chunk in place.
+def receive(size: int, rank: int, group: Any, taken: dict[int, int], **limits: Any) -> bytearray:
+    """``rank``'s part of ``size`` bytes, received chunk by chunk in place (``taken``
+    counts the chunks in).
 
     Raises:
-        GatherTimeout: a sender did not deliver before ``deadline``; names it.
+        GatherTimeout: the sender did not deliver in time; names it.
+        RemoteRankError: the sender's connection closed; names it.
     """
-    for rank, size in enumerate(sizes):
-        if rank == own:
-            continue
-        part = bytearray(size)
-        for piece in _into(part):
-            _wait(dist.irecv(piece, rank, group=group), rank, deadline, what, timeout)
-        yield rank, part
+    part = bytearray(size)
+    late = "did not stream its part of the call"
+    for piece in _into(part):
+        _wait(functools.partial(dist.irecv, piece, rank, group=group), rank, **limits, late=late)
+        taken[rank] += 1
+    return part
 
 
 def broadcast(
@@ -138,9 +278,10 @@ def broadcast(
     """
     part = None if segments is not None else bytearray(size)
     pieces = _chunks(segments, size) if segments is not None else _into(part or bytearray())
+    late = "did not stream its part of the call"
     for piece in pieces:
-        work = dist.broadcast(piece, src, group=group, async_op=True)
-        _wait(work, src, deadline, what, timeout)
+        post = functools.partial(dist.broadcast, piece, src, group=group, async_op=True)
+        _wait(post, src, deadline, what, timeout, late)
     return part
 
 
@@ -155,33 +296,102 @@ def _segments(call: Call) -> list[memoryview]:
 
 def gather_to(call: Call, dst: int) -> Iterator[Any] | None:
     """Send this rank's part to ``dst``; on ``dst``, every part in rank order as it
-    arrives (its own object in place)."""
+    arrives (its own object in place).
+
+    Raises:
+        GatherTimeout / RemoteRankError: a rank that stalled or died, named; on a
+            sender also the destination's reason for stopping early.
+    """
     group = control.control_group()
-    if call.rank != dst:
-        send(_segments(call), call.sizes[call.rank], dst, group, **_limits(call))
-        call.frame = None
-        call.finish()
-        return None
-    return _gathered(call, dst, group)
+    halt = Halt(control.step(), deadline=call.ends_at, what=call.what)
+    if call.rank == dst:
+        return _gathered(call, dst, group, halt)
+    reason = send(_segments(call), call.sizes[call.rank], dst, group, halt, **_limits(call))
+    call.frame = None
+    call.finish()
+    if reason is not None and reason["kind"] != "closed":
+        raise _halted(reason, dst, call)
+    return None
 
 
-def _gathered(call: Call, dst: int, group: Any) -> Iterator[Any]:
+def _halted(reason: dict[str, Any], dst: int, call: Call) -> GatherError:
+    """A sender's error for a destination that stopped early for ``reason``."""
+    if reason["kind"] == "timeout":
+        return GatherTimeout(
+            f"{call.what}: rank {dst} stopped the gather: {reason['message']}",
+            ranks=reason["ranks"],
+            timeout=call.timeout,
+        )
+    return RemoteRankError(reason["rank"], reason["message"], context=call.what)
+
+
+def _gathered(call: Call, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
     incoming = call.total - call.sizes[dst]
     progress = Progress(
         call.what, call.world - 1, incoming, enabled=wanted(call.progress, incoming)
     )
-    received = receive(call.sizes, dst, group, **_limits(call))
+    taken = dict.fromkeys(range(call.world), 0)
+    reason: dict[str, Any] | None = None
     try:
         for rank in range(call.world):
             if rank == dst:
                 yield call.own
                 continue
-            _, part = next(received)
+            part = receive(call.sizes[rank], rank, group, taken, **_limits(call))
             progress.update(len(part))
             yield serialize.decode(memoryview(part), rank=rank, where=call.what)
+    except GeneratorExit:
+        reason = {"kind": "closed"}
+        raise
+    except GatherTimeout as exc:
+        reason = {"kind": "timeout", "ranks": exc.ranks, "message": str(exc)}
+        raise
+    except RemoteRankError as exc:  # a sender died
+        reason = {"kind": "failed", "ranks": exc.ranks, "rank": exc.rank, "message": str(exc)}
+        raise
+    except BaseException as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        reason = {"kind": "failed", "rank": dst, "message": message}
+        raise
     finally:
         progress.close()
+        if reason is not None:
+            _release(call, group, halt, reason, taken)
         call.finish()
+
+
+def _release(
+    call: Call, group: Any, halt: Halt, reason: dict[str, Any], taken: dict[int, int]
+) -> None:
+    """Stop the senders whose parts were not taken whole, and take the chunk each has
+    in flight, so that they return at once and the group stays in step.
+
+    A sender that stalled or died (named in ``reason``) is told too, should it wake,
+    but its chunk is not taken: the group is broken already.
+    """
+    named = set(reason.get("ranks", ()))
+    unfinished = {
+        r: chunk_count(call.sizes[r])
+        for r in range(call.world)
+        if r != call.rank and taken[r] < chunk_count(call.sizes[r])
+    }
+    try:
+        posted = halt.stop(reason, unfinished)
+        if reason["kind"] == "timeout":  # gloo closed every connection of this rank
+            return
+        scratch = torch.empty(min(CHUNK, max(call.sizes, default=0)), dtype=torch.uint8)
+        deadline = max(call.ends_at, time.monotonic() + _RELEASE_GRACE)
+        for rank, count in posted.items():
+            if rank in named:  # it died, or its chunk is awaited already: the group is broken
+                continue
+            for _ in range(count - taken[rank]):
+                size = min(CHUNK, call.sizes[rank] - taken[rank] * CHUNK)
+                post = functools.partial(dist.irecv, scratch[:size], rank, group=group)
+                late = "did not finish the chunk it had in flight"
+                _wait(post, rank, deadline, call.what, call.timeout, late)
+                taken[rank] += 1
+    except GatherError:  # the senders left end at their deadline; the group is marked broken
+        return
 
 
 def broadcast_from(call: Call, src: int) -> Any:
@@ -196,3 +406,24 @@ def broadcast_from(call: Call, src: int) -> Any:
     if part is None:
         return call.own
     return serialize.decode(memoryview(part), rank=src, where=call.what)
+
+
+def all_from(call: Call) -> list[Any]:
+    """Every rank's part on every rank, one broadcast per rank.
+
+    A part that cannot be rebuilt here does not stop this rank from taking part in
+    the broadcasts after it (the others would wait for it): its error is raised
+    once they are done.
+    """
+    out: list[Any] = []
+    failed: GatherError | None = None
+    for src in range(call.world):
+        try:
+            out.append(broadcast_from(call, src))
+        except GatherError as exc:
+            if isinstance(exc, (GatherTimeout, RemoteRankError)):  # the transfer failed
+                raise
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+    return out

@@ -3,8 +3,10 @@
 Every function answers without an initialised process group, with the serial
 answers (world size 1, rank 0, ...).  Local rank/size and node rank come from
 the launcher's environment (torchrun, SLURM, Open MPI) when it agrees with the
-process group, and otherwise from grouping ranks by hostname in one control
-exchange, computed once per group.
+process group, and otherwise from grouping ranks by the hostnames they publish
+on the rendezvous store (no exchange: a getter called on one rank alone puts
+no call out of step), computed once per group, at init under ``launch`` and
+``init_from_env``.
 """
 
 from __future__ import annotations
@@ -203,14 +205,15 @@ def _from_env() -> _Layout | None:
 
 def _from_hostnames() -> _Layout:
     """Group ranks by hostname: nodes numbered in order of their lowest rank."""
-    hosts = [
-        h.decode()
-        for h in control.exchange(
-            socket.gethostname().encode(), timeout=DEFAULT_TIMEOUT, what="topology"
-        )
-    ]
+    hosts = control.hosts(DEFAULT_TIMEOUT)
     nodes = list(dict.fromkeys(hosts))
     rank = dist.get_rank()
     mine = hosts[rank]
     peers = [r for r, h in enumerate(hosts) if h == mine]
     return _Layout(peers.index(rank), len(peers), nodes.index(mine), len(nodes))
+
+
+def settle() -> None:
+    """Compute the layout now, on every rank at once (``launch`` and ``init_from_env``
+    call it), so that no getter waits later."""
+    _layout()

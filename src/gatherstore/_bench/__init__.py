@@ -3,15 +3,16 @@
 Modules: ``payloads`` (synthetic data), ``baselines`` (torch.distributed,
 mmengine), ``cases`` (what is compared), ``ceilings`` (the machine's limits),
 ``clients`` (Redis and S3 client libraries alone), ``runner`` (fresh processes
-per case), ``report`` (table, JSON lines, chart).
+per case), ``report`` (table, JSON lines, chart), ``metrics`` (torchmetrics'
+MeanAveragePrecision synced three ways; opt-in).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
-from . import cases, ceilings, clients, report
+from . import cases, ceilings, clients, metrics, report
 from .runner import Plan, run_cases
 
 __all__ = ["Plan", "run"]
@@ -42,16 +43,23 @@ def run(
         report.check_plot()
     with cases.reachable(redis, s3, services) as (found, notes, workdir):
         chosen = cases.select(found, patterns)
-        limits = ceilings.measure(ceiling_bytes)
-        limits.update(clients.measure(chosen, ceiling_bytes, notes, plan.repeats))
-        records = run_cases(plan, chosen, workdir, limits, progress)
+        gathers = [c for c in chosen if c.op != cases.TORCHMETRICS]
+        records: list[dict[str, Any]] = []
+        limits: dict[str, Any] = {}
+        if gathers:
+            limits = ceilings.measure(ceiling_bytes)
+            limits.update(clients.measure(gathers, ceiling_bytes, notes, plan.repeats))
+            records = run_cases(plan, gathers, workdir, limits, progress)
+        scored = [c for c in chosen if c.op == cases.TORCHMETRICS]
+        maps = metrics.run(scored, plan.worlds, plan.map_images, plan.repeats, plan.timeout)
     if json_path == "-":
-        out.write(report.json_lines(records, limits))
+        out.write(report.json_lines(records + maps, limits))
     else:
-        out.write(report.table(records, limits, notes) + "\n")
+        tables = [report.table(records, limits, notes)] if records else []
+        out.write("\n\n".join(tables + ([metrics.table(maps)] if maps else [])) + "\n")
         if json_path:
             with open(json_path, "w") as f:
-                f.write(report.json_lines(records, limits))
+                f.write(report.json_lines(records + maps, limits))
     if plot_path:
         report.plot(records, plot_path)
-    return sum(r["error"] is not None for r in records)
+    return sum(r["error"] is not None for r in records + maps)

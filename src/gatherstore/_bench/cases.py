@@ -15,10 +15,12 @@ from typing import Any
 from ..stores.registry import open_store
 from .baselines import mmengine_collect_results_cpu
 
-__all__ = ["BASELINE", "Case", "reachable", "select"]
+__all__ = ["BASELINE", "TORCHMETRICS", "Case", "reachable", "select"]
 
 #: The case every other one is compared with (time and memory ratios).
 BASELINE = "torch.all_gather_object"
+#: The op of the torchmetrics cases (see ``metrics``).
+TORCHMETRICS = "torchmetrics"
 
 
 @dataclass
@@ -32,6 +34,8 @@ class Case:
     impl: str = ""
     #: whose ceiling bounds it: "shm", "redis", "s3" (see ``clients``) or none
     service: str = ""
+    #: runs only when a ``--cases`` pattern names it (not a gather of the payloads)
+    opt_in: bool = False
 
 
 def _disk_base() -> str:
@@ -44,6 +48,25 @@ def _baselines() -> list[Case]:
         Case(BASELINE, "all_gather_object", impl="torch.distributed (gloo)"),
         Case("torch.gather_object", "torch_gather_object", impl="torch.distributed (gloo)"),
         Case("mmengine.collect_results_cpu", "mmengine", impl=impl),
+    ]
+
+
+def _torchmetrics() -> list[Case]:
+    """MeanAveragePrecision's sync and compute three ways (opt-in: ``--cases 'torchmetrics.*'``)."""
+    ways: list[tuple[str, bool, int | None, str]] = [
+        ("", False, None, "torchmetrics"),
+        ("-gs", True, None, "patch()"),
+        ("-gs-on0", True, 0, "patch(compute_on=0)"),
+    ]
+    return [
+        Case(
+            f"torchmetrics.map{suffix}",
+            TORCHMETRICS,
+            options={"patched": patched, "compute_on": on},
+            impl=impl,
+            opt_in=True,
+        )
+        for suffix, patched, on, impl in ways
     ]
 
 
@@ -153,18 +176,19 @@ def reachable(
             redis, s3 = redis or started[0], s3 or started[1]
         unix = None if named else os.environ.get("GATHERSTORE_TEST_REDIS_UNIX_URL")
         remote = _remote(stack, {"gs.redis": redis, "gs.redis-unix": unix}, s3, notes)
-        cases = _baselines() + _local(workdir) + remote
+        cases = _baselines() + _local(workdir) + remote + _torchmetrics()
         yield cases, notes, workdir
 
 
 def select(cases: list[Case], patterns: list[str] | None) -> list[Case]:
-    """The cases whose name matches one of the glob ``patterns`` (all without patterns).
+    """The cases whose name matches one of the glob ``patterns`` (without patterns, all
+    but the opt-in ones).
 
     Raises:
         ValueError: a pattern matches no case.
     """
     if not patterns:
-        return cases
+        return [c for c in cases if not c.opt_in]
     names = [c.name for c in cases]
     for pattern in patterns:
         if not fnmatch.filter(names, pattern):

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
+from .._config import parse_size
 from .._progress import format_bytes
 
 __all__ = ["PeakMemory", "format_bytes", "parse_size"]
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``64MB``, ``1GB``, ``1.5G``, ``512KiB`` or ``4096`` (binary units).
-
-    Raises:
-        ValueError: ``text`` is not a positive size.
-    """
-    match = _SIZE.fullmatch(text)
-    nbytes = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else 0
-    if nbytes <= 0:
-        raise ValueError(f"{text!r} is not a size; use e.g. 64MB, 1GB or 4096 (bytes)")
-    return nbytes
 
 
 def _status(field: str) -> int:

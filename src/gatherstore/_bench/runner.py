@@ -30,13 +30,15 @@ Op = Callable[[Any, int], int]
 
 @dataclass
 class Plan:
-    """What to run: ``sizes`` as (label, bytes), ``worlds``, ``payloads``, ``repeats``."""
+    """What to run: ``sizes`` as (label, bytes), ``worlds``, ``payloads``, ``repeats``;
+    ``map_images``: images per rank of the torchmetrics cases."""
 
     sizes: list[tuple[str, int]]
     worlds: list[int]
     payloads: list[str]
     repeats: int
     timeout: float
+    map_images: int = 200
 
 
 def _count(parts: list[Any] | None) -> int:

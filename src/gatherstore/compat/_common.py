@@ -9,7 +9,20 @@ import torch.distributed as dist
 
 import gatherstore as gs
 
-__all__ = ["dir_store", "gather_all", "gather_to", "group_rank", "group_size", "is_default_group"]
+__all__ = [
+    "NO_PROCESS_GROUP",
+    "dir_store",
+    "gather_all",
+    "gather_to",
+    "group_rank",
+    "group_size",
+    "is_default_group",
+]
+
+#: torch's words where a process group is needed and there is none (the originals say them)
+NO_PROCESS_GROUP = (
+    "Default process group has not been initialized, please make sure to call init_process_group."
+)
 
 
 def is_default_group(group: Any) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import Tensor
 
 import gatherstore as gs
 
+from .. import _slurm as slurm
 from ._common import group_rank, group_size, is_default_group
 
 ProcessGroup = dist.ProcessGroup
@@ -145,10 +145,12 @@ def init_dist(
     """Join the process group a launcher ("pytorch", "mpi", "slurm") describes.
 
     ``kwargs`` go to ``torch.distributed.init_process_group``; ``timeout`` is in
-    seconds.  The CUDA device is set only where CUDA exists.
+    seconds.  The CUDA device is set only where CUDA exists.  Under slurm without
+    MASTER_ADDR the master is the first node of the job step (where rank 0 runs).
 
     Raises:
-        ValueError: unknown launcher, or an ``init_backend`` other than "torch".
+        ValueError: unknown launcher, an ``init_backend`` other than "torch", or
+            under slurm without MASTER_ADDR a missing or malformed node list.
         TypeError: ``timeout`` is not a number of seconds.
         KeyError: launcher variables missing (e.g. MASTER_ADDR under mpi).
     """
@@ -177,12 +179,11 @@ def init_dist(
             raise KeyError("MASTER_ADDR is not set: export it before an mpi launch")
         env["WORLD_SIZE"], env["RANK"] = env["OMPI_COMM_WORLD_SIZE"], env["OMPI_COMM_WORLD_RANK"]
     elif launcher == "slurm":
+        env["MASTER_ADDR"] = env["MASTER_ADDR"] if "MASTER_ADDR" in env else slurm.master_addr(env)
         port = kwargs.pop("port", None)
         if port is not None:
             env["MASTER_PORT"] = str(port)
         env.setdefault("MASTER_PORT", "29500")
-        if "MASTER_ADDR" not in env:
-            env["MASTER_ADDR"] = _first_host(env["SLURM_NODELIST"])
         gpus = max(torch.cuda.device_count(), 1)
         local_rank = int(env.get("SLURM_LOCALID", int(env["SLURM_PROCID"]) % gpus))
         env["WORLD_SIZE"], env["RANK"] = env["SLURM_NTASKS"], env["SLURM_PROCID"]
@@ -194,18 +195,12 @@ def init_dist(
     dist.init_process_group(backend=backend, **kwargs)
 
 
-def _first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``"gpu[07-09],cpu1"`` -> ``"gpu07"``."""
-    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
-    return re.sub(r"\[([^\]\-,]+)[^\]]*\]", r"\1", first)
-
-
 # --- tensors: torch.distributed directly ------------------------------------------------
 def get_data_device(data: Tensor | Mapping[Any, Any] | Iterable[Any]) -> torch.device:
     """The one device of a tensor, or of every tensor in a dict or sequence.
 
     Raises:
-        ValueError: devices differ, or the container is empty.
+        ValueError: devices differ, or the container is empty (mmengine's messages).
         TypeError: ``data`` holds something other than tensors.
     """
     if isinstance(data, Tensor):
@@ -215,13 +210,18 @@ def get_data_device(data: Tensor | Mapping[Any, Any] | Iterable[Any]) -> torch.d
     elif isinstance(data, Iterable) and not isinstance(data, str):
         items = data
     else:
-        raise TypeError(f"data should be a Tensor, a sequence of tensors or a dict, not {data!r}")
-    devices = {get_data_device(item) for item in items}
-    if not devices:
-        raise ValueError("data should not be empty")
-    if len(devices) > 1:
-        raise ValueError(f"tensors in data should share one device, but found {devices}")
-    return devices.pop()
+        raise TypeError(f"data should be a Tensor, sequence of tensor or dict, but got {data}")
+    found = None
+    for item in items:
+        device = get_data_device(item)
+        if found is not None and device != found:
+            raise ValueError(
+                f"device type in data should be consistent, but got {device} and {found}"
+            )
+        found = device
+    if found is None:
+        raise ValueError("data should not be empty.")
+    return found
 
 
 def get_comm_device(group: ProcessGroup | None = None) -> torch.device:
@@ -240,11 +240,14 @@ def cast_data_device(
 
     Raises:
         TypeError: ``out`` differs in type from ``data`` or is a set; non-tensor data.
-        ValueError: empty containers, or ``out`` of another length.
+        ValueError: empty containers, or ``out`` of another length (mmengine's messages).
     """
     if out is not None:
         if type(data) is not type(out):
-            raise TypeError(f"out should have the type of data ({type(data)}), not {type(out)}")
+            raise TypeError(
+                "out should be the same type with data, but got data is "
+                f"{type(data)} and out is {type(out)}"
+            )
         if isinstance(out, set):
             raise TypeError("out should not be a set")
     if isinstance(data, Tensor):
@@ -254,7 +257,9 @@ def cast_data_device(
         return moved
     if isinstance(data, Mapping):
         if isinstance(out, Mapping) and len(out) != len(data):
-            raise ValueError(f"data and out differ in length: {len(data)} and {len(out)}")
+            raise ValueError(
+                f"length of data and out should be same, but got {len(data)} and {len(out)}"
+            )
         cast = {
             k: cast_data_device(v, device, out[k] if isinstance(out, Mapping) else None)
             for k, v in data.items()
@@ -268,4 +273,4 @@ def cast_data_device(
         if not items:
             raise ValueError("data should not be empty")
         return type(data)(items)  # type: ignore[call-arg]
-    raise TypeError(f"data should be a Tensor, a list of tensors or a dict, not {data!r}")
+    raise TypeError(f"data should be a Tensor, list of tensor or dict, but got {data}")

@@ -3,9 +3,11 @@
 Written once for every compat module: a function's replacement lands on the
 defining module and on every already-imported module of the same package that
 bound the original by name (``from mmengine.dist import collect_results``); a
-method's replacement lands on the defining class and on every subclass that
-overrides it, including subclasses defined later (``lm_eval``'s models load
-lazily).
+module imported while the patch is active binds the replacement from the
+defining module, and undoing puts the originals back wherever a replacement is
+bound.  A method's replacement lands on the defining class and on every
+subclass that overrides it, including subclasses defined later (``lm_eval``'s
+models load lazily).
 """
 
 from __future__ import annotations
@@ -23,12 +25,30 @@ _active: dict[str, Patch] = {}
 _ABSENT = object()
 
 
+def _bindings(
+    packages: tuple[str, ...], objects: Mapping[int, str]
+) -> list[tuple[ModuleType, str, str]]:
+    """(module, attribute, name) wherever a module of ``packages`` binds one of ``objects``
+    (keyed by ``id``; the objects are alive, so an equal id is the same object)."""
+    found = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or mod_name.split(".")[0] not in packages:
+            continue
+        for attr, value in list(vars(mod).items()):
+            name = objects.get(id(value))
+            if name is not None:
+                found.append((mod, attr, name))
+    return found
+
+
 class Patch:
     """The bindings one ``patch()`` replaced; ``undo()`` (or leaving a ``with``) restores them."""
 
     def __init__(self, module: str) -> None:
         self.module = module
         self.swapped: list[tuple[ModuleType | type, str, Any]] = []
+        # functions: (packages, originals, replacements), to restore late bindings too
+        self.functions: tuple[tuple[str, ...], dict[str, Any], dict[str, Any]] | None = None
 
     def swap(self, owner: ModuleType | type, name: str, value: Any) -> None:
         """Bind ``owner.name`` to ``value``, remembering what ``owner`` itself held."""
@@ -41,7 +61,7 @@ class Patch:
         return _active.get(self.module) is self
 
     def undo(self) -> None:
-        """Put every original binding back; calling it again does nothing."""
+        """Put every original binding back (in modules imported since, too); again does nothing."""
         if not self.active:
             return
         for owner, name, original in reversed(self.swapped):
@@ -49,6 +69,11 @@ class Patch:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+        if self.functions is not None:
+            packages, originals, replacements = self.functions
+            by_id = {id(fn): name for name, fn in replacements.items()}
+            for owner, attr, name in _bindings(packages, by_id):
+                setattr(owner, attr, originals[name])
         del _active[self.module]
 
     def __enter__(self) -> Patch:
@@ -97,16 +122,11 @@ def patch_module(
         return _active[module]
     target = _import(module, pip_name)
     originals = {name: getattr(target, name) for name in replacements}
-    by_id = {id(fn): name for name, fn in originals.items()}
     packages = (module.split(".")[0], *also)
     handle = Patch(module)
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or mod_name.split(".")[0] not in packages:
-            continue
-        for attr, value in list(vars(mod).items()):
-            name = by_id.get(id(value))
-            if name is not None and value is originals[name]:
-                handle.swap(mod, attr, replacements[name])
+    for owner, attr, name in _bindings(packages, {id(fn): n for n, fn in originals.items()}):
+        handle.swap(owner, attr, replacements[name])
+    handle.functions = (packages, originals, dict(replacements))
     _active[module] = handle
     return handle
 
@@ -121,13 +141,19 @@ def _family(root: type) -> list[type]:
 
 
 def patch_methods(
-    module: str, pip_name: str, base: str, replacements: Mapping[str, Callable[..., Any]]
+    module: str,
+    pip_name: str,
+    base: str,
+    replacements: Mapping[str, Callable[..., Any]],
+    overrides: bool = True,
 ) -> Patch:
     """Replace the methods of class ``module.base`` named in ``replacements``, and every override.
 
     Each subclass that defines one of these methods itself gets the replacement
     too, now and, through an ``__init_subclass__`` hook on ``base`` (removed by
-    undo), when it is defined later.  Patching again returns the active handle.
+    undo), when it is defined later; with ``overrides=False`` only ``base`` does
+    (subclasses that override a method keep theirs).  Patching again returns the
+    active handle.
 
     Raises:
         ImportError: the library is not installed (names the pip package).
@@ -155,8 +181,9 @@ def patch_methods(
             previous.__get__(None, cls)(**kwargs)
         override(cls)
 
-    for cls in _family(root):
+    for cls in _family(root) if overrides else [root]:
         override(cls)
-    handle.swap(root, "__init_subclass__", classmethod(init_subclass))
+    if overrides:
+        handle.swap(root, "__init_subclass__", classmethod(init_subclass))
     _active[key] = handle
     return handle

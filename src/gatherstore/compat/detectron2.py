@@ -1,9 +1,11 @@
-"""``detectron2.utils.comm`` with objects gathered through gatherstore.
+"""Today's ``detectron2.utils.comm`` with objects gathered through gatherstore.
 
 Same names, signatures and answers as detectron2's; ``all_gather``,
 ``gather`` and ``shared_random_seed`` go through gatherstore's routes and
 stores (never GPU memory), ``reduce_dict`` and ``synchronize`` through the
-process group.
+process group.  The per-machine local process group is created as detectron2's
+``launch()`` creates it; before it exists, local rank and size are answered by
+host instead of failing.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import torch.distributed as dist
 
 import gatherstore as gs
 
-from ._common import gather_all, gather_to, group_size
+from ._common import NO_PROCESS_GROUP, gather_all, gather_to, group_size
 from ._patching import Patch, patch_module
 
 __all__ = [
     "_LOCAL_PROCESS_GROUP",
     "all_gather",
+    "create_local_process_group",
     "gather",
+    "get_local_process_group",
     "get_local_rank",
     "get_local_size",
     "get_rank",
@@ -34,8 +38,17 @@ __all__ = [
     "synchronize",
 ]
 
-#: The group of this machine's ranks, when a launcher created one; None otherwise.
+#: The group of this machine's ranks, once :func:`create_local_process_group` (or a
+#: launcher) made it; None otherwise.
 _LOCAL_PROCESS_GROUP: dist.ProcessGroup | None = None
+# (num_workers_per_machine, default group) the local group above was made for here
+_made_for: list[tuple[int, Any] | None] = [None]
+_MISSING_LOCAL_GROUP = (
+    "Local process group is not yet created! Please use detectron2's `launch()` to start "
+    "processes and initialize pytorch process group. If you need to start processes in other "
+    "ways, please call comm.create_local_process_group(num_workers_per_machine) after calling "
+    "torch.distributed.init_process_group()."
+)
 
 
 def get_world_size() -> int:
@@ -48,22 +61,73 @@ def get_rank() -> int:
     return gs.get_rank()
 
 
-def get_local_rank() -> int:
-    """Rank within this machine: from ``_LOCAL_PROCESS_GROUP`` when set, else by host.
+def _local_group() -> dist.ProcessGroup | None:
+    """``_LOCAL_PROCESS_GROUP`` while it belongs to the current process group, else None."""
+    made_for = _made_for[0]
+    if _LOCAL_PROCESS_GROUP is None or not gs.is_distributed():
+        return None
+    if made_for is not None and made_for[1] is not dist.distributed_c10d._get_default_group():
+        return None  # made for a process group that has since been destroyed
+    return _LOCAL_PROCESS_GROUP
 
-    detectron2 asserts when its launcher did not create the local group;
-    the ranks sharing this host give the right answer instead.
+
+def create_local_process_group(num_workers_per_machine: int) -> None:
+    """Create the group of the ranks on this machine (machine m: ranks m*n to m*n+n-1).
+
+    Every rank must call it, after the process group exists; detectron2's
+    ``launch()`` does.  Calling it again with the same count does nothing.
+
+    Raises:
+        ValueError: no process group.
+        AssertionError: a local group exists already, or the world size is not
+            a multiple of ``num_workers_per_machine``.
     """
-    if _LOCAL_PROCESS_GROUP is not None and gs.is_distributed():
-        return dist.get_rank(group=_LOCAL_PROCESS_GROUP)
-    return gs.get_local_rank()
+    global _LOCAL_PROCESS_GROUP
+    default = dist.distributed_c10d._get_default_group() if gs.is_distributed() else None
+    if _local_group() is not None and _made_for[0] == (num_workers_per_machine, default):
+        return
+    if _made_for[0] is not None and _local_group() is None:  # one of a finished job
+        _LOCAL_PROCESS_GROUP, _made_for[0] = None, None
+    assert _LOCAL_PROCESS_GROUP is None, "the local process group was created already"
+    world = get_world_size()
+    assert world % num_workers_per_machine == 0, (
+        f"world size {world} is not a multiple of num_workers_per_machine={num_workers_per_machine}"
+    )
+    if default is None:
+        raise ValueError(NO_PROCESS_GROUP)
+    machine = get_rank() // num_workers_per_machine
+    for first in range(0, world, num_workers_per_machine):
+        group = dist.new_group(list(range(first, first + num_workers_per_machine)))
+        if first == machine * num_workers_per_machine:
+            _LOCAL_PROCESS_GROUP = group
+    _made_for[0] = (num_workers_per_machine, default)
+
+
+def get_local_process_group() -> dist.ProcessGroup:
+    """The group of this machine's ranks made by :func:`create_local_process_group`.
+
+    Raises:
+        AssertionError: it was not created (also without a process group).
+    """
+    group = _local_group()
+    assert group is not None, _MISSING_LOCAL_GROUP
+    return group
+
+
+def get_local_rank() -> int:
+    """Rank within this machine: in the local process group once it exists, else by host.
+
+    detectron2 asserts before the local group exists; the ranks sharing this
+    host give the right answer instead.
+    """
+    group = _local_group()
+    return gs.get_local_rank() if group is None else dist.get_rank(group=group)
 
 
 def get_local_size() -> int:
-    """Processes on this machine (1 without a process group)."""
-    if _LOCAL_PROCESS_GROUP is not None and gs.is_distributed():
-        return dist.get_world_size(group=_LOCAL_PROCESS_GROUP)
-    return gs.get_local_size()
+    """Processes on this machine: the local process group's size, else by host (1 serially)."""
+    group = _local_group()
+    return gs.get_local_size() if group is None else dist.get_world_size(group=group)
 
 
 def is_main_process() -> bool:

@@ -2,14 +2,18 @@
 
 Same names, signatures and answers as vis4d's; ``all_gather_object_cpu``,
 ``all_gather_object_gpu`` and ``broadcast`` go through gatherstore's routes
-and stores (never GPU memory).
+and stores (never GPU memory).  Topology is read from the launcher's
+variables first, as vis4d reads it, so code that runs before the process
+group exists knows its rank.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,7 +22,7 @@ from torch import nn
 
 import gatherstore as gs
 
-from ._common import dir_store
+from ._common import NO_PROCESS_GROUP, dir_store
 from ._patching import Patch, patch_module
 
 __all__ = [
@@ -46,24 +50,48 @@ _CUDA = torch.device("cuda")
 GenericFunc = TypeVar("GenericFunc", bound=Callable[..., Any])
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _slurm_tasks() -> bool:
+    """Whether SLURM's task variables describe this job (not an interactive ``bash`` shell)."""
+    return os.environ.get("SLURM_JOB_NAME") != "bash"
+
+
 def distributed_available() -> bool:
     """Whether a torch.distributed process group is initialised."""
     return gs.is_distributed()
 
 
 def get_world_size() -> int:
-    """Number of processes (1 without a process group)."""
-    return gs.get_world_size()
+    """Number of processes: WORLD_SIZE, else SLURM_NTASKS, else the process group's (else 1)."""
+    size = _env_int("WORLD_SIZE")
+    if size is None and _slurm_tasks():
+        size = _env_int("SLURM_NTASKS")
+    return gs.get_world_size() if size is None else size
 
 
 def get_rank() -> int:
-    """This process's global rank (0 without a process group)."""
-    return gs.get_rank()
+    """This process's global rank: RANK, else SLURM_PROCID, else the process group's.
+
+    Without any of them (or in an interactive SLURM shell) the local rank.
+    """
+    rank = _env_int("RANK")
+    if rank is None and _slurm_tasks():
+        rank = _env_int("SLURM_PROCID")
+    if rank is None and _slurm_tasks() and gs.is_distributed():
+        rank = gs.get_rank()
+    return get_local_rank() if rank is None else rank
 
 
 def get_local_rank() -> int:
-    """This process's rank on its node (0 without a process group)."""
-    return gs.get_local_rank()
+    """This process's rank on its node: LOCAL_RANK, else SLURM_LOCALID, else the group's (0)."""
+    rank = _env_int("LOCAL_RANK")
+    if rank is None:
+        rank = _env_int("SLURM_LOCALID")
+    return gs.get_local_rank() if rank is None else rank
 
 
 def synchronize() -> None:
@@ -72,13 +100,19 @@ def synchronize() -> None:
 
 
 def rank_zero_only(func: GenericFunc) -> GenericFunc:
-    """Run ``func`` on global rank 0 only (None elsewhere)."""
-    return gs.rank_zero_only(func)
+    """Run ``func`` on global rank 0 only (None elsewhere); the rank as :func:`get_rank` says."""
+
+    @functools.wraps(func)
+    def on_rank_zero(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs) if get_rank() == 0 else None
+
+    return on_rank_zero  # type: ignore[return-value]
 
 
 def is_module_wrapper(module: nn.Module) -> bool:
-    """Whether ``module`` is wrapped in DataParallel or DistributedDataParallel."""
-    return isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+    """Whether ``module`` or any module inside it is a DataParallel or DistributedDataParallel."""
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    return any(isinstance(m, wrappers) for m in module.modules())
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:
@@ -102,15 +136,24 @@ def serialize_to_tensor(data: Any) -> torch.Tensor:
     """``data`` pickled into a uint8 tensor on the process group's device.
 
     Raises:
+        ValueError: no process group.
         AssertionError: the backend is neither gloo nor nccl.
     """
     name = gs.backend()
-    assert name in (None, "gloo", "nccl"), f"backend {name} is not supported: use gloo or nccl"
+    if name is None:
+        raise ValueError(NO_PROCESS_GROUP)
+    assert name in ("gloo", "nccl"), "_serialize_to_tensor only supports gloo and nccl backends."
     return obj2tensor(data, torch.device("cuda" if name == "nccl" else "cpu"))
 
 
 def pad_to_largest_tensor(tensor: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """Every rank's element count, and ``tensor`` zero-padded to the largest."""
+    """Every rank's element count, and ``tensor`` zero-padded to the largest.
+
+    Raises:
+        ValueError: no process group.
+    """
+    if not gs.is_distributed():
+        raise ValueError(NO_PROCESS_GROUP)
     local = tensor.numel()
     sizes = [int(n) for n in gs.all_gather_tensor(torch.tensor([local])).tolist()]
     largest = max(sizes)
@@ -121,22 +164,25 @@ def pad_to_largest_tensor(tensor: torch.Tensor) -> tuple[list[int], torch.Tensor
 
 
 def create_tmpdir(rank: int, tmpdir: str | None = None, use_system_tmp: bool = True) -> str:
-    """A folder every rank shares: ``tmpdir`` (created), else one rank 0 makes and sends."""
+    """A folder every rank shares: ``tmpdir`` (created), else one rank 0 makes and sends.
+
+    Rank 0 makes it in ``<system tmp>/.dist_tmp`` with ``use_system_tmp``, else in
+    ``vis4d-workspace/.dist_tmp`` under the working directory, as vis4d does.
+    """
     if tmpdir is not None:
         os.makedirs(tmpdir, exist_ok=True)
         return tmpdir
     made = None
     if rank == 0:
-        if use_system_tmp:
-            made = tempfile.mkdtemp()
-        else:
-            os.makedirs(".dist_tmp", exist_ok=True)
-            made = tempfile.mkdtemp(dir=".dist_tmp")
+        base = tempfile.gettempdir() if use_system_tmp else "vis4d-workspace"
+        parent = os.path.join(base, ".dist_tmp")
+        os.makedirs(parent, exist_ok=True)
+        made = tempfile.mkdtemp(dir=parent)
     return str(gs.broadcast_object(made, 0))
 
 
 def _gather(data: Any, store: str | None, rank_zero_return_only: bool) -> list[Any] | None:
-    if get_world_size() == 1:
+    if gs.get_world_size() == 1:
         return [data]
     if rank_zero_return_only:
         return gs.gather_object(data, 0, store=store)
@@ -180,24 +226,28 @@ def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_dict(
     py_dict: dict[str, Any], reduce_op: str = "sum", to_float: bool = True
 ) -> dict[str, Any]:
-    """Sum or average every tensor of ``py_dict`` in one collective, in rank 0's key order.
+    """Sum or average every tensor of ``py_dict`` in one collective.
 
-    The key order travels through gatherstore's control plane, not a CUDA
-    tensor, so this works on gloo too.  Tensors keep their shapes and devices.
+    A plain dict is reduced in rank 0's key order, which travels through
+    gatherstore's control plane, not a CUDA tensor (so this works on gloo too);
+    an OrderedDict in its own order, and comes back as an OrderedDict.
+    Tensors keep their shapes and devices.
     """
-    world = get_world_size()
+    world = gs.get_world_size()
     if world == 1:
         return py_dict
-    keys = gs.broadcast_object(list(py_dict), 0)
+    ordered = isinstance(py_dict, OrderedDict)
+    keys = list(py_dict) if ordered else gs.broadcast_object(list(py_dict), 0)
     values = [py_dict[k] for k in keys]
     flat = torch.cat([v.flatten().float() if to_float else v.flatten() for v in values])
     flat = gs.all_reduce(flat, "sum")
     if reduce_op == "mean":
         flat /= world
     pieces = torch.split(flat, [v.numel() for v in values])
-    return {
+    reduced = {
         k: p.reshape(v.shape).to(v.device) for k, p, v in zip(keys, pieces, values, strict=True)
     }
+    return OrderedDict(reduced) if ordered else reduced
 
 
 def patch() -> Patch:

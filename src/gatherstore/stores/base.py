@@ -20,13 +20,13 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
-import urllib.parse
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from .._errors import GatherError, GatherTimeout, StoreUnavailableError
+from ._secrets import describe_failure, hide_password, hide_secrets
 from .deadline import END_JOB_TIMEOUT, deadline, expired
 from .layout import CHUNKED as _CHUNKED
 from .layout import CHUNKS, HEADER_SIZE, Buffer
@@ -45,7 +45,9 @@ __all__ = [
     "Buffer",
     "KeyExistsError",
     "Store",
+    "describe_failure",
     "hide_password",
+    "hide_secrets",
     "job_directory",
     "job_keys",
 ]
@@ -68,24 +70,6 @@ def job_directory(job_id: str | None = None) -> str:
 
 class KeyExistsError(GatherError, FileExistsError):
     """A create-only put found the key already there."""
-
-
-def hide_password(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (a URL too malformed to parse loses
-    everything between ``://`` and its last ``@``)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-    except ValueError:
-        scheme, sep, rest = url.partition("://")
-        return f"{scheme}{sep}***@{rest.rsplit('@', 1)[-1]}" if "@" in rest else url
-    if password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urllib.parse.urlunsplit(parts._replace(netloc=user + host))
 
 
 class Store(ABC):
@@ -134,6 +118,12 @@ class Store(ABC):
         keys = list(self._list(prefix))
         if keys:
             self._delete(keys)
+
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        """Write ``buffers`` at ``key`` whether or not it exists.  Backends override it to
+        replace the value in one step; this default leaves a moment without one."""
+        self._delete([key])
+        self._write(key, buffers)
 
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         """``_write`` of each (key, buffers), in order; backends that can keep a bounded
@@ -215,7 +205,8 @@ class Store(ABC):
     # --- the API written once ---------------------------------------------------------
     @contextlib.contextmanager
     def _mapped(self, action: str) -> Iterator[None]:
-        """Map backend errors to gatherstore's, once, chained with ``from``."""
+        """Map backend errors to gatherstore's, once: the message keeps the cause, the
+        traceback drops the backend's own frames (see :func:`describe_failure`)."""
         if expired():
             raise self._unavailable(action, "no time left in the call's timeout")
         try:
@@ -223,10 +214,7 @@ class Store(ABC):
         except GatherError:
             raise
         except self.unavailable_errors as exc:
-            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if expired():
-                why = f"no answer within the call's timeout ({why})"
-            raise self._unavailable(action, why) from exc
+            raise self._unavailable(action, describe_failure(exc)) from None
 
     def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
         return StoreUnavailableError(
@@ -272,6 +260,20 @@ class Store(ABC):
                     raise self._exists_error(key)
                 return total
             return self._put_chunked(key, buffers, total)
+
+    def replace(self, key: str, data: bytes) -> None:
+        """Write a small value at ``key``, replacing the one there: for bookkeeping such as
+        a job's heartbeat, never for parts (which are create-only).
+
+        Raises:
+            ValueError: ``data`` is larger than the store writes in one piece.
+            StoreUnavailableError: the store cannot be written.
+        """
+        self._check_key(key)
+        if len(data) + HEADER_SIZE > self.max_value_size:
+            raise ValueError(f"replace() takes values up to {self.max_value_size} bytes")
+        with self._mapped(f"write {key!r}"):
+            self._replace(key, [_header(_INLINE, len(data), 0), data])
 
     def _put_chunked(self, key: str, buffers: Sequence[Buffer], total: int) -> int:
         if self._exists(key):

@@ -1,7 +1,10 @@
 """Local and shared filesystems: ``tmpdir`` (a private job directory) and ``file://``.
 
 Values are files; a write goes to a temp file with vectored writes and is
-published with ``link`` (atomic and create-only, on NFS too).  Values are read
+published with ``link`` (atomic and create-only, on NFS too).  Every file is
+reached relative to a descriptor of the store's folder (a job area is opened
+with ``O_NOFOLLOW`` inside its base): a folder renamed or replaced after it
+was opened cannot redirect the job (see ``_private``).  Values are read
 into private memory (one copy, no memory map): a file another process
 truncates or rewrites after it was read cannot change what was verified, nor
 kill the reader with SIGBUS, and arrays decoded from it stay valid after the
@@ -11,16 +14,21 @@ file is deleted.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import shutil
+import secrets
+import stat
 import tempfile
+import threading
 import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .base import Buffer, Store, job_directory
+from .._errors import StoreUnavailableError
+from . import _private as private
+from .base import Buffer, Store, hide_password, job_directory
 
 __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 
@@ -30,6 +38,11 @@ _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
 _READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
 _IOV_MAX = 1024
 _SHM = "/dev/shm"
+_FILE = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_logger = logging.getLogger("gatherstore")
+#: (device, inode) of the job areas this process created, until their job ends.
+_created: dict[str, tuple[int, int]] = {}
+_opening = threading.RLock()  # an area opens its base inside
 
 
 def default_tmpdir_base() -> str:
@@ -71,9 +84,13 @@ class FileStore(Store):
 
     unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
     reachable_by_others: ClassVar[bool] = True
+    #: Whether the base must be a folder only the user (or root) can change.
+    private: ClassVar[bool] = False
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
+        self._fd: int | None = None
+        self._area_of: tuple[FileStore, str] | None = None  # a job area: (its base, its name)
 
     scheme: ClassVar[str] = "file"
 
@@ -90,27 +107,89 @@ class FileStore(Store):
             raise ValueError(f"{cls.__name__} takes no options; got {sorted(options)}")
         parts = urllib.parse.urlsplit(url)
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise ValueError(f"{url!r}: give an absolute path, e.g. {example}")
+            raise ValueError(f"{hide_password(url)!r}: give an absolute path, e.g. {example}")
         if parts.query or parts.fragment:
-            raise ValueError(f"{url!r}: a {cls.scheme} URL takes no '?' or '#'; e.g. {example}")
+            raise ValueError(
+                f"{hide_password(url)!r}: a {cls.scheme} URL takes no '?' or '#'; e.g. {example}"
+            )
         return cls(urllib.parse.unquote(parts.path))
 
     @property
     def url(self) -> str:
         return f"file://{urllib.parse.quote(str(self.root))}"
 
-    def _path(self, key: str) -> Path:
-        return self.root / key
+    # --- the folder's descriptor ---------------------------------------------------------
+    def _dir(self, create: bool = False) -> int:
+        """The descriptor of the store's folder, opened at first use (and created then when
+        ``create``; else a missing folder raises FileNotFoundError)."""
+        if self._fd is None:
+            with _opening:
+                if self._fd is None:
+                    self._fd = self._open_root(create)
+        return self._fd
 
+    def _open_root(self, create: bool) -> int:
+        if self._area_of is not None:  # never through a symlink, and only the job's own
+            base, name = self._area_of
+            fd = private.open_directory(name, base._dir())
+            try:
+                base._check_area(str(self.root), os.fstat(fd))
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        if self.private:
+            self._refuse_untrusted(private.untrusted(self.root))
+        flags = private.DIRECTORY & ~getattr(os, "O_NOFOLLOW", 0)  # the user's own folder
+        try:
+            fd = os.open(self.root, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700 if self.private else 0o777)
+            fd = os.open(self.root, flags)
+        if self.private:
+            try:
+                self._refuse_untrusted(private.check_opened(self.root, fd))
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
+    def _refuse_untrusted(self, why: str | None) -> None:
+        if why is not None:
+            raise StoreUnavailableError(
+                f"store {self}: the base folder {self.root} is not private to you: {why}. "
+                "Another user could replace the job's folder and read or swap its parts. "
+                "Use a base only you can change: e.g. `mkdir -m 700 /dev/shm/$USER-gather` "
+                "and GATHERSTORE_TMPDIR=/dev/shm/$USER-gather (or tmpdir:///dev/shm/"
+                "$USER-gather); or `chmod go-w` the folder named, if it is yours",
+                store=str(self),
+            )
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit
+            return
+
+    # --- the primitives ------------------------------------------------------------------
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        path = self._path(key)
-        if path.exists():
+        fd = self._dir(create=True)
+        if self._exists(key):
             return False
-        tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
+        parent, _, _ = key.rpartition("/")
+        tmp = f"{parent}/{_TMP}{uuid.uuid4().hex}" if parent else f"{_TMP}{uuid.uuid4().hex}"
         for attempt in range(_ATTEMPTS):
             try:
-                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                self._makedirs(parent)
+                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, 0o600, dir_fd=fd)
                 break
             except (FileNotFoundError, FileExistsError):
                 # a concurrent delete pruned a directory that was empty a moment ago;
@@ -119,21 +198,55 @@ class FileStore(Store):
                     raise
         try:
             try:
-                write_all(fd, buffers)
+                write_all(out, buffers)
             finally:
-                os.close(fd)
-            os.link(tmp, path)
+                os.close(out)
+            os.link(tmp, key, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
         except FileExistsError:
             return False
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=fd)
         return True
 
-    def _read(self, key: str) -> Buffer | None:
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        fd = self._dir(create=True)
+        parent, _, _ = key.rpartition("/")
+        self._makedirs(parent)
+        tmp = f"{parent}/{_TMP}{uuid.uuid4().hex}" if parent else f"{_TMP}{uuid.uuid4().hex}"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, 0o600, dir_fd=fd)
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            try:
+                write_all(out, buffers)
+            finally:
+                os.close(out)
+            os.replace(tmp, key, src_dir_fd=fd, dst_dir_fd=fd)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=fd)
+
+    def _makedirs(self, relative: str) -> None:
+        """Create the folder ``relative`` and its parents inside the store's folder."""
+        done = ""
+        for name in relative.split("/") if relative else ():
+            done = f"{done}/{name}" if done else name
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(done, 0o700, dir_fd=self._dir())
+
+    def _open(self, key: str) -> int | None:
+        """A descriptor of the file at ``key`` (never through a symlink), None when absent."""
+        try:
+            return os.open(key, os.O_RDONLY | _FILE, dir_fd=self._dir())
         except _ABSENT:
+            return None
+        except OSError as exc:  # ELOOP: a symlink where a value belongs is no value
+            if exc.errno == getattr(os, "ELOOP", -1):
+                return None
+            raise
+
+    def _read(self, key: str) -> Buffer | None:
+        fd = self._open(key)
+        if fd is None:
             return None
         try:
             buf = bytearray(os.fstat(fd).st_size)
@@ -148,67 +261,158 @@ class FileStore(Store):
             os.close(fd)
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read(size)
-        except _ABSENT:
+        fd = self._open(key)
+        if fd is None:
             return None
+        try:
+            return os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
 
     def _exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        try:
+            st = os.stat(key, dir_fd=self._dir(), follow_symlinks=False)
+        except _ABSENT:
+            return False
+        return stat.S_ISREG(st.st_mode)
 
     def _list(self, prefix: str) -> Iterable[str]:
-        top = self._path(prefix) if prefix else self.root
-        for dirpath, _, files in os.walk(top):
-            rel = Path(dirpath).relative_to(self.root).as_posix()
-            for name in files:
-                if not name.startswith(_TMP):
-                    yield name if rel == "." else f"{rel}/{name}"
+        top = prefix.rstrip("/") or "."
+        try:
+            walk = list(os.fwalk(top, dir_fd=self._dir()))
+        except _ABSENT:
+            return []
+        keys = []
+        for dirpath, _, files, _ in walk:
+            rel = os.path.normpath(dirpath)
+            keys += [
+                name if rel == "." else f"{rel}/{name}"
+                for name in files
+                if not name.startswith(_TMP)
+            ]
+        return keys
 
     def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
-            path = self._path(key)
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                os.unlink(path)
-            self._prune(path.parent)
+                os.unlink(key, dir_fd=self._dir())
+            self._prune(key.rpartition("/")[0])
 
-    def _prune(self, directory: Path) -> None:
-        """Remove ``directory`` and its parents below the root while they are empty."""
-        while directory != self.root and self.root in directory.parents:
+    def _prune(self, relative: str) -> None:
+        """Remove the folder ``relative`` and its parents inside the store while empty."""
+        while relative:
             try:
-                directory.rmdir()
+                os.rmdir(relative, dir_fd=self._dir())
             except OSError:  # not empty (or already gone): the parents are not empty either
                 return
-            directory = directory.parent
+            relative = relative.rpartition("/")[0]
 
     def _delete_prefix(self, prefix: str) -> None:
-        top = self._path(prefix) if prefix else self.root
-        if not top.is_dir():
+        try:
+            fd = self._dir()
+        except FileNotFoundError:
             return
-        if top == self.root:
-            for child in list(top.iterdir()):
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child, ignore_errors=True)
+        top = prefix.rstrip("/")
+        if not top:
+            for entry in list(os.scandir(fd)):
+                if entry.is_dir(follow_symlinks=False):
+                    private.remove_tree(entry.name, fd)
                 else:
-                    child.unlink(missing_ok=True)
-        else:
-            shutil.rmtree(top, ignore_errors=True)
-            self._prune(top.parent)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.name, dir_fd=fd)
+            return
+        parent, _, name = top.rpartition("/")
+        try:
+            parent_fd = private.open_directory(parent, fd) if parent else os.dup(fd)
+        except _ABSENT:
+            return
+        try:
+            private.remove_tree(name, parent_fd)
+        finally:
+            os.close(parent_fd)
+        self._prune(parent)
 
+    # --- job areas -----------------------------------------------------------------------
     def prepare_job(self, job_id: str) -> str:
         with self._mapped("create a job directory"):
-            self.root.mkdir(parents=True, exist_ok=True)
-            return tempfile.mkdtemp(prefix=job_directory(job_id), dir=self.root)
+            fd = self._dir(create=True)
+            while True:
+                name = f"{job_directory(job_id)}{secrets.token_hex(4)}"
+                try:
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                    break
+                except FileExistsError:
+                    continue
+            area = private.open_directory(name, fd)
+            try:
+                st = os.fstat(area)
+            finally:
+                os.close(area)
+            locator = str(self.root / name)
+            _created[locator] = (st.st_dev, st.st_ino)
+            return locator
 
     def join_job(self, locator: str) -> Store:
+        path = Path(locator)
         store = FileStore(locator)
+        store._area_of = (self if path.parent == self.root else type(self)(path.parent), path.name)
         store.sign_parts = self.sign_parts
+        # not there yet: a network filesystem's cache may show it late (opened at first use)
+        with (
+            self._mapped(f"open the job directory {locator}"),
+            contextlib.suppress(FileNotFoundError),
+        ):
+            store._dir()
         return store
 
+    def _check_area(self, locator: str, st: os.stat_result) -> None:
+        """Refuse a job folder that is not the one rank 0 created (as far as this process
+        can tell: the very folder in rank 0's process, a private folder of the user's in a
+        private base)."""
+        created = _created.get(locator)
+        foreign = st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
+        if (created is not None and created != (st.st_dev, st.st_ino)) or (
+            self.private and foreign
+        ):
+            raise StoreUnavailableError(
+                f"store {self}: the job folder {locator} is not the one this job created "
+                f"(owned by {private.describe_owner(st.st_uid)}, mode "
+                f"{stat.S_IMODE(st.st_mode):o}): it was replaced. Use a base folder that only "
+                f"you can change instead of {self.root} (e.g. `mkdir -m 700 "
+                "/dev/shm/$USER-gather`), and check who else can write there",
+                store=str(self),
+            )
+
     def end_job(self, locator: str) -> None:
+        """Remove the job folder ``locator`` (only a folder of this user's, named like a job
+        folder, directly in this base; in the creating process only the very folder it
+        created, wherever it was moved within the base).
+
+        Raises:
+            StoreUnavailableError: the folder at ``locator`` is not the one the job created;
+                the job's own folder is removed, the other is left alone.
+        """
         path = Path(locator)
-        if path.parent == self.root and path.name.startswith(job_directory()):
-            shutil.rmtree(path, ignore_errors=True)
+        if path.parent != self.root or not path.name.startswith(job_directory()):
+            return
+        created = _created.pop(locator, None)
+        try:
+            fd = self._dir()
+        except (OSError, StoreUnavailableError):
+            return
+        owner = os.geteuid() if self.private else None
+        if private.remove_tree(path.name, fd, created, owner) or created is None:
+            return
+        for entry in os.scandir(fd):  # the job's folder was moved aside: remove it there
+            st = entry.stat(follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == created:
+                private.remove_tree(entry.name, fd, created)
+        message = (
+            f"store {self}: the job folder {locator} was replaced by another folder, left "
+            f"alone; use a base folder only you can change instead of {self.root}"
+        )
+        _logger.warning("%s", message)
+        raise StoreUnavailableError(message, store=str(self))
 
 
 class TmpdirStore(FileStore):
@@ -217,10 +421,14 @@ class TmpdirStore(FileStore):
     The base defaults to :func:`default_tmpdir_base` (/dev/shm when it has
     room).  Fine on one machine; across machines use ``file:///<shared dir>``.
     Parts are not signed by default: the job directory is mode 0700 on a
-    local filesystem, reachable only by the job's own user.
+    local filesystem, reachable only by the job's own user, so the base must
+    be a folder no other user can change (owned by the user or root, not
+    writable by others unless sticky, on a path no other user controls): any
+    other base is refused with StoreUnavailableError at the job's first use.
     """
 
     reachable_by_others: ClassVar[bool] = False
+    private: ClassVar[bool] = True
 
     def __init__(self, base: str | os.PathLike[str] | None = None) -> None:
         self.explicit_base = base is not None

@@ -1,26 +1,32 @@
 """Any fsspec filesystem: ``memory://``, ``file://``, ``s3://``, ``gs://``, ``az://``, ...
 
-Object stores publish a value with one PUT (or one multipart upload, which
-becomes visible only when completed), so a reader never sees part of it;
-filesystems write a temp file and move it into place.
+Object stores (``s3://``, ``gs://``, ``az://``, ...) publish a value with one
+PUT, so a reader never sees part of it: values above 16 MiB are chunked by
+the base class into 16 MiB objects, each one create-only PUT written 4 at a
+time, and the manifest, written last and create-only, publishes the value.
+Create-only is the server's: ``If-None-Match: *`` on S3, ``ifGenerationMatch=0``
+on GCS (gcsfs), ``overwrite=False`` on Azure (adlfs); a backend whose
+``pipe_file`` knows no ``mode="create"`` gets a check before its PUT, which
+two racing writers of one key could both pass (gatherstore's own keys have one
+writer each).  Other filesystems (``memory://``, local, ...) write a temp file
+and move it into place after the same check.
 
-On S3 (``s3://``, ``s3a://``) values above 16 MiB are chunked by the base
-class into 16 MiB objects, each one create-only PUT (``If-None-Match: *``),
-written and read 4 at a time, each GET's body received straight into the
-value's buffer; the manifest, written last and create-only, publishes the
-value.  Measured on SeaweedFS this beat one multipart upload plus ranged GETs,
-with s3fs and with obstore alike.  Against an ``http://``
-endpoint the payload is not hashed for the SigV4 signature (TLS is absent
-anyway, and gatherstore signs and verifies every part itself), and botocore
-computes no per-request CRC32 unless the service requires one.
+On S3 each GET's body is received straight into the value's buffer.  Measured
+on SeaweedFS this beat one multipart upload plus ranged GETs, with s3fs and
+with obstore alike.  Against an ``http://`` endpoint the payload is not hashed
+for the SigV4 signature (TLS is absent anyway, and gatherstore signs and
+verifies every part itself), and botocore computes no per-request CRC32 unless
+the service requires one.
 
 Inside a store deadline (see :func:`gatherstore.stores.deadline.deadline`) every
 request of an asynchronous filesystem (s3fs, gcsfs, adlfs) is cancelled when
-the call's time is up (S3 values up to 16 MiB go up in one PUT for that); S3
-clients also get connect/read timeouts and a retry budget of their own
-(``config_kwargs``, unless given), which bound the streamed writes of larger
-values.  Every exception of the filesystem and its HTTP
-stack (botocore, aiohttp, fsspec's timeouts) becomes StoreUnavailableError.
+the call's time is up (object PUTs are 16 MiB at most for that); S3 clients
+also get connect/read timeouts and a retry budget of their own
+(``config_kwargs``, unless given).  Synchronous filesystems cannot be
+cancelled: their calls end when the filesystem returns.  Every exception of
+the filesystem and its HTTP and auth stacks (botocore, aiohttp, gcsfs,
+google-auth, azure-core, fsspec's timeouts) becomes StoreUnavailableError,
+also when the filesystem is created.
 """
 
 from __future__ import annotations
@@ -35,19 +41,20 @@ from typing import Any, TypeVar
 import fsspec
 import fsspec.asyn
 
-from .base import Buffer, Store
+from .._errors import StoreUnavailableError
+from .base import Buffer, Store, describe_failure, hide_password, hide_secrets
 from .deadline import MIN_TIMEOUT, time_left
 
 __all__ = ["FsspecStore"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
-_CREATE_ONLY = {"s3", "s3a"}
+_S3 = {"s3", "s3a"}
 _ABSENT = (FileNotFoundError, IsADirectoryError)  # no value at a key
 _STEP = 16 << 20  # bytes per write/ranged read of a large value
 #: botocore settings for S3 unless the caller passes ``config_kwargs``: a frozen
 #: endpoint fails a request within seconds instead of botocore's 60 s x 5 attempts.
 _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
-#: Largest S3 object written in one PUT; larger values are chunked into objects this size.
+#: Largest object written in one PUT; larger values are chunked into objects this size.
 S3_CHUNK_SIZE = 16 << 20
 _IN_FLIGHT = 4  # S3 chunk PUTs or GETs at once per store call
 _DELETE_BATCH = 1000  # keys per S3 DeleteObjects request (the API's limit)
@@ -127,6 +134,15 @@ def _backend_errors() -> tuple[type[BaseException], ...]:
         from fsspec.exceptions import FSTimeoutError
 
         errors.append(FSTimeoutError)
+    with contextlib.suppress(ImportError):  # gcsfs's HTTP errors and google-auth's
+        from gcsfs.retry import HttpError
+        from google.auth.exceptions import GoogleAuthError
+
+        errors += [HttpError, GoogleAuthError]
+    with contextlib.suppress(ImportError):  # adlfs's: azure-core's
+        from azure.core.exceptions import AzureError
+
+        errors.append(AzureError)
     return tuple(errors)
 
 
@@ -214,22 +230,40 @@ class FsspecStore(Store):
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
-        self._s3 = self.protocol in _CREATE_ONLY
+        self._s3 = self.protocol in _S3
         options = {"config_kwargs": _S3_CONFIG, **storage_options} if self._s3 else storage_options
+        self.unavailable_errors = _backend_errors()  # type: ignore[misc]
         try:
             self.fs, root = fsspec.core.url_to_fs(
                 url, **(fast_s3_options(options) if self._s3 else options)
             )
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"store URL {url!r} or its options are not valid: {exc}") from None
+            raise ValueError(
+                f"store URL {hide_password(url)!r} or its options are not valid: "
+                f"{hide_secrets(str(exc))}"
+            ) from None
+        except self.unavailable_errors as exc:  # e.g. google-auth finding no credentials
+            raise StoreUnavailableError(
+                f"store {hide_password(url)} cannot be opened: {describe_failure(exc)}; check its "
+                "credentials and options",
+                store=hide_password(url),
+            ) from None
+        except ImportError:  # the filesystem's package: open_store says how to install it
+            raise
+        except Exception as exc:  # e.g. gcsfs's KeyError for a token without its fields
+            raise ValueError(
+                f"store URL {hide_password(url)!r} or its options are not valid: "
+                f"{describe_failure(exc)}"
+            ) from None
         self.root = root.rstrip("/")
         if self.protocol in _OBJECT_STORES and not self.root:
-            raise ValueError(f"store URL {url!r} names no bucket; use e.g. s3://bucket/prefix")
+            raise ValueError(
+                f"store URL {hide_password(url)!r} names no bucket; use e.g. s3://bucket/prefix"
+            )
         self.storage_options = storage_options
-        self.unavailable_errors = _backend_errors()  # type: ignore[misc]
         self.reachable_by_others = self.protocol != "memory"  # type: ignore[misc]
         self._object_store = self.protocol in _OBJECT_STORES
-        if self._s3:
+        if self._object_store:
             self.max_value_size = S3_CHUNK_SIZE  # type: ignore[misc]
 
     @classmethod
@@ -266,15 +300,13 @@ class FsspecStore(Store):
 
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
         path = self._path(key)
-        if self._s3:  # at most S3_CHUNK_SIZE bytes; the PUT itself is create-only
+        if self._object_store:  # at most S3_CHUNK_SIZE bytes in one create-only PUT
             return self._put_object(key, path, buffers)
         if self._exists(key):
             return False
-        target = path if self._object_store else f"{path}.tmp-{uuid.uuid4().hex}"
-        if not self._object_store:
-            self.fs.makedirs(self.fs._parent(path), exist_ok=True)
-        # s3fs's "xb" sends If-None-Match: * (PUT or multipart completion): create-only
-        f = self.fs.open(target, "xb" if self.protocol in _CREATE_ONLY else "wb")
+        target = f"{path}.tmp-{uuid.uuid4().hex}"
+        self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        f = self.fs.open(target, "wb")
         # block by block: a buffered file copies what it is given, all of it at once
         step = getattr(f, "blocksize", 0) or _STEP
         try:
@@ -282,38 +314,48 @@ class FsspecStore(Store):
                 view = memoryview(buf).cast("B")
                 for start in range(0, len(view), step):
                     f.write(view[start : start + step])
-            f.close()  # an object becomes visible only here, whole
-        except BaseException as exc:
+            f.close()
+        except BaseException:
             with contextlib.suppress(Exception):
-                discard = getattr(f, "discard", None)
-                if discard is not None:
-                    discard()  # aborts a multipart upload
                 f.close()
-                if not self._object_store:
-                    self.fs.rm_file(target)
-            if self._object_store and _precondition_failed(exc) and self._exists(key):
-                return False
-            raise
-        if not self._object_store:
-            if self._exists(key):
                 self.fs.rm_file(target)
-                return False
-            self.fs.mv(target, path)
+            raise
+        if self._exists(key):
+            self.fs.rm_file(target)
+            return False
+        self.fs.mv(target, path)
         return True
 
     def _put_object(self, key: str, path: str, buffers: Sequence[Buffer]) -> bool:
-        """A small value in one create-only PUT (If-None-Match: *), cancelled at the deadline."""
-        views = [memoryview(b).cast("B") for b in buffers]
+        """A value in one create-only PUT, cancelled at the deadline (a check first where
+        the filesystem's ``pipe_file`` knows no ``mode="create"``)."""
+        data = b"".join(memoryview(b).cast("B") for b in buffers)
         try:
-            self._call("pipe_file", path, b"".join(views), mode="create")
+            try:
+                self._call("pipe_file", path, data, mode="create")
+            except TypeError:  # an older filesystem without create-only writes
+                if self._exists(key):
+                    return False
+                self._call("pipe_file", path, data)
         except Exception as exc:
             if _precondition_failed(exc) and self._exists(key):
                 return False
             raise
         return True
 
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        data = b"".join(memoryview(b).cast("B") for b in buffers)
+        path = self._path(key)
+        if self._object_store:
+            self._call("pipe_file", path, data)
+            return
+        target = f"{path}.tmp-{uuid.uuid4().hex}"
+        self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        self.fs.pipe_file(target, data)
+        self.fs.mv(target, path)
+
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        if not self._s3:
+        if not self._object_store:
             return super()._write_many(items)
         return _in_flight(
             lambda item: self._put_object(item[0], self._path(item[0]), item[1]), items

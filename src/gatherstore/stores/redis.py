@@ -12,9 +12,14 @@ counts as written.
 
 A job's keys are also named in an index (a Redis set beside the job's
 prefix, same TTL), so that the job's end deletes exactly those keys instead
-of SCANning the keyspace; while the job reads, the TTL of every indexed key
-is renewed at least every ``ttl / 4`` seconds, so that parts waiting for a
-slow ``gather_iter`` consumer do not expire.
+of SCANning the keyspace; a deleted key leaves the index too (``SREM``), so
+the index names only keys that exist.  While the job reads, the TTL of every
+indexed key is renewed at least every ``ttl / 4`` seconds, so that parts
+waiting for a slow ``gather_iter`` consumer do not expire.  A Redis used as a
+cache (``maxmemory`` with an ``allkeys-*`` policy) may evict the index itself:
+the index holds a sentinel from the job's start, and when the job's end does
+not find it there, it also deletes what is left under the job's prefix, by a
+SCAN of that prefix alone.
 
 Options come from the URL query or keywords, e.g.
 ``redis://:secret@host:6379/0?ttl=600&chunk_size=33554432&socket_timeout=30``:
@@ -63,11 +68,12 @@ _CONNECTION_DEFAULTS: dict[str, Any] = {
     "socket_connect_timeout": 10.0,
     "socket_timeout": 60.0,
     # a few quick retries of a dropped connection; the call's deadline bounds them all
-    "retry": redis.retry.Retry(redis.backoff.ExponentialWithJitterBackoff(0.01, 0.5), 3),
+    "retry": redis.retry.Retry(redis.backoff.EqualJitterBackoff(cap=0.5, base=0.01), 3),
 }
 _SECRETS = ("password",)
 _BATCH = 1000  # keys per SCAN step, per UNLINK and per SPOP
 _INDEX = ".keys"  # suffix of a job's index: "<prefix>gatherstore/<job>.keys"
+_SENTINEL = b"/"  # a member of every index from the job's start (no key has this name)
 _GLOB_SPECIALS = "\\*?[]"
 _connection: Any = redis.connection  # redis-py's helpers, untyped
 _IN_FLIGHT = 4  # SETs or GETs sent ahead of their replies on one connection
@@ -185,8 +191,12 @@ class _DeadlineConnection:
         return super().read_response(*args, **kwargs)  # type: ignore[misc]
 
     def _bound(self) -> None:
-        if self._sock is not None:
-            self.update_current_socket_timeout(self.socket_timeout)  # type: ignore[attr-defined]
+        """Set the socket's timeout to the time left (redis-py >= 7 has
+        ``update_current_socket_timeout`` for this; the socket call works on every version).
+        A timeout of 0 means redis-py is polling the socket: left alone."""
+        sock = self._sock
+        if sock is not None and sock.gettimeout() != 0:
+            sock.settimeout(self.socket_timeout)
 
 
 def _bounded_class(cls: type[Any]) -> type[Any]:
@@ -364,8 +374,30 @@ class RedisStore(Store):
         got = self._get_many([self._key(k) for k, _ in items], [view for _, view in items])
         return [size for size, _ in got]
 
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        """``SET key value PX ttl`` (indexed like any key of a job area)."""
+        name = self._key(key)
+        pipe = self._client.pipeline(transaction=False)
+        index = self._index_of(key)
+        if index is not None:
+            pipe.sadd(self._key(index), name)
+            pipe.pexpire(self._key(index), self._ttl_ms)
+        pipe.set(name, b"".join(memoryview(b).cast("B") for b in buffers), px=self._ttl_ms)
+        pipe.execute()
+
+    def prepare_job(self, job_id: str) -> str:
+        """Start the job's index with its sentinel, which tells the job's end whether
+        Redis evicted the index meanwhile."""
+        locator = super().prepare_job(job_id)
+        index = self._key(locator.rstrip("/") + _INDEX)
+        with self._mapped(f"create the index of the job area {locator!r}"):
+            self._client.sadd(index, _SENTINEL)
+            self._client.pexpire(index, self._ttl_ms)
+        return locator
+
     def _renew(self, key: str) -> None:
-        """Every ``ttl / 4`` s of reading a job area: reset the TTL of every key it indexes."""
+        """Every ``ttl / 4`` s of reading a job area: reset the TTL of every key it indexes
+        (the keys that exist: deleted ones left the index)."""
         index = self._index_of(key)
         if index is None:
             return
@@ -374,21 +406,30 @@ class RedisStore(Store):
             return
         self._renewed[index] = now
         members: set[bytes] = self._client.smembers(self._key(index))  # type: ignore[assignment]
+        inside = self._key(index[: -len(_INDEX)] + "/")
         pipe = self._client.pipeline(transaction=False)
-        for name in [*members, self._key(index)]:
+        for name in [*(m for m in members if m.startswith(inside)), self._key(index)]:
             pipe.pexpire(name, self._ttl_ms)
         pipe.execute()
 
     def end_job(self, locator: str) -> None:
-        """Delete exactly the keys the job's index names, then the index (no SCAN)."""
-        index = self._key(locator.rstrip("/") + _INDEX)
+        """Delete the keys the job's index names (only those inside the job's area), then
+        the index; SCAN the area's prefix only when the index lost its sentinel (evicted)."""
+        area = locator.rstrip("/")
+        index, inside = self._key(area + _INDEX), self._key(area + "/")
         with deadline(END_JOB_TIMEOUT), self._mapped(f"delete the job area {locator!r}"):
+            intact = False
             while True:
                 names: list[bytes] = self._client.spop(index, _BATCH)  # type: ignore[assignment]
                 if not names:
                     break
-                self._client.unlink(*names)
+                intact = intact or _SENTINEL in names
+                mine = [name for name in names if name.startswith(inside)]
+                if mine:
+                    self._client.unlink(*mine)
             self._client.unlink(index)
+            if not intact:
+                self._delete_prefix(area + "/")
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         head: bytes = self._client.getrange(self._key(key), 0, size - 1)  # type: ignore[assignment]
@@ -408,17 +449,31 @@ class RedisStore(Store):
 
     def _delete(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), _BATCH):
-            self._client.unlink(*(self._key(k) for k in keys[i : i + _BATCH]))
+            self._unlink([self._key(k) for k in keys[i : i + _BATCH]])
+
+    def _unlink(self, names: Sequence[bytes]) -> None:
+        """``UNLINK`` these keys and ``SREM`` them from their job's index, in one round trip."""
+        start = len(self._key(""))
+        by_index: dict[bytes, list[bytes]] = {}
+        for name in names:
+            index = self._index_of(name[start:].decode("utf-8", "surrogateescape"))
+            if index is not None:
+                by_index.setdefault(self._key(index), []).append(name)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.unlink(*names)
+        for index_name, members in by_index.items():
+            pipe.srem(index_name, *members)
+        pipe.execute()
 
     def _delete_prefix(self, prefix: str) -> None:
         batch: list[bytes] = []
         for raw in self._scan(prefix):
             batch.append(raw)
             if len(batch) == _BATCH:
-                self._client.unlink(*batch)
+                self._unlink(batch)
                 batch = []
         if batch:
-            self._client.unlink(*batch)
+            self._unlink(batch)
 
     def close(self) -> None:
         self._client.close()

@@ -41,6 +41,9 @@ class ScopedStore(Store):
     def _delete_prefix(self, prefix: str) -> None:
         self.parent._delete_prefix(self.prefix + prefix)
 
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        self.parent._replace(self.prefix + key, buffers)
+
     def _read_head(self, key: str, size: int) -> Buffer | None:
         return self.parent._read_head(self.prefix + key, size)
 

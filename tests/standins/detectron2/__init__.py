@@ -1,0 +1,1 @@
+"""Stand-in for detectron2 (see tests/standins/README.md)."""

@@ -1,0 +1,1 @@
+"""``torchvision.transforms``, imported by torchmetrics at load time; empty here."""

@@ -1,0 +1,1 @@
+"""Stand-in for vis4d.engine.callbacks."""

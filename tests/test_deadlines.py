@@ -1,0 +1,116 @@
+"""One deadline per call: every phase of a call shares its ``timeout``; a store's set-up
+happens at init (the default store) or is absorbed by the first call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gatherstore as gs
+from gatherstore.stores.base import Buffer
+from gatherstore.stores.file import FileStore
+
+MARGIN = 15.0  # seconds past a timeout that count as "in time" on a loaded machine
+
+
+class SlowReads(FileStore):
+    """A live but slow shared folder: every read of a part takes 1 s."""
+
+    def _read(self, key: str) -> Buffer | None:
+        if key.rsplit("/", 1)[-1].isdigit():  # a part, not the job marker
+            time.sleep(1.0)
+        return super()._read(key)
+
+    def join_job(self, locator: str) -> FileStore:
+        return SlowReads(locator)
+
+
+class SlowSetUp(FileStore):
+    """A shared folder whose job area takes 2 s to set up and whose parts take 0.8 s to
+    write."""
+
+    def prepare_job(self, job_id: str) -> str:
+        locator = super().prepare_job(job_id)
+        time.sleep(2.0)
+        return locator
+
+    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        if key.rsplit("/", 1)[-1].isdigit():
+            time.sleep(0.8)
+        return super()._write(key, buffers)
+
+    def join_job(self, locator: str) -> FileStore:
+        return SlowSetUp(locator)
+
+
+def _slow_store_calls(root: str) -> dict[str, Any]:
+    store = SlowReads(root)
+    out: dict[str, Any] = {}
+    gs.all_gather_object(0, store=store, timeout=60)  # the job area exists from here on
+    started = time.monotonic()
+    try:
+        gathered = gs.gather_object(gs.get_rank(), store=store, timeout=2)
+        out["gather"] = ("ok", gathered)
+    except gs.GatherError as exc:
+        out["gather"] = (type(exc).__name__, str(exc))
+    out["gather_seconds"] = time.monotonic() - started
+    gs.barrier(timeout=60)  # the senders returned long before dst gave up
+    # a gather_iter's reads are paced by its consumer: each has the whole timeout
+    out["iter"] = list(gs.gather_iter(gs.get_rank(), store=store, timeout=2))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_store_cannot_stretch_a_call_past_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATHERSTORE_READ_AHEAD", "1")  # no read-ahead: one read after another
+    dst, *senders = gs.launch(
+        _slow_store_calls, nproc_per_node=5, backend="gloo", args=(str(tmp_path),)
+    )
+    # four reads of 1 s, one after another, do not fit one 2 s deadline (each read used to
+    # get the whole timeout of its own)
+    assert dst["gather"][0] == "StoreUnavailableError", dst["gather"]
+    assert "no time left" in dst["gather"][1]
+    assert dst["gather_seconds"] < 2 + MARGIN
+    assert dst["iter"] == [0, 1, 2, 3, 4]
+    assert all(s["gather"] == ("ok", None) and s["iter"] == [] for s in senders)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _first_call_sets_up(root: str) -> Any:
+    return gs.gather_object(gs.get_rank(), store=SlowSetUp(root), timeout=3)
+
+
+@pytest.mark.timeout(120)
+def test_the_first_call_absorbs_the_set_up_of_its_store(tmp_path: Path) -> None:
+    """2 s of set-up, 0.8 s of writing and the reads fit a 3 s call: the set-up has a
+    deadline of its own."""
+    results = gs.launch(
+        _first_call_sets_up, nproc_per_node=2, backend="gloo", args=(str(tmp_path),)
+    )
+    assert results == [[0, 1], None]
+    assert list(tmp_path.iterdir()) == []
+
+
+def _areas_at_init(root: str) -> list[list[str]]:
+    before = sorted(p.name for p in Path(root).iterdir())
+    gs.all_gather_object(bytes(1 << 20), timeout=30)
+    after = sorted(p.name for p in Path(root).iterdir())
+    return [before, after]
+
+
+@pytest.mark.timeout(120)
+def test_the_default_store_is_set_up_at_init(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATHERSTORE_STORE", f"file://{tmp_path}")
+    results = gs.launch(_areas_at_init, nproc_per_node=2, backend="gloo", args=(str(tmp_path),))
+    for before, after in results:
+        assert len(before) == 1 and before[0].startswith("gatherstore-"), before
+        assert after == before
+    assert list(tmp_path.iterdir()) == []

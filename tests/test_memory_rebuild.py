@@ -1,0 +1,100 @@
+"""The memory check counts what unpickling allocates, and a wrong estimate still ends in
+an error, not a kernel OOM kill (real memory cgroups, real processes)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cgroups import run_in_memory_cgroup
+
+import gatherstore as gs
+from gatherstore import _memory, _serialize, _sizing
+
+
+def _inflate(seed: bytes) -> bytes:
+    return seed * 20
+
+
+class Inflating:
+    """Looks like its 1 KB seed; rebuilds into 20 KB."""
+
+    def __init__(self, seed: bytes) -> None:
+        self.seed = seed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inflate, (self.seed,))
+
+
+def _records(rank: int) -> list[dict[str, Any]]:
+    """Small records, about 10x bigger rebuilt than pickled."""
+    return [{"id": i, "score": i * 0.5, "label": f"r{rank}-{i}"} for i in range(400_000)]
+
+
+def test_the_estimate_counts_objects_not_pickled_bytes() -> None:
+    records = _records(0)
+    frame = _serialize.encode(records)
+    assert frame.rebuilt > 5 * frame.nbytes, (frame.rebuilt, frame.nbytes)
+    tensors = {"x": __import__("torch").ones(1 << 20)}
+    assert _sizing.rebuilt_size(tensors) < 4096  # out of band: a view of the part
+
+
+def _job(case: str, limit_file: str, usage_file: str) -> str:
+    rank = gs.get_rank()
+    obj: Any = (
+        _records(rank)
+        if case == "records"
+        else [Inflating(bytes([i % 256]) * 1000) for i in range(20_000)]
+    )
+    pickled = len(pickle.dumps(obj[:1000], protocol=5)) * len(obj) // 1000
+    gs.barrier(timeout=120)
+    if rank == 0:  # room for 4x the pickled parts of the job beyond what it holds now (page
+        # cache aside): enough to pickle and write them, not to rebuild two parts of records
+        stat = Path(limit_file).with_name("memory.stat")
+        field = "inactive_file" if limit_file.endswith("memory.max") else "total_inactive_file"
+        used = int(Path(usage_file).read_text()) - _memory._reclaimable(stat, field)
+        Path(limit_file).write_text(str(used + 4 * 3 * pickled))
+    gs.barrier(timeout=120)
+    try:
+        gathered = gs.gather_object(obj, store="tmpdir", timeout=120)
+        return "no error" if gathered is None or rank else f"gathered {len(gathered)}"
+    except gs.GatherError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+_IN_CGROUP = """
+import os, sys
+with open(sys.argv[1], "w") as f:
+    f.write(str(os.getpid()))
+import gatherstore as gs, test_memory_rebuild as t
+args = (sys.argv[4], sys.argv[2], sys.argv[3])  # case, limit file, usage file
+for line in gs.launch(t._job, nproc_per_node=3, backend="gloo", args=args):
+    print(repr(line))
+"""
+
+
+def _run_in_cgroup(case: str) -> tuple[list[str], str]:
+    done, oom = run_in_memory_cgroup(_IN_CGROUP, [case], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [eval(line) for line in done.stdout.splitlines()], oom
+
+
+@pytest.mark.timeout(360)
+def test_small_records_that_would_not_fit_rebuilt_fail_on_every_rank_before_moving() -> None:
+    lines, oom = _run_in_cgroup("records")
+    assert len(lines) == 3
+    for line in lines:
+        assert line.startswith("InsufficientMemoryError"), lines
+    assert "unpickling" in lines[0], lines[0]
+    assert "oom_kill 0" in oom, oom
+
+
+@pytest.mark.timeout(360)
+def test_a_rebuild_far_past_its_estimate_stops_before_the_kernel_kills() -> None:
+    lines, oom = _run_in_cgroup("inflating")
+    assert lines[0].startswith("InsufficientMemoryError"), lines
+    assert "rebuilding the part of rank 1" in lines[0], lines[0]
+    assert lines[1:] == ["no error", "no error"], lines
+    assert "oom_kill 0" in oom, oom
