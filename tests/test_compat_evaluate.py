@@ -226,8 +226,11 @@ def one_rank_fails(tmp: str) -> dict[str, Any]:
 @pytest.mark.timeout(240)
 def test_a_rank_that_fails_makes_every_rank_raise(tmp_path: Path) -> None:
     results = gs.launch(one_rank_fails, nproc_per_node=3, backend="gloo", args=(str(tmp_path),))
-    # evaluate's own: rank 0 waits `timeout` for rank 1's file and raises, rank 2 returns None
-    assert [r[False] for r in results] == [("ValueError", None), ("ValueError", None), None]
+    # evaluate's own: rank 0 waits `timeout` for rank 1's file and raises (ValueError, or
+    # pyarrow's ArrowInvalid when it finds a file half written), rank 2 returns None
+    own = [r[False] for r in results]
+    assert own[0] in (("ValueError", None), ("ArrowInvalid", None)), own
+    assert own[1:] == [("ValueError", None), None]
     # patched: ranks 0 and 2 raise GatherTimeout naming rank 1, and nothing is left behind
     timeout = ("GatherTimeout", [1])
     assert [r[True] for r in results] == [timeout, ("ValueError", None), timeout]
