@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 import urllib.parse
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from typing import Any
@@ -29,7 +28,7 @@ from ._bench.payloads import KINDS
 from ._cleanup import collect, parse_duration
 from ._errors import GatherError, IntegrityError, RemoteRankError, StoreUnavailableError
 from ._launch import init_from_env, launch, shutdown
-from ._session import MARKER
+from ._session import create_area
 from .stores.base import hide_password
 from .stores.file import FileStore, default_tmpdir_base
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
@@ -165,9 +164,8 @@ def _roundtrip(spec: str) -> dict[str, Any]:
     """
     with open_store(spec) as store:
         start = time.perf_counter()
-        job_id = uuid.uuid4().hex[:16]
         try:
-            locator = store.prepare_job(job_id)
+            _, locator = create_area(store)
         except OSError as exc:
             raise StoreUnavailableError(
                 f"store {store} cannot create a job area: {exc}; check that the base "
@@ -177,8 +175,6 @@ def _roundtrip(spec: str) -> dict[str, Any]:
         facts: dict[str, Any] = {"store": demo.describe_store(spec)}
         try:
             job = store.join_job(locator)
-            marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
-            job.put(MARKER, json.dumps(marker).encode())
             probe = os.urandom(_PROBE_BYTES)
             job.put("check/probe", probe)
             back = job.get("check/probe")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _gloo as gloo
 from . import _published as publication
 from . import _session as session
 from . import _signals as signals
@@ -55,7 +56,7 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Ti
         timeout=_dt.timedelta(seconds=to_seconds(timeout)),
     )
     if world_size > 1:
-        control.control_group()
+        gloo.group()
         topology.settle()
         # a stopped job removes its areas; installed now, not inside the first gather, so
         # that the program sees the same handlers from the start (see _signals)

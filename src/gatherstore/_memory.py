@@ -23,7 +23,7 @@ from .stores.base import Store
 from .stores.file import TmpdirStore
 
 __all__ = [
-    "ROUTES",
+    "NEEDS",
     "SHM",
     "NodeNeed",
     "check",
@@ -36,8 +36,9 @@ __all__ = [
 ]
 
 SHM = "/dev/shm"
-#: The kinds of route whose memory need differs (see :func:`route_need`).
-ROUTES = ("collective", "shm", "store")
+#: The kinds of memory need a route has (see :func:`route_need`): not the routes a
+#: user picks (``stores.registry.ROUTES``), but how each moves parts.
+NEEDS = ("collective", "shm", "store")
 _UNLIMITED = 1 << 62
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -184,7 +185,7 @@ def route_need(
 
 
 def route_of(target: Store | str) -> str:
-    """The kind of route (one of :data:`ROUTES`) ``target`` is, for its memory need."""
+    """The kind of route (one of :data:`NEEDS`) ``target`` is, for its memory need."""
     return "collective" if target == "collective" else "shm" if in_ram(target) else "store"
 
 
@@ -239,7 +240,7 @@ def shortfalls(
 def check(what: str, target: Store | str, total: int, short: dict[str, list[str]]) -> None:
     """Raise on every rank alike when ``target`` would outgrow a node's memory.
 
-    ``short`` maps each of :data:`ROUTES` to its :func:`shortfalls` (computed once,
+    ``short`` maps each of :data:`NEEDS` to its :func:`shortfalls` (computed once,
     on one rank, and the same everywhere); ``total`` is the bytes gathered.
 
     Raises:
