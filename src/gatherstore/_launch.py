@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import multiprocessing as mp
 import os
 import signal
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -293,6 +294,20 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
     local_size = int(env.get("LOCAL_WORLD_SIZE", str(max(gpus, 1))))
     _join(_pick_backend(backend, local_size), rank, world, local_rank, timeout)
     return True
+
+
+@contextlib.contextmanager
+def joined_from_env(timeout: Timeout) -> Iterator[bool]:
+    """Join the job the environment describes, if any (torchrun, SLURM, or the caller's
+    own process group); leave it afterwards if this joined it.  Yields whether a job
+    was joined."""
+    owned = not topology.is_distributed()
+    joined = init_from_env(timeout=timeout)
+    try:
+        yield joined
+    finally:
+        if joined and owned:
+            shutdown()
 
 
 def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
