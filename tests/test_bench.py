@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -16,7 +17,8 @@ import torch
 from _jobs import hiredis_in_use
 
 import gatherstore as gs
-from gatherstore._bench import baselines, clients, payloads, report, runner
+from gatherstore import _cli
+from gatherstore._bench import baselines, clients, latency, payloads, report, runner
 from gatherstore._bench.cases import BASELINE, Case, select
 from gatherstore._bench.measure import PeakMemory
 from gatherstore.testing.plugin import S3Endpoint
@@ -319,3 +321,18 @@ def test_bench_unknown_case_pattern() -> None:
     result = run_bench("--cases", "nope", timeout=50)
     assert result.returncode == 1
     assert "--cases 'nope' matches no case" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_latency_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--latency``: every operation at every size, in one job; the 64 KiB gathers go
+    through tmpdir (3 x 64 KiB is above auto's threshold), which is left empty."""
+    assert _cli._parser().parse_args(["bench", "--latency"]).latency == [32]
+    monkeypatch.setenv("GATHERSTORE_TMPDIR", str(tmp_path))  # the ranks' tmpdir base
+    out = io.StringIO()
+    assert latency.main([3], [1 << 10, 64 << 10], warmup=1, calls=2, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("W = 3 gloo processes") and "1.0 KiB" in lines[1]
+    assert [line.split()[0] for line in lines[2:]] == list(latency.OPS)
+    assert all(line.count(" ms") == 2 for line in lines[2:])
+    assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ import pytest
 from test_slurm import slurm_step_env, without_launchers
 
 from gatherstore._bench import hostbench
-from gatherstore._bench.hosts import Hosts, unavailable
+from gatherstore._bench.hosts import Host, Hosts, unavailable
 from gatherstore.testing.services import free_ports
 
 NPROC = 2  # ranks per host
@@ -247,22 +247,46 @@ def test_a_crash_on_one_host_ends_both_launchers_in_time(hosts: Hosts) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_hosts_prints_the_table() -> None:
-    """``gatherstore bench --hosts 2`` at a small size: every case, right results."""
+    """``gatherstore bench --hosts 2`` at a small size: the share's ceiling, every case,
+    right results."""
     require_hosts()
     out = io.StringIO()
     assert hostbench.main(size=2 << 20, out=out, subnet="10.77.2") == 0
     table = out.getvalue()
+    assert "mounted over sshfs on both hosts" in table
+    assert "share ceiling, plain file I/O of 6.0 MiB" in table and "write+read" in table
     for case in hostbench.CASES:
         assert case in table
     assert "wrong result" not in table
 
 
-def test_hosts_are_torn_down() -> None:
-    """Building and closing leaves no namespace, mount or directory behind."""
+def filesystem(host: Host, path: Path) -> str:
+    """The type of the filesystem ``path`` is on, as ``host``'s processes see it."""
+    found = host.run(["findmnt", "-n", "-o", "FSTYPE", "-T", str(path)], capture_output=True)
+    return found.stdout.decode().strip()
+
+
+def test_both_hosts_mount_the_share(hosts: Hosts) -> None:
+    """Each host reads what the other wrote, through its own sshfs mount."""
+    assert [filesystem(host, hosts.shared) for host in hosts.hosts] == ["fuse.sshfs"] * 2
+    for writer, reader in ((1, 2), (2, 1)):
+        path = hosts.shared / f"from-{writer}"
+        hosts[writer].run(["sh", "-c", f"echo {writer} > {path}"], check=True)
+        assert hosts[reader].run(["cat", str(path)], capture_output=True).stdout == b"%d\n" % writer
+        path.unlink()
+
+
+@pytest.mark.parametrize("share_local", [False, True])
+def test_hosts_are_torn_down(share_local: bool) -> None:
+    """Building and closing leaves no namespace, mount or directory behind; with
+    ``share_local`` host 1 uses the exported directory itself."""
     require_hosts()
-    with Hosts(subnet="10.77.1") as built:
+    with Hosts(subnet="10.77.1", share_local=share_local) as built:
         names = [host.netns for host in built.hosts]
         workdir = built.workdir
+        shares = [filesystem(host, built.shared) for host in built.hosts]
+    assert shares[1] == "fuse.sshfs"
+    assert (shares[0] == "fuse.sshfs") is not share_local, shares
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)
     assert str(workdir) not in Path("/proc/self/mounts").read_text()

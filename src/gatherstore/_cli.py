@@ -110,10 +110,16 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import scale
 
         return scale.main(args.scale)
+    if args.latency:
+        from ._bench import latency
+
+        return latency.main(args.latency)
+    if args.share_local and not args.hosts:
+        raise ValueError("--share-local goes with --hosts 2")
     if args.hosts:
         from ._bench import hostbench
 
-        return hostbench.main()
+        return hostbench.main(share_local=args.share_local, repeats=args.repeats)
     if args.parts:
         from ._bench import parts
 
@@ -258,10 +264,24 @@ def _parser() -> argparse.ArgumentParser:
         help="instead: the control exchange with simulated ranks (64,256,1024)",
     )
     p.add_argument(
+        "--latency",
+        type=_argtype(_ints),
+        nargs="?",
+        const=[32],
+        metavar="WORLDS",
+        help="instead: median and p90 latency of 1 KiB and 1 MiB gathers, gatherstore's and "
+        "torch's, in one job of W processes each (32)",
+    )
+    p.add_argument(
         "--hosts",
         type=int,
         choices=[2],
-        help="instead: 200 MiB per rank across 2 simulated hosts (root; sshfs, Redis)",
+        help="instead: 200 MiB per rank across 2 simulated hosts (root; sshfs, Redis, S3)",
+    )
+    p.add_argument(
+        "--share-local",
+        action="store_true",
+        help="with --hosts: host 1 reads the share from local disk (only host 2 mounts it)",
     )
     p.add_argument(
         "--parts",
