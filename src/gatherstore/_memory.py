@@ -159,8 +159,8 @@ def route_need(
 
     The collective route gives every receiver ``W`` slots of the largest part
     (plus a send buffer in an all-gather) and every sender one padded part.  A
-    store route gives each receiver a private copy of what it reads (of one part
-    at a time, streamed), plus its read-ahead budget; on /dev/shm the written parts
+    store route gives each receiver a private copy of what it reads (streamed: one
+    part at a time, plus its read-ahead budget); on /dev/shm the written parts
     take RAM too, which a gather frees as it reads (the copies replace them) and an
     all-gather does not.
     """
@@ -174,10 +174,10 @@ def route_need(
         ram = sum(largest * (world + all_receive) for _ in mine) + objects
         ram += sum(largest for r in ranks if r not in receiving and sizes[r])
         return NodeNeed(ram, 0)
-    if streamed:  # the consumer's part, rebuilt, and the window
+    if streamed:  # the consumer's part, rebuilt, and the read-ahead budget
         reads = sum(largest + max(built) + window[r] for r in mine)
-    else:
-        reads = sum(total - sizes[r] + window[r] for r in mine) + objects
+    else:  # every part is returned: what is read ahead is part of that
+        reads = sum(total - sizes[r] for r in mine) + objects
     if route != "shm":
         return NodeNeed(reads, 0)
     written = sum(sizes[r] for r in ranks)

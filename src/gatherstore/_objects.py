@@ -86,7 +86,8 @@ def all_gather_object(
     mine = status(True)
     try:
         try:
-            reader = Parts(call, session, prefix, call.rank, obj, budget=call.budget, delete=False)
+            # every part is returned: reading them all at once takes no more memory
+            reader = Parts(call, session, prefix, call.rank, obj, budget=call.total, delete=False)
             out = list(reader)
         except Exception as exc:
             error, mine = exc, failure(exc)
@@ -195,7 +196,10 @@ def gather_prepared(
     if call.rank != dst:
         call.finish()
         return None
-    parts = Parts(call, session, prefix, dst, obj, budget=call.budget, lazy=stream)
+    # a gather_object returns every part: it may read them all at once; a gather_iter keeps
+    # what its consumer holds plus the read-ahead budget
+    budget = call.budget if stream else call.total
+    parts = Parts(call, session, prefix, dst, obj, budget=budget, lazy=stream)
     return parts if stream else iter(list(parts))
 
 
