@@ -56,11 +56,6 @@ class TestTmpdirStore(TestFileStore):
 
 
 class TestFsspecLocal(_OnDisk):
-    known_failures = {  # noqa: RUF012
-        "test_pickled_and_reopened_stores_are_equal": "FsspecStore('file://…').url is "
-        "file://…, which open_store opens as a FileStore: not the store it came from",
-    }
-
     @pytest.fixture
     def store(self, tmp_path: Path) -> Store:
         return FsspecStore(f"file://{tmp_path}")

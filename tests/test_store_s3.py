@@ -66,11 +66,6 @@ def prefix() -> str:
 
 
 class TestS3Store(StoreTests):
-    known_failures = {  # noqa: RUF012
-        "test_damaged_value_is_reported[emptied]": "FsspecStore on S3 reads an empty object "
-        "with a range GET: InvalidRange becomes StoreUnavailableError, not IntegrityError",
-    }
-
     @pytest.fixture
     def store(self, s3: tuple[S3Endpoint, str, Any], prefix: str) -> Iterator[Store]:
         endpoint, bucket, _ = s3

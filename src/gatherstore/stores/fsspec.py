@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -205,6 +206,10 @@ async def _cat_many(fs: Any, paths: list[str], limit: int, step: int) -> list[by
                 head: bytes = await fs._cat_file(path, start=0, end=step)
             except _ABSENT:
                 return None
+            except OSError as exc:
+                if not _no_range(exc) or await fs._size(path) != 0:
+                    raise
+                return b""
             return head
 
     return list(await asyncio.gather(*(first(path) for path in paths)))
@@ -227,6 +232,12 @@ async def _delete_objects(fs: Any, paths: list[str]) -> None:
             f"S3 refused to delete {len(errors)} object(s), e.g. {first.get('Key')!r}: "
             f"{first.get('Code')} {first.get('Message', '')}".rstrip()
         )
+
+
+def _no_range(exc: OSError) -> bool:
+    """Whether a ranged read may have failed for want of a range: S3 answers one of an
+    empty object with InvalidRange, which s3fs raises as EINVAL."""
+    return exc.errno == errno.EINVAL
 
 
 def _s3fs_core() -> Any:
@@ -289,7 +300,9 @@ class FsspecStore(Store):
 
     @property
     def url(self) -> str:
-        return f"{self.protocol}://{self.root}"
+        """``<protocol>://<root>``; a local folder is ``local://…``, since ``file://…``
+        opens a :class:`~.file.FileStore`."""
+        return f"{'local' if self.protocol == 'file' else self.protocol}://{self.root}"
 
     def _options(self) -> dict[str, Any]:
         return dict(self.storage_options)
@@ -437,7 +450,7 @@ class FsspecStore(Store):
         still costs one request.
         """
         if first is None:
-            first = self._call("cat_file", path, start=0, end=_STEP)
+            first = self._head(path, _STEP)
         if len(first) < _STEP:
             return bytearray(first)
         out = bytearray(self._call("size", path))
@@ -450,9 +463,22 @@ class FsspecStore(Store):
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         try:
-            head: bytes = self._call("cat_file", self._path(key), start=0, end=size)
+            return self._head(self._path(key), size)
         except _ABSENT:
             return None
+
+    def _head(self, path: str, size: int) -> bytes:
+        """The first ``size`` bytes of the object at ``path``, by a ranged read; an empty
+        object (damage: stored values have a header) gives empty bytes."""
+        try:
+            head: bytes = self._call("cat_file", path, start=0, end=size)
+        except _ABSENT:
+            raise
+        except OSError as exc:
+            self.fs.invalidate_cache(path)
+            if not _no_range(exc) or self._call("size", path) != 0:
+                raise
+            return b""
         return head
 
     def _exists(self, key: str) -> bool:

@@ -444,8 +444,13 @@ class RedisStore(Store):
                 self._delete_prefix(area + "/")
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
-        head: bytes = self._client.getrange(self._key(key), 0, size - 1)  # type: ignore[assignment]
-        return head or None  # b"" for an absent key; stored values are never empty
+        """``GETRANGE`` and ``EXISTS`` in one transaction: GETRANGE alone answers empty bytes
+        for an absent key and for an empty value (damage: stored values have a header)."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.getrange(self._key(key), 0, size - 1)
+        pipe.exists(self._key(key))
+        head, exists = pipe.execute()
+        return bytes(head) if exists else None
 
     def _exists(self, key: str) -> bool:
         return bool(self._client.exists(self._key(key)))
