@@ -11,8 +11,9 @@ import fsspec
 import pytest
 
 from gatherstore.stores.base import Store
-from gatherstore.stores.file import FileStore, TmpdirStore
+from gatherstore.stores.file import FileStore
 from gatherstore.stores.fsspec import FsspecStore
+from gatherstore.stores.tmpdir import TmpdirStore
 from gatherstore.testing import StoreTests
 
 

@@ -31,8 +31,9 @@ from ._errors import GatherError, IntegrityError, RemoteRankError, StoreUnavaila
 from ._launch import init_from_env, launch, shutdown
 from ._session import MARKER
 from .stores.base import hide_password
-from .stores.file import FileStore, default_tmpdir_base
+from .stores.file import FileStore
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
+from .stores.tmpdir import default_tmpdir_base
 
 __all__ = ["main"]
 

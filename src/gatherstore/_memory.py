@@ -20,7 +20,7 @@ from typing import Any
 
 from ._errors import InsufficientMemoryError
 from .stores.base import Store
-from .stores.file import TmpdirStore
+from .stores.tmpdir import TmpdirStore
 
 __all__ = [
     "ROUTES",

@@ -30,7 +30,7 @@ _FSSPEC = "gatherstore.stores.fsspec:FsspecStore"
 
 #: scheme -> {"class": Store class or "module:Class", "err": install hint}, as fsspec keeps them
 _registry: dict[str, dict[str, Any]] = {
-    "tmpdir": {"class": "gatherstore.stores.file:TmpdirStore"},
+    "tmpdir": {"class": "gatherstore.stores.tmpdir:TmpdirStore"},
     "file": {"class": "gatherstore.stores.file:FileStore"},
     **{
         scheme: {"class": "gatherstore.stores.redis:RedisStore", "err": "pip install redis"}
