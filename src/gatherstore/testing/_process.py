@@ -116,30 +116,6 @@ class Service(abc.ABC):
         self.stop()
 
 
-def _start(make: Callable[[Path], _S], workdir: str | None, attempts: int) -> _S:
-    """Start in a fresh directory under ``workdir`` and wait until ready; retry with fresh
-    ports when the server exits early (a port taken in between)."""
-    code, tail = None, ""
-    for _ in range(attempts):
-        directory = Path(tempfile.mkdtemp(prefix="gatherstore-", dir=workdir))
-        try:
-            service = make(directory)
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        try:
-            if service._wait_ready():
-                return service
-        except BaseException:
-            service.stop()
-            raise
-        code, tail = service.process.returncode, service.log_tail()
-        service.stop()
-    raise RuntimeError(
-        f"{service.name} exited at startup with code {code}; its log ends with:\n{tail}"
-    )
-
-
 def start(make: Callable[[Path], _S], workdir: str | None, attempts: int) -> _S:
     """Start in a fresh directory under ``workdir`` and wait until ready; retry with fresh
     ports when the server exits early (a port taken in between)."""
