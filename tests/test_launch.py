@@ -206,3 +206,35 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> Non
     assert done.returncode == 1
     assert "RemoteRankError" in done.stderr and "its stderr says why" in done.stderr
     assert 'call launch() under `if __name__ == "__main__":`' in done.stderr  # from the ranks
+
+
+def _groups_freed_after(destroy: str) -> list[str]:
+    """Use every cached piece of job state, destroy the groups the way ``destroy`` says,
+    and name the groups still alive: a group kept alive is freed only at interpreter exit,
+    where gloo's threads can abort the process."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from gatherstore import _gloo
+
+    gs.all_reduce(1)
+    gs.gather_object(gs.get_rank(), store="tmpdir", timeout=60)
+    gs.describe()
+    refs = {
+        "default group": weakref.ref(dist.group.WORLD),
+        "gloo group": weakref.ref(_gloo.group()),
+    }
+    if destroy == "shutdown":
+        gs.shutdown()
+    else:
+        dist.destroy_process_group()
+    gc.collect()
+    return [name for name, ref in refs.items() if ref() is not None]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("destroy", ["shutdown", "the program's own destroy_process_group"])
+def test_destroyed_groups_are_not_kept_alive(destroy: str) -> None:
+    assert gs.launch(_groups_freed_after, nproc_per_node=2, args=(destroy,), timeout=60) == [[], []]

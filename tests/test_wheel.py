@@ -97,6 +97,7 @@ def test_fresh_environment_without_extras(
     assert "gatherstore[testing]" in report["services"], "services need the testing extra"
     assert report["loaded_at_import"] == [
         "gatherstore",
+        "gatherstore._config",
         "gatherstore._errors",
         "gatherstore.stores",
         "gatherstore.stores._secrets",

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from . import _world as world
 from ._errors import GatherTimeout, MismatchError, RemoteRankError
 from ._exchange import HOST_GRACE, Outcome, Summarize, exchange_on, late_error, summary_of
 
@@ -41,7 +42,6 @@ __all__ = [
     "hosts",
     "is_initialized",
     "launcher_hosts_store",
-    "reset",
     "serialized",
     "step",
     "store",
@@ -52,9 +52,6 @@ _HOSTS = "host/"  # a rank's hostname at "host/<rank>"
 # one gatherstore collective at a time per process (see serialized)
 _calls = threading.RLock()
 F = TypeVar("F", bound=Callable[..., Any])
-
-# the default group this state belongs to, its control store, step counter
-_state: dict[str, Any] = {"world": None}
 
 
 def serialized(fn: F) -> F:
@@ -89,15 +86,16 @@ def is_initialized() -> bool:
 
 
 def _current() -> dict[str, Any]:
-    world = dist.group.WORLD
-    if _state["world"] is not world:
+    """The job's control store and step counter (see :mod:`._world`)."""
+    state = world.state("control")
+    if not state:
         base = dist.distributed_c10d._get_default_store()
         store = dist.PrefixStore("gatherstore", base)  # type: ignore[attr-defined]
         # where this rank runs, for the layout (see hosts()): published at its first use
         # of the control plane, outside the exchanges' steps
         store.set(f"{_HOSTS}{dist.get_rank()}", socket.gethostname())
-        _state.update(world=world, store=store, step=0)
-    return _state
+        state.update(store=store, step=0)
+    return state
 
 
 def hosts(timeout: float) -> list[str]:
@@ -151,12 +149,6 @@ def bounded(run: Callable[[], Any], timeout: float, what: str) -> Any:
     if hosts and dist.get_rank() == 0:
         return run()
     return _bounded(run, timeout, what, hosts)
-
-
-def reset() -> None:
-    """Forget the control state (called when the default group is destroyed)."""
-    _state.clear()
-    _state["world"] = None
 
 
 def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[bytes]:

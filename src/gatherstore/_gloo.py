@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import _control as control
+from . import _world as world
 from ._config import DEFAULT_TIMEOUT
 from ._errors import GatherError, GatherTimeout, RemoteRankError
 
@@ -46,10 +47,6 @@ Start = Callable[[Any, _dt.timedelta], Any]
 GRACE = 5.0
 _POLL_MAX = 0.01
 
-# the default group gatherstore's gloo group belongs to, and that group
-_group: list[Any] = [None, None]
-# the default group the broken mark belongs to, and why it is broken
-_state: dict[str, Any] = {"world": None, "why": ""}
 
 _HOW_ON = (
     "gatherstore's gloo group cannot be used again in this job (a gloo op that did not "
@@ -65,22 +62,23 @@ def group() -> Any:
     Creating it is itself a collective: every rank must reach it together
     (``launch`` and ``init_from_env`` create it eagerly).
     """
-    world = dist.group.WORLD
-    if _group[0] is not world:
-        made = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT))
-        _group[:] = [world, made]
-    return _group[1]
+    job = world.state("gloo")
+    if "group" not in job:
+        job["group"] = dist.new_group(
+            backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT)
+        )
+    return job["group"]
 
 
 def broken() -> str:
     """Why gatherstore's gloo group is unusable in this job, or "" while it is usable."""
-    return str(_state["why"]) if _state["world"] is dist.group.WORLD else ""
+    return str(world.state("gloo").get("why", "")) if dist.is_initialized() else ""
 
 
 def mark_broken(what: str, why: str) -> str:
     """Mark gatherstore's gloo group unusable after a transfer that did not finish;
     returns what to tell the user about going on."""
-    _state.update(world=dist.group.WORLD, why=f"{what}: {why}")
+    world.state("gloo")["why"] = f"{what}: {why}"
     return _HOW_ON
 
 

@@ -24,6 +24,7 @@ from . import _session as session
 from . import _signals as signals
 from . import _slurm as slurm
 from . import _topology as topology
+from . import _world as world
 from ._call import resolve
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
@@ -337,5 +338,4 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
         session.end_sessions()
         signals.uninstall()
         dist.destroy_process_group()
-    control.reset()
-    topology.forget()
+    world.forget()

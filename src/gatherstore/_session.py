@@ -21,6 +21,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +82,8 @@ class JobSession:
         return f"call-{self.calls}"
 
 
-# (default group, {store: session} keyed by store equality, the last call's timeout)
+# (a weak reference to the default group, {store: session} keyed by store equality, the
+# last call's timeout): sessions end at shutdown, and never keep a destroyed group alive
 _sessions: dict[str, Any] = {"world": None, "by_store": {}, "timeout": None}
 
 
@@ -96,8 +98,8 @@ def session_for(store: Store, timeout: float) -> JobSession:
         RemoteRankError: rank 0 could not prepare the store.
     """
     world = dist.group.WORLD
-    if _sessions["world"] is not world:
-        _sessions.update(world=world, by_store={})
+    if _sessions["world"] is None or _sessions["world"]() is not world:
+        _sessions.update(world=weakref.ref(world), by_store={})
     cached: JobSession | None = _sessions["by_store"].get(store)
     if cached is not None:
         heartbeat.on_call(cached.locator)  # rank 0 shows gc the job is alive

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import _control as control
 from . import _slurm as slurm
+from . import _world as world
 from ._config import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -46,9 +47,6 @@ class _Layout:
     node_rank: int
     nnodes: int
 
-
-# (the default group the layout belongs to, the layout)
-_cached: list[Any] = [None, None]
 
 # launcher -> (rank, world size, local rank, local size, node rank, nnodes) variables
 _LAUNCHERS = {
@@ -161,18 +159,13 @@ def describe() -> dict[str, Any]:
     }
 
 
-def forget() -> None:
-    """Drop the cached layout (the process group changed)."""
-    _cached[:] = [None, None]
-
-
 def _layout() -> _Layout:
     if not is_distributed():
         return _Layout(0, 1, 0, 1)
-    world = dist.group.WORLD
-    if _cached[0] is not world:
-        _cached[:] = [world, _from_env() or _from_hostnames()]
-    layout: _Layout = _cached[1]
+    job = world.state("topology")
+    if "layout" not in job:
+        job["layout"] = _from_env() or _from_hostnames()
+    layout: _Layout = job["layout"]
     return layout
 
 
