@@ -11,7 +11,7 @@ import pytest
 
 import gatherstore as gs
 from gatherstore._bench import scale
-from gatherstore._control import Outcome, _pack, _unpack, exchange_on
+from gatherstore._exchange import Outcome, _pack, _unpack, exchange_on
 from gatherstore.testing.services import free_ports
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import tempfile
 import time
@@ -45,13 +44,9 @@ from .stores.deadline import deadline
 from .stores.file import TmpdirStore
 from .stores.registry import ROUTES, default_store, open_store
 
-__all__ = ["AUTO_THRESHOLD", "Call", "agree", "facts", "failure", "resolve", "status"]
+__all__ = ["AUTO_THRESHOLD", "Call", "confirm", "facts", "failure", "resolve", "status"]
 
-#: Totals up to this many bytes go over the process group with ``store="auto"``
-#: (``GATHERSTORE_AUTO_THRESHOLD`` overrides it).  Measured with 4 gloo ranks on
-#: one 2-core machine: at 64 KiB both routes take ~10 ms; from 256 KiB on the
-#: tmpdir route is 2.5-4x faster (1 MiB: 37 ms vs 10 ms; 256 MiB: 1.25 s vs 0.76 s).
-AUTO_THRESHOLD = int(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", str(128 << 10)))
+AUTO_THRESHOLD = config.AUTO_THRESHOLD
 
 #: Seconds of a call's timeout kept for telling the other ranks that the store failed.
 _REPORT_TIME = 2.0
@@ -89,7 +84,7 @@ def failure(exc: BaseException) -> bytes:
     )
 
 
-def agree(mine: bytes, *, timeout: float, what: str, error: BaseException | None) -> list[Any]:
+def confirm(mine: bytes, *, timeout: float, what: str, error: BaseException | None) -> list[Any]:
     """Exchange statuses; if any rank failed, raise on every rank."""
     try:
         raw = control.exchange(mine, timeout=timeout, what=what)
@@ -141,7 +136,7 @@ def facts(
         "broken": next((s["broken"] for s in statuses if s["broken"]), ""),
         "short": {
             r: memory.shortfalls(r, statuses, sizes, receivers, streamed=streamed)
-            for r in memory.ROUTES
+            for r in memory.NEEDS
         },
     }
 
@@ -255,7 +250,7 @@ class Call:
         if (
             isinstance(self.target, TmpdirStore)
             and self.target.url == "tmpdir"  # the base is gatherstore's choice: /dev/shm if it fits
-            and not os.environ.get("GATHERSTORE_TMPDIR")
+            and not config.tmpdir_base()
             and memory.in_ram(self.target)
             and short["shm"]
         ):
@@ -290,7 +285,7 @@ class Call:
             after_failure(exc)
             raise
 
-    def _packed(self, size: int) -> torch.Tensor:
+    def packed(self, size: int) -> torch.Tensor:
         """This rank's sealed frame in a ``size``-byte tensor (the padding is never read)."""
         out = torch.empty(size, dtype=torch.uint8)
         if self.frame is not None:
@@ -299,17 +294,17 @@ class Call:
 
     def collective_all(self, sizes: list[int]) -> list[torch.Tensor]:
         slots = [torch.empty(self.longest, dtype=torch.uint8) for _ in sizes]
-        packed = self._packed(self.longest)
-        self.transfer(gloo.all_gather(slots, packed))
+        packed = self.packed(self.longest)
+        self.transfer(gloo.all_gather_op(slots, packed))
         return slots
 
     def collective_to(self, dst: int, sizes: list[int]) -> list[torch.Tensor] | None:
         if self.rank != dst:
-            packed = self._packed(self.longest)
-            self.transfer(gloo.gather(None, packed, dst))
+            packed = self.packed(self.longest)
+            self.transfer(gloo.gather_op(None, packed, dst))
             return None
         slots = [torch.empty(self.longest, dtype=torch.uint8) for _ in sizes]
-        self.transfer(gloo.gather(slots, slots[dst], dst))
+        self.transfer(gloo.gather_op(slots, slots[dst], dst))
         return slots
 
     def decode_slot(self, slot: torch.Tensor, size: int, rank: int) -> Any:
@@ -338,7 +333,7 @@ class Call:
             error, mine = exc, failure(exc)
         self.frame = None
         try:
-            agree(mine, timeout=self.left(), what=self.what, error=error)
+            confirm(mine, timeout=self.left(), what=self.what, error=error)
         except BaseException:
             if wrote:
                 self.tidy(session, part_key(prefix, self.rank))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import _config as config
 from . import _heartbeat as heartbeat
 from ._errors import GatherError
 from ._session import MARKER
@@ -87,7 +88,7 @@ def _judge(where: str, job: str, area: Store, fallback: float | None) -> Leftove
     """The area's last sign of life: its heartbeat, else its marker, else ``fallback``
     (a directory's mtime; None: not an area gatherstore made)."""
     beat = _value(area, heartbeat.HEARTBEAT, job)
-    default = heartbeat.interval()
+    default = config.heartbeat_interval()
     if beat is not None and isinstance(beat.get("at"), (int, float)):
         every = beat.get("every")
         every = float(every) if isinstance(every, (int, float)) and every > 0 else default

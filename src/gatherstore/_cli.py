@@ -7,41 +7,33 @@ non-zero exit: 2 for bad arguments, 1 for a failed run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import platform
-import socket
 import sys
 import time
 import urllib.parse
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
 from . import _bench as bench
+from . import _check as check
 from . import _demo as demo
 from . import _objects as objects
 from . import _topology as topology
-from ._bench.measure import format_bytes, parse_size
+from ._bench.measure import parse_size
 from ._bench.payloads import KINDS
 from ._cleanup import collect, parse_duration
-from ._errors import GatherError, IntegrityError, RemoteRankError, StoreUnavailableError
-from ._launch import init_from_env, launch, shutdown
-from ._session import MARKER
+from ._errors import first_line
+from ._launch import joined_from_env
 from .stores.base import hide_password
-from .stores.file import FileStore, default_tmpdir_base
+from .stores.file import default_tmpdir_base
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
 
 __all__ = ["main"]
 
 _PROBE_BYTES = 1 << 20
 _VERSIONS = ("gatherstore", "torch", "numpy", "fsspec", "cloudpickle", "redis", "s3fs", "mmengine")
-
-
-class CheckFailed(GatherError):
-    """``gatherstore check`` found a problem; the message says which rank and what."""
 
 
 # --- argument types ------------------------------------------------------------------------
@@ -149,120 +141,6 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-# --- joining a job (torchrun, SLURM, or a caller's process group) -------------------------
-@contextlib.contextmanager
-def _job(timeout: float | None) -> Iterator[bool]:
-    """Join the job the environment describes, if any; leave it after if this joined it."""
-    owned = not topology.is_distributed()
-    joined = init_from_env(timeout=timeout)
-    try:
-        yield joined
-    finally:
-        if joined and owned:
-            shutdown()
-
-
-# --- check -----------------------------------------------------------------------------------
-def _roundtrip(spec: str) -> dict[str, Any]:
-    """Create a job area, put/get/delete a probe in it, remove it; what was seen.
-
-    Raises:
-        StoreUnavailableError / IntegrityError: a step failed (the message says which).
-    """
-    with open_store(spec) as store:
-        start = time.perf_counter()
-        job_id = uuid.uuid4().hex[:16]
-        try:
-            locator = store.prepare_job(job_id)
-        except OSError as exc:
-            raise StoreUnavailableError(
-                f"store {store} cannot create a job area: {exc}; check that the base "
-                "directory exists and is writable by this user",
-                store=str(store),
-            ) from exc
-        facts: dict[str, Any] = {"store": demo.describe_store(spec)}
-        try:
-            job = store.join_job(locator)
-            marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
-            job.put(MARKER, json.dumps(marker).encode())
-            probe = os.urandom(_PROBE_BYTES)
-            job.put("check/probe", probe)
-            back = job.get("check/probe")
-            if back is None or bytes(back) != probe:
-                raise IntegrityError(
-                    f"store {store}: the probe read back differs from the one written"
-                )
-            job.delete("check/probe")
-            if job.exists("check/probe"):
-                raise StoreUnavailableError(
-                    f"store {store} did not delete the probe", store=str(store)
-                )
-            if isinstance(store, FileStore):
-                facts["mode"] = oct(os.stat(locator).st_mode & 0o777)
-        finally:
-            store.end_job(locator)
-        left = os.path.exists(locator) if isinstance(store, FileStore) else store.list(locator)
-        if left:
-            raise StoreUnavailableError(
-                f"store {store}: could not remove the job area {locator!r}; check permissions",
-                store=str(store),
-            )
-        facts["seconds"] = time.perf_counter() - start
-    return facts
-
-
-def _check_rank(spec: str, timeout: float) -> dict[str, Any]:
-    """The check on one rank: its own round trip, then, with several ranks, the shared-ness."""
-    world = topology.get_world_size()
-    facts: dict[str, Any] = {"store": spec}
-    error = None
-    try:
-        if spec not in ROUTES:
-            facts = _roundtrip(spec)
-    except Exception as exc:
-        error = _one_line(exc)
-    if world == 1:
-        if error:
-            raise CheckFailed(error)
-        return facts
-    errors = objects.all_gather_object(error, store="collective", timeout=timeout)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if bad:
-        raise CheckFailed(f"rank {bad[0][0]}: {bad[0][1]}")
-    hosts = objects.all_gather_object(socket.gethostname(), store=spec, timeout=timeout)
-    facts.update(ranks=world, hosts=sorted(set(hosts)))
-    return facts
-
-
-def _check_report(facts: dict[str, Any]) -> str:
-    spec = hide_password(facts["store"])
-    lines = [f"route {spec}: the process group" if spec in ROUTES else f"store {spec}: reachable"]
-    if "seconds" in facts:
-        mode = f" (mode {facts['mode'][2:]})" if "mode" in facts else ""
-        lines[0] += (
-            f"; job area{mode} created, {format_bytes(_PROBE_BYTES)} put/get/delete, "
-            f"removed in {facts['seconds'] * 1000:.1f} ms"
-        )
-    if "ranks" in facts:
-        lines.append(f"{facts['ranks']} ranks on {', '.join(facts['hosts'])} all see the store")
-    return "\n".join([*lines, "ok"])
-
-
-def _check(args: argparse.Namespace) -> int:
-    if args.nproc > 1:
-        facts = launch(
-            _check_rank, nproc_per_node=args.nproc, backend="gloo", args=(args.store, args.timeout)
-        )[0]
-    else:
-        with _job(args.timeout):
-            facts = _check_rank(args.store, args.timeout)
-            rank = topology.get_rank()
-        if rank != 0:
-            return 0
-    print(_check_report(facts))
-    return 0
-
-
 # --- gc ------------------------------------------------------------------------------------
 def _gc(args: argparse.Namespace) -> int:
     if args.store in ROUTES:
@@ -300,8 +178,12 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
+def _check(args: argparse.Namespace) -> int:
+    return check.run(args.store, args.nproc, args.timeout)
+
+
 def _describe(args: argparse.Namespace) -> int:
-    with _job(None):
+    with joined_from_env(None):
         info = topology.describe()
         ranks = objects.gather_object(topology.describe(), store="collective")
     if ranks is None:
@@ -437,14 +319,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The first line of an error, the remote one for errors of other ranks."""
-    if isinstance(exc, RemoteRankError):
-        text = exc.remote_message
-    elif isinstance(exc, CheckFailed):
-        text = str(exc)
-    else:
-        text = f"{type(exc).__name__}: {exc}"
-    return (text.strip().splitlines() or [type(exc).__name__])[0]
+    """The first line of an error, as a failed check says it, else as first_line does."""
+    if isinstance(exc, check.CheckFailed):
+        return (str(exc).strip().splitlines() or ["the check failed"])[0]
+    return first_line(exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,20 @@
-"""Library defaults, each overridable by an environment variable."""
+"""Every setting of the library: its default, and the environment variable that overrides it.
+
+| variable | default | what it sets |
+| --- | --- | --- |
+| ``GATHERSTORE_STORE`` | ``auto`` | the store object collectives use when none is passed |
+| ``GATHERSTORE_TIMEOUT`` | 1800 | seconds a collective waits by default |
+| ``GATHERSTORE_READ_AHEAD`` | 32MiB | bytes a reader reads ahead of its consumer |
+| ``GATHERSTORE_AUTO_THRESHOLD`` | 128KiB | ``auto``: totals up to this go over the process group |
+| ``GATHERSTORE_STREAM_CHUNK`` | 16MiB | bytes per message of the ``stream`` route |
+| ``GATHERSTORE_TMPDIR`` | /dev/shm, else the temp dir | the base folder of ``tmpdir`` |
+| ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
+| ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
+
+Sizes take units (``64MB``, ``1.5GiB``: binary).  Variables read once are read
+when gatherstore is imported; the others (store, tmpdir, progress, heartbeat)
+each time they are used.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +22,20 @@ import datetime as _dt
 import os
 import re
 
-__all__ = ["DEFAULT_TIMEOUT", "Timeout", "parse_size", "read_ahead", "to_seconds"]
+__all__ = [
+    "AUTO_THRESHOLD",
+    "DEFAULT_READ_AHEAD",
+    "DEFAULT_TIMEOUT",
+    "STREAM_CHUNK",
+    "Timeout",
+    "heartbeat_interval",
+    "parse_size",
+    "progress",
+    "read_ahead",
+    "store_spec",
+    "tmpdir_base",
+    "to_seconds",
+]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
@@ -35,6 +64,49 @@ DEFAULT_TIMEOUT = float(os.environ.get("GATHERSTORE_TIMEOUT", "1800"))
 #: stays a small share of what a gather returns.
 DEFAULT_READ_AHEAD = parse_size(os.environ.get("GATHERSTORE_READ_AHEAD", "32MiB"))
 READ_AHEAD_SHARE = 8
+
+#: Totals up to this many bytes go over the process group with ``store="auto"``.
+#: Measured with 4 gloo ranks on one 2-core machine: at 64 KiB both routes take
+#: ~10 ms; from 256 KiB on the tmpdir route is 2.5-4x faster (1 MiB: 37 ms vs 10 ms;
+#: 256 MiB: 1.25 s vs 0.76 s).
+AUTO_THRESHOLD = parse_size(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", "128KiB"))
+#: Bytes per point-to-point message of the ``stream`` route.
+STREAM_CHUNK = parse_size(os.environ.get("GATHERSTORE_STREAM_CHUNK", "16MiB"))
+_HEARTBEAT = 30.0
+
+
+def store_spec() -> str | None:
+    """The store named by ``GATHERSTORE_STORE``, if any."""
+    return os.environ.get("GATHERSTORE_STORE") or None
+
+
+def tmpdir_base() -> str | None:
+    """The base folder of ``tmpdir`` named by ``GATHERSTORE_TMPDIR``, if any."""
+    return os.environ.get("GATHERSTORE_TMPDIR") or None
+
+
+def progress() -> bool | None:
+    """``GATHERSTORE_PROGRESS``: True (1/true/yes), False (0/false/no), else None."""
+    setting = os.environ.get("GATHERSTORE_PROGRESS", "").strip().lower()
+    if setting in ("0", "1", "false", "true", "no", "yes"):
+        return setting in ("1", "true", "yes")
+    return None
+
+
+def heartbeat_interval() -> float:
+    """Seconds between a job area's heartbeats: ``GATHERSTORE_HEARTBEAT``, else 30.
+
+    Raises:
+        ValueError: the variable is not a positive number.
+    """
+    text = os.environ.get("GATHERSTORE_HEARTBEAT") or str(_HEARTBEAT)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if seconds <= 0:
+        raise ValueError(f"GATHERSTORE_HEARTBEAT={text!r} must be a positive number of seconds")
+    return seconds
 
 
 def read_ahead(explicit: int | None, headroom: int) -> int:

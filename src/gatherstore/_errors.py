@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "first_line",
     "GatherError",
     "GatherTimeout",
     "InsufficientMemoryError",
@@ -142,3 +143,11 @@ class MismatchError(GatherError, ValueError):
     def __init__(self, message: str, *, details: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.details = dict(details or {})
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error, the failing rank's own for a RemoteRankError."""
+    text = (
+        exc.remote_message if isinstance(exc, RemoteRankError) else f"{type(exc).__name__}: {exc}"
+    )
+    return (text.strip().splitlines() or [type(exc).__name__])[0]

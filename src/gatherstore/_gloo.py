@@ -24,14 +24,16 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import _control as control
+from ._config import DEFAULT_TIMEOUT
 from ._errors import GatherError, GatherTimeout, RemoteRankError
 
 __all__ = [
     "GRACE",
-    "all_gather",
-    "broadcast",
+    "all_gather_op",
+    "broadcast_op",
     "broken",
-    "gather",
+    "group",
+    "gather_op",
     "mark_broken",
     "refuse",
     "transfer",
@@ -44,6 +46,8 @@ Start = Callable[[Any, _dt.timedelta], Any]
 GRACE = 5.0
 _POLL_MAX = 0.01
 
+# the default group gatherstore's gloo group belongs to, and that group
+_group: list[Any] = [None, None]
 # the default group the broken mark belongs to, and why it is broken
 _state: dict[str, Any] = {"world": None, "why": ""}
 
@@ -53,6 +57,19 @@ _HOW_ON = (
     "on one machine; otherwise pass store='tmpdir', 'file:///<shared dir>', 'redis://...' "
     "or 's3://...', or restart the job"
 )
+
+
+def group() -> Any:
+    """A gloo group of gatherstore's own, created once per default group.
+
+    Creating it is itself a collective: every rank must reach it together
+    (``launch`` and ``init_from_env`` create it eagerly).
+    """
+    world = dist.group.WORLD
+    if _group[0] is not world:
+        made = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT))
+        _group[:] = [world, made]
+    return _group[1]
 
 
 def broken() -> str:
@@ -78,14 +95,14 @@ def _options(options: Any, timeout: _dt.timedelta) -> Any:
     return options
 
 
-def all_gather(slots: list[torch.Tensor], tensor: torch.Tensor) -> Start:
+def all_gather_op(slots: list[torch.Tensor], tensor: torch.Tensor) -> Start:
     """Every rank's ``tensor`` into ``slots`` (one per rank)."""
     return lambda group, timeout: group.allgather(
         [slots], [tensor], _options(c10d.AllgatherOptions(), timeout)
     )
 
 
-def gather(slots: list[torch.Tensor] | None, tensor: torch.Tensor, dst: int) -> Start:
+def gather_op(slots: list[torch.Tensor] | None, tensor: torch.Tensor, dst: int) -> Start:
     """Every rank's ``tensor`` into ``slots`` on ``dst`` (None elsewhere)."""
 
     def start(group: Any, timeout: _dt.timedelta) -> Any:
@@ -96,7 +113,7 @@ def gather(slots: list[torch.Tensor] | None, tensor: torch.Tensor, dst: int) -> 
     return start
 
 
-def broadcast(tensor: torch.Tensor, src: int) -> Start:
+def broadcast_op(tensor: torch.Tensor, src: int) -> Start:
     """``src``'s ``tensor`` into ``tensor`` on every rank."""
 
     def start(group: Any, timeout: _dt.timedelta) -> Any:
@@ -109,7 +126,7 @@ def broadcast(tensor: torch.Tensor, src: int) -> Start:
 
 
 def transfer(start: Start, *, what: str, deadline: float, timeout: float) -> None:
-    """Run one gloo op (see :func:`all_gather`, ...) until it ends, at the latest at ``deadline``.
+    """Run one gloo op (:func:`all_gather_op`, ...) until it ends, by ``deadline`` at the latest.
 
     Raises:
         GatherTimeout: ranks that did not report within the deadline plus
@@ -120,7 +137,7 @@ def transfer(start: Start, *, what: str, deadline: float, timeout: float) -> Non
     error = ""
     try:
         left = max(deadline - time.monotonic(), 0.001)
-        work = start(control.control_group(), _dt.timedelta(seconds=left))
+        work = start(group(), _dt.timedelta(seconds=left))
         pause = 0.0002
         while not work.is_completed() and time.monotonic() < deadline + GRACE:
             time.sleep(pause)  # in Python, not in C++: signals are handled meanwhile

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import _config as config
 from .stores.base import Store
 from .stores.deadline import deadline
 
 __all__ = [
     "HEARTBEAT",
     "MISSED",
-    "interval",
     "on_call",
     "running",
     "start",
@@ -41,23 +41,10 @@ __all__ = [
 HEARTBEAT = "heartbeat"
 #: Intervals without a beat after which a job counts as gone.
 MISSED = 4
-_DEFAULT_INTERVAL = 30.0
+_DEFAULT_INTERVAL = 30.0  # the timer's wait while no area is beating
 _BEAT_TIMEOUT = 10.0  # seconds one beat may take on a slow store
 
 _logger = logging.getLogger("gatherstore")
-
-
-def interval() -> float:
-    """Seconds between beats: ``GATHERSTORE_HEARTBEAT``, else 30.
-
-    Raises:
-        ValueError: the variable is not a positive number.
-    """
-    text = os.environ.get("GATHERSTORE_HEARTBEAT") or str(_DEFAULT_INTERVAL)
-    with contextlib.suppress(ValueError):
-        if float(text) > 0:
-            return float(text)
-    raise ValueError(f"GATHERSTORE_HEARTBEAT={text!r} must be a positive number of seconds")
 
 
 def _boot_id() -> str:
@@ -131,7 +118,7 @@ def start(locator: str, store: Store, job: str) -> None:
     """Beat in the job area ``store`` (at ``locator``) from now until :func:`stop`."""
     pid = os.getpid()
     me = {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid, "started": _started(pid)}
-    area = _Area(store, job, interval(), fields=me)
+    area = _Area(store, job, config.heartbeat_interval(), fields=me)
     area.beat()
     with _lock:
         first = not _areas

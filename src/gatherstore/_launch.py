@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import multiprocessing as mp
 import os
 import signal
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _gloo as gloo
 from . import _published as publication
 from . import _session as session
 from . import _signals as signals
@@ -55,7 +57,7 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Ti
         timeout=_dt.timedelta(seconds=to_seconds(timeout)),
     )
     if world_size > 1:
-        control.control_group()
+        gloo.group()
         topology.settle()
         # a stopped job removes its areas; installed now, not inside the first gather, so
         # that the program sees the same handlers from the start (see _signals)
@@ -292,6 +294,20 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
     local_size = int(env.get("LOCAL_WORLD_SIZE", str(max(gpus, 1))))
     _join(_pick_backend(backend, local_size), rank, world, local_rank, timeout)
     return True
+
+
+@contextlib.contextmanager
+def joined_from_env(timeout: Timeout) -> Iterator[bool]:
+    """Join the job the environment describes, if any (torchrun, SLURM, or the caller's
+    own process group); leave it afterwards if this joined it.  Yields whether a job
+    was joined."""
+    owned = not topology.is_distributed()
+    joined = init_from_env(timeout=timeout)
+    try:
+        yield joined
+    finally:
+        if joined and owned:
+            shutdown()
 
 
 def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:

@@ -23,7 +23,7 @@ from .stores.base import Store
 from .stores.file import TmpdirStore
 
 __all__ = [
-    "ROUTES",
+    "NEEDS",
     "SHM",
     "NodeNeed",
     "check",
@@ -36,8 +36,9 @@ __all__ = [
 ]
 
 SHM = "/dev/shm"
-#: The kinds of route whose memory need differs (see :func:`route_need`).
-ROUTES = ("collective", "shm", "store")
+#: The kinds of memory need a route has (see :func:`route_need`): not the routes a
+#: user picks (``stores.registry.ROUTES``), but how each moves parts.
+NEEDS = ("collective", "shm", "store")
 _UNLIMITED = 1 << 62
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -158,8 +159,8 @@ def route_need(
 
     The collective route gives every receiver ``W`` slots of the largest part
     (plus a send buffer in an all-gather) and every sender one padded part.  A
-    store route gives each receiver a private copy of what it reads (of one part
-    at a time, streamed), plus its read-ahead budget; on /dev/shm the written parts
+    store route gives each receiver a private copy of what it reads (streamed: one
+    part at a time, plus its read-ahead budget); on /dev/shm the written parts
     take RAM too, which a gather frees as it reads (the copies replace them) and an
     all-gather does not.
     """
@@ -173,10 +174,10 @@ def route_need(
         ram = sum(largest * (world + all_receive) for _ in mine) + objects
         ram += sum(largest for r in ranks if r not in receiving and sizes[r])
         return NodeNeed(ram, 0)
-    if streamed:  # the consumer's part, rebuilt, and the window
+    if streamed:  # the consumer's part, rebuilt, and the read-ahead budget
         reads = sum(largest + max(built) + window[r] for r in mine)
-    else:
-        reads = sum(total - sizes[r] + window[r] for r in mine) + objects
+    else:  # every part is returned: what is read ahead is part of that
+        reads = sum(total - sizes[r] for r in mine) + objects
     if route != "shm":
         return NodeNeed(reads, 0)
     written = sum(sizes[r] for r in ranks)
@@ -184,7 +185,7 @@ def route_need(
 
 
 def route_of(target: Store | str) -> str:
-    """The kind of route (one of :data:`ROUTES`) ``target`` is, for its memory need."""
+    """The kind of route (one of :data:`NEEDS`) ``target`` is, for its memory need."""
     return "collective" if target == "collective" else "shm" if in_ram(target) else "store"
 
 
@@ -239,7 +240,7 @@ def shortfalls(
 def check(what: str, target: Store | str, total: int, short: dict[str, list[str]]) -> None:
     """Raise on every rank alike when ``target`` would outgrow a node's memory.
 
-    ``short`` maps each of :data:`ROUTES` to its :func:`shortfalls` (computed once,
+    ``short`` maps each of :data:`NEEDS` to its :func:`shortfalls` (computed once,
     on one rank, and the same everywhere); ``total`` is the bytes gathered.
 
     Raises:

@@ -24,7 +24,7 @@ from . import _gloo as gloo
 from . import _serialize as serialize
 from . import _stream as stream_route
 from . import _topology as topology
-from ._call import AUTO_THRESHOLD, Call, agree, failure, status
+from ._call import AUTO_THRESHOLD, Call, confirm, failure, status
 from ._config import Timeout
 from ._parts import Parts, fetch, part_key
 from .stores.base import Store
@@ -86,11 +86,12 @@ def all_gather_object(
     mine = status(True)
     try:
         try:
-            reader = Parts(call, session, prefix, call.rank, obj, budget=call.budget, delete=False)
+            # every part is returned: reading them all at once takes no more memory
+            reader = Parts(call, session, prefix, call.rank, obj, budget=call.total, delete=False)
             out = list(reader)
         except Exception as exc:
             error, mine = exc, failure(exc)
-        agree(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
+        confirm(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
     finally:
         call.tidy(session, part_key(prefix, call.rank))
     return out
@@ -195,7 +196,10 @@ def gather_prepared(
     if call.rank != dst:
         call.finish()
         return None
-    parts = Parts(call, session, prefix, dst, obj, budget=call.budget, lazy=stream)
+    # a gather_object returns every part: it may read them all at once; a gather_iter keeps
+    # what its consumer holds plus the read-ahead budget
+    budget = call.budget if stream else call.total
+    parts = Parts(call, session, prefix, dst, obj, budget=budget, lazy=stream)
     return parts if stream else iter(list(parts))
 
 
@@ -211,12 +215,12 @@ def broadcast_object(
     receivers = [r for r in range(call.world) if r != src]
     sizes = call.agree(lambda: obj, receivers, send=call.rank == src, full=())
     if call.target == "collective":
-        buf = call._packed(sizes[src])
-        call.transfer(gloo.broadcast(buf, src))
+        buf = call.packed(sizes[src])
+        call.transfer(gloo.broadcast_op(buf, src))
         call.finish()
         return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
     if call.target == "stream":
-        out = stream_route.broadcast_from(call, src)
+        out = stream_route.part_from(call, src)
         call.finish()
         return out
     session, prefix = call.write([src])
@@ -229,7 +233,7 @@ def broadcast_object(
     except Exception as exc:
         error, mine = exc, failure(exc)
     try:
-        agree(mine, timeout=call.left(), what="broadcast_object (read)", error=error)
+        confirm(mine, timeout=call.left(), what="broadcast_object (read)", error=error)
     finally:
         if call.rank == src:
             call.tidy(session, part_key(prefix, src))

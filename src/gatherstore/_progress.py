@@ -11,10 +11,11 @@ a terminal and the gather is long.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from typing import Any
+
+from . import _config as config
 
 __all__ = ["Progress", "format_bytes", "log_call", "logger", "wanted"]
 
@@ -33,9 +34,9 @@ def wanted(progress: bool | None, nbytes: int) -> bool:
     """Whether a destination receiving ``nbytes`` shows progress."""
     if progress is not None:
         return progress
-    setting = os.environ.get("GATHERSTORE_PROGRESS", "").strip().lower()
-    if setting in ("0", "1", "false", "true", "no", "yes"):
-        return setting in ("1", "true", "yes")
+    setting = config.progress()
+    if setting is not None:
+        return setting
     return sys.stderr.isatty() and nbytes / _ASSUMED_RATE >= _LONG
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import urllib.parse
 from typing import Any
 
 import torch.distributed as dist
 
+from . import _control as control
 from .stores._secrets import is_secret
 from .stores.base import Store
 from .stores.registry import default_store, open_store
@@ -80,7 +80,7 @@ def public_spec(store: Store) -> dict[str, Any]:
 
 def launcher_store() -> Any | None:
     """The rendezvous store itself (no prefix) when a launcher hosts it, else None."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not control.launcher_hosts_store():
         return None
     store = dist.distributed_c10d._get_default_store()
     while hasattr(store, "underlying_store"):

@@ -47,6 +47,7 @@ __all__ = [
     "JobSession",
     "abandon",
     "after_failure",
+    "create_area",
     "end_sessions",
     "has_sessions",
     "last_timeout",
@@ -109,12 +110,9 @@ def session_for(store: Store, timeout: float) -> JobSession:
 
     answer: dict[str, str] = {}
     if rank == 0:
-        job_id = uuid.uuid4().hex[:16]
         try:
             with deadline(timeout - min(timeout / 4, _REPORT_TIME)):
-                answer["locator"] = store.prepare_job(job_id)
-                marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
-                store.join_job(answer["locator"]).put(MARKER, json.dumps(marker).encode())
+                job_id, answer["locator"] = create_area(store)
                 heartbeat.start(answer["locator"], store.join_job(answer["locator"]), job_id)
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
@@ -157,6 +155,19 @@ def session_for(store: Store, timeout: float) -> JobSession:
     return session
 
 
+def create_area(store: Store) -> tuple[str, str]:
+    """A new job area in ``store`` with the creator's marker in it: (job id, locator).
+
+    Raises:
+        StoreUnavailableError: the store cannot create or write it.
+    """
+    job_id = uuid.uuid4().hex[:16]
+    locator = store.prepare_job(job_id)
+    marker = {"job": job_id, "created": time.time(), "host": socket.gethostname()}
+    store.join_job(locator).put(MARKER, json.dumps(marker).encode())
+    return job_id, locator
+
+
 def _misses_marker(job: Store, timeout: float) -> str:
     """Empty once rank 0's marker shows up within a sixth of ``timeout`` (2 to 10 s),
     else why it did not.
@@ -184,7 +195,7 @@ def _shared_key(ends: float, timeout: float) -> bytes:
     """32 random bytes from rank 0, broadcast over the gloo control group by ``ends``."""
     buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
     gloo.transfer(
-        gloo.broadcast(buf, 0),
+        gloo.broadcast_op(buf, 0),
         what="store setup (signing key)",
         deadline=ends,
         timeout=timeout,

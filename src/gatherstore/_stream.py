@@ -18,7 +18,7 @@ broken (later calls that need it refuse at once).
 
 When the destination stops early (a ``gather_iter`` closed or dropped, a part
 that cannot be rebuilt, a sender that stalled), it tells the senders through
-the :class:`Halt` keys of the call on the rendezvous store, and takes the one
+the :class:`~gatherstore._halt.Halt` keys of the call on the rendezvous store, and takes the one
 chunk each of them may have in flight: they are released at once, with the
 destination's reason (naming the rank that stalled, or returning quietly after
 an early close), and the group stays usable.
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
-import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -37,10 +35,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from . import _config as config
 from . import _control as control
 from . import _gloo as gloo
 from . import _serialize as serialize
 from ._errors import GatherError, GatherTimeout, RemoteRankError
+from ._halt import RELEASE_GRACE, Halt
 from ._progress import Progress, wanted
 
 if TYPE_CHECKING:
@@ -48,21 +48,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK",
-    "Halt",
     "all_from",
-    "broadcast",
-    "broadcast_from",
+    "broadcast_chunked",
+    "part_from",
     "gather_to",
     "receive",
     "send",
 ]
 
-#: Bytes per point-to-point message (``GATHERSTORE_STREAM_CHUNK`` overrides it).
-CHUNK = int(os.environ.get("GATHERSTORE_STREAM_CHUNK", str(16 << 20)))
-# added to a sender's chunk counter by a destination that stops early
-_HALTED = 1 << 40
-# seconds the destination gives each sender's chunk in flight after it stopped early
-_RELEASE_GRACE = 5.0
+#: Bytes per point-to-point message (``GATHERSTORE_STREAM_CHUNK``).
+CHUNK = config.STREAM_CHUNK
 
 
 def chunk_count(size: int) -> int:
@@ -127,84 +122,6 @@ def _into(part: bytearray) -> Iterator[torch.Tensor]:
             yield whole[start : start + CHUNK]
 
 
-class Halt:
-    """One streamed gather's keys on the rendezvous store: a counter per sender of the
-    chunks it posted, and the destination's reason for stopping early.
-
-    A sender claims each chunk before posting it (one atomic ``add``); a destination
-    that stops adds a huge number to each counter instead.  So a claim that comes
-    later sees the halt and posts nothing, and the destination learns from its own
-    ``add`` exactly how many chunks each sender posted: it takes those, and every
-    sender is released with the gloo group in step.  When the destination stopped
-    because its own wait timed out, gloo has closed its connections: the senders'
-    waits fail at once, and they read the reason instead.
-    """
-
-    def __init__(self, call_id: int, *, deadline: float, what: str) -> None:
-        self.prefix = f"stream/{call_id}/"
-        self.store, self.deadline, self.what = control.store(), deadline, what
-
-    def _run(self, fn: Callable[[], Any]) -> Any:
-        left = max(self.deadline - time.monotonic(), 0.0) + _RELEASE_GRACE
-        return control.bounded(fn, left, self.what)
-
-    def claim(self, rank: int) -> bool:
-        """Claim one more chunk for ``rank`` to post; False once the destination stopped."""
-        key = f"{self.prefix}sent/{rank}"
-        return int(self._run(lambda: self.store.add(key, 1))) <= _HALTED
-
-    def done(self, rank: int) -> None:
-        """``rank`` posts no more chunks: forget its counter."""
-        key = f"{self.prefix}sent/{rank}"
-        self._run(lambda: self.store.delete_key(key))
-
-    def stop(self, reason: dict[str, Any], unfinished: dict[int, int]) -> dict[int, int]:
-        """Stop the ``unfinished`` senders (rank -> chunks of its part) for ``reason``;
-        returns how many chunks each had posted."""
-        store, prefix, named = self.store, self.prefix, set(reason.get("ranks", ()))
-
-        def run() -> dict[int, int]:
-            store.set(prefix + "reason", json.dumps(reason))
-            posted = {r: store.add(f"{prefix}sent/{r}", _HALTED) - _HALTED for r in unfinished}
-            # who will read the reason: every sender whose claim fails, and after a timeout
-            # (no chunk is taken) also those whose last chunk was in flight
-            readers = [
-                r
-                for r, n in posted.items()
-                if r not in named and (n < unfinished[r] or reason["kind"] == "timeout")
-            ]
-            if store.add(prefix + "readers", len(readers)) == 0:
-                self._forget()
-            return posted
-
-        posted: dict[int, int] = self._run(run)
-        return posted
-
-    def reason(self, rank: int, wait: float = 0.0) -> dict[str, Any] | None:
-        """The destination's reason for stopping, waiting up to ``wait`` s for it (None
-        when there is none); the last reader removes the keys."""
-        store, prefix = self.store, self.prefix
-
-        def run() -> dict[str, Any] | None:
-            ends = time.monotonic() + wait
-            while not store.check([prefix + "reason"]):
-                if time.monotonic() >= ends:
-                    return None
-                time.sleep(0.05)
-            reason: dict[str, Any] = json.loads(store.get(prefix + "reason"))
-            store.delete_key(f"{prefix}sent/{rank}")
-            if rank not in reason.get("ranks", ()) and store.add(prefix + "readers", -1) == 0:
-                self._forget()
-            return reason
-
-        reason: dict[str, Any] | None = self._run(run)
-        return reason
-
-    def _forget(self) -> None:
-        for name in ("reason", "readers"):
-            self.store.delete_key(self.prefix + name)
-
-
 def send(
     segments: list[memoryview],
     size: int,
@@ -233,9 +150,9 @@ def send(
         late = f"did not take the part of rank {rank}"
         post = functools.partial(dist.isend, chunk, dst, group=group)
         try:
-            _wait(post, dst, deadline + _RELEASE_GRACE, what, timeout, late)
+            _wait(post, dst, deadline + RELEASE_GRACE, what, timeout, late)
         except GatherError:
-            reason = halt.reason(rank, wait=_RELEASE_GRACE)
+            reason = halt.reason(rank, wait=RELEASE_GRACE)
             if reason is None:
                 raise
             return reason
@@ -260,7 +177,7 @@ def receive(size: int, rank: int, group: Any, taken: dict[int, int], **limits: A
     return part
 
 
-def broadcast(
+def broadcast_chunked(
     segments: list[memoryview] | None,
     size: int,
     src: int,
@@ -302,7 +219,7 @@ def gather_to(call: Call, dst: int) -> Iterator[Any] | None:
         GatherTimeout / RemoteRankError: a rank that stalled or died, named; on a
             sender also the destination's reason for stopping early.
     """
-    group = control.control_group()
+    group = gloo.group()
     halt = Halt(control.step(), deadline=call.ends_at, what=call.what)
     if call.rank == dst:
         return _gathered(call, dst, group, halt)
@@ -380,7 +297,7 @@ def _release(
         if reason["kind"] == "timeout":  # gloo closed every connection of this rank
             return
         scratch = torch.empty(min(CHUNK, max(call.sizes, default=0)), dtype=torch.uint8)
-        deadline = max(call.ends_at, time.monotonic() + _RELEASE_GRACE)
+        deadline = max(call.ends_at, time.monotonic() + RELEASE_GRACE)
         for rank, count in posted.items():
             if rank in named:  # it died, or its chunk is awaited already: the group is broken
                 continue
@@ -394,13 +311,13 @@ def _release(
         return
 
 
-def broadcast_from(call: Call, src: int) -> Any:
+def part_from(call: Call, src: int) -> Any:
     """``src``'s part on this rank, broadcast chunk by chunk (``src``: its own object)."""
-    part = broadcast(
+    part = broadcast_chunked(
         _segments(call) if call.rank == src else None,
         call.sizes[src],
         src,
-        control.control_group(),
+        gloo.group(),
         **_limits(call),
     )
     if part is None:
@@ -419,7 +336,7 @@ def all_from(call: Call) -> list[Any]:
     failed: GatherError | None = None
     for src in range(call.world):
         try:
-            out.append(broadcast_from(call, src))
+            out.append(part_from(call, src))
         except GatherError as exc:
             if isinstance(exc, (GatherTimeout, RemoteRankError)):  # the transfer failed
                 raise

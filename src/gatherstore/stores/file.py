@@ -26,12 +26,14 @@ import threading
 import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
 from .._errors import StoreUnavailableError
 from . import _private as private
 from .base import Buffer, Store, hide_password, job_directory
+from .layout import writable
 
 __all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
 
@@ -40,6 +42,8 @@ _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value
 _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
 _READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
 _MAP_MIN = 1 << 20  # values from this size on are mapped in a private job folder
+_RANGE = 16 << 20  # bytes per read of a large value, a few ranges at once
+_RANGES = 4
 _READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _IOV_MAX = 1024
 _SHM = "/dev/shm"
@@ -77,6 +81,18 @@ def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
             else:
                 views[0] = views[0][written:]
                 written = 0
+
+
+def _read_span(fd: int, view: memoryview, start: int, end: int) -> int:
+    """Read bytes ``start:end`` of the file ``fd`` into ``view`` at the same place; how many
+    (fewer when the file is shorter: it was truncated meanwhile)."""
+    pos = start
+    while pos < end:
+        n = os.preadv(fd, [view[pos : min(end, pos + _READ_STEP)]], pos)
+        if not n:
+            break
+        pos += n
+    return pos - start
 
 
 class FileStore(Store):
@@ -260,14 +276,15 @@ class FileStore(Store):
             if size >= _MAP_MIN and self._in_private_area():
                 mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=_READ_WRITE)
                 return memoryview(mapped)
-            buf = bytearray(size)
-            view, pos = memoryview(buf), 0
-            while pos < len(buf):
-                n = os.readv(fd, [view[pos : pos + _READ_STEP]])
-                if not n:  # truncated meanwhile: the store layer reports it
-                    return buf[:pos]
-                pos += n
-            return buf
+            buf = writable(size)
+            view = memoryview(buf)
+            spans = [(start, min(start + _RANGE, size)) for start in range(0, size, _RANGE)]
+            if len(spans) > 1:  # a network filesystem serves several ranges faster than one
+                with ThreadPoolExecutor(_RANGES, thread_name_prefix="gatherstore-file") as pool:
+                    got = sum(pool.map(lambda span: _read_span(fd, view, *span), spans))
+            else:
+                got = _read_span(fd, view, 0, size)
+            return buf if got == size else view[:got]  # truncated meanwhile: the layer says so
         finally:
             os.close(fd)
 
