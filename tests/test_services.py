@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gatherstore.testing import services
+from gatherstore.testing import _seaweedfs, services
 from gatherstore.testing.plugin import S3Endpoint
 
 pytest_plugins = ["pytester"]
@@ -41,7 +41,7 @@ def _has_redis() -> bool:
 
 def _has_weed() -> bool:
     try:
-        services._find_weed()
+        _seaweedfs.find_weed()
     except RuntimeError:
         return False
     return True
@@ -129,7 +129,7 @@ def test_s3_bucket_roundtrip_then_stop(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_s3_exit_at_startup_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(services, "_find_weed", lambda: "/bin/false")
+    monkeypatch.setattr(_seaweedfs, "find_weed", lambda: "/bin/false")
     with pytest.raises(RuntimeError, match="exited at startup with code 1"):
         services.start_s3(workdir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []

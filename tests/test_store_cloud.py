@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fsspec_raw import FsspecRaw
 from test_store_s3 import racing_writes
 
 import gatherstore as gs
 from gatherstore.stores.base import KeyExistsError, Store
 from gatherstore.stores.deadline import deadline
 from gatherstore.stores.fsspec import FsspecStore
-from gatherstore.testing import StoreTests
 from gatherstore.testing.plugin import S3Endpoint, _unavailable
 from gatherstore.testing.services import free_ports
 
@@ -165,15 +165,10 @@ def emulated(request: pytest.FixtureRequest) -> tuple[_Server, Store]:
     return server, FsspecStore(_bucket(scheme, options), **options)
 
 
-class TestEmulatedStores(StoreTests):
+class TestEmulatedStores(FsspecRaw):
     @pytest.fixture
     def store(self, emulated: tuple[_Server, Store]) -> Store:
         return emulated[1]
-
-    def raw_keys(self, store: Store) -> list[str]:
-        assert isinstance(store, FsspecStore)
-        store.fs.invalidate_cache()
-        return sorted(p[len(store.root) + 1 :] for p in store.fs.find(store.root))
 
 
 def test_writes_are_create_only_at_the_server(emulated: tuple[_Server, Store]) -> None:

@@ -7,12 +7,13 @@ import threading
 import uuid
 from pathlib import Path
 
-import fsspec
 import pytest
+from fsspec_raw import FsspecRaw
 
 from gatherstore.stores.base import Store
-from gatherstore.stores.file import FileStore, TmpdirStore
+from gatherstore.stores.file import FileStore
 from gatherstore.stores.fsspec import FsspecStore
+from gatherstore.stores.tmpdir import TmpdirStore
 from gatherstore.testing import StoreTests
 
 
@@ -56,11 +57,6 @@ class TestTmpdirStore(TestFileStore):
 
 
 class TestFsspecLocal(_OnDisk):
-    known_failures = {  # noqa: RUF012
-        "test_pickled_and_reopened_stores_are_equal": "FsspecStore('file://…').url is "
-        "file://…, which open_store opens as a FileStore: not the store it came from",
-    }
-
     @pytest.fixture
     def store(self, tmp_path: Path) -> Store:
         return FsspecStore(f"file://{tmp_path}")
@@ -69,30 +65,12 @@ class TestFsspecLocal(_OnDisk):
         return _files(Path(store.root))  # type: ignore[attr-defined]
 
 
-class TestFsspecMemory(StoreTests):
+class TestFsspecMemory(FsspecRaw):
     """memory:// through fsspec's own MemoryFileSystem (the raw hooks skip the Store)."""
-
-    memory = fsspec.filesystem("memory")
 
     @pytest.fixture
     def store(self) -> Store:
         return FsspecStore(f"memory://conformance-{uuid.uuid4().hex}")
-
-    def raw_keys(self, store: Store) -> list[str]:
-        root = store.root  # type: ignore[attr-defined]
-        return sorted(p[len(root) + 1 :] for p in self.memory.find(root))
-
-    def raw_get(self, store: Store, key: str) -> bytes | None:
-        path = f"{store.root}/{key}"  # type: ignore[attr-defined]
-        return bytes(self.memory.cat_file(path)) if self.memory.isfile(path) else None
-
-    def raw_set(self, store: Store, key: str, data: bytes) -> None:
-        self.memory.pipe_file(f"{store.root}/{key}", data)  # type: ignore[attr-defined]
-
-    def raw_delete(self, store: Store, key: str) -> None:
-        path = f"{store.root}/{key}"  # type: ignore[attr-defined]
-        if self.memory.isfile(path):
-            self.memory.rm_file(path)
 
 
 def test_writes_race_deletes_that_prune_directories(tmp_path: Path) -> None:

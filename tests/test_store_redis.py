@@ -74,11 +74,6 @@ def prefix() -> str:
 
 
 class TestRedisStore(StoreTests):
-    known_failures = {  # noqa: RUF012
-        "test_damaged_value_is_reported[emptied]": "RedisStore._read_head takes an empty "
-        "value for an absent key (GETRANGE answers b'' for both), so discard leaves it",
-    }
-
     @pytest.fixture
     def store(self, redis_url: str, prefix: str) -> Iterator[Store]:
         store = RedisStore(redis_url, key_prefix=prefix)

@@ -66,11 +66,6 @@ def prefix() -> str:
 
 
 class TestS3Store(StoreTests):
-    known_failures = {  # noqa: RUF012
-        "test_damaged_value_is_reported[emptied]": "FsspecStore on S3 reads an empty object "
-        "with a range GET: InvalidRange becomes StoreUnavailableError, not IntegrityError",
-    }
-
     @pytest.fixture
     def store(self, s3: tuple[S3Endpoint, str, Any], prefix: str) -> Iterator[Store]:
         endpoint, bucket, _ = s3
@@ -360,7 +355,7 @@ def test_a_discard_deletes_the_manifest_then_its_chunks_in_one_request(
 def test_objects_s3_refuses_to_delete_are_errors() -> None:
     import asyncio
 
-    from gatherstore.stores.fsspec import _delete_objects
+    from gatherstore.stores._s3 import delete_objects
 
     class Refusing:
         def __init__(self, code: str) -> None:
@@ -376,6 +371,6 @@ def test_objects_s3_refuses_to_delete_are_errors() -> None:
         async def _call_s3(self, method: str, **kwargs: Any) -> dict[str, Any]:
             return {"Errors": [{"Key": "k", "Code": self.code, "Message": "no"}]}
 
-    asyncio.run(_delete_objects(Refusing("NoSuchKey"), ["b/k"]))  # already gone: fine
+    asyncio.run(delete_objects(Refusing("NoSuchKey"), ["b/k"]))  # already gone: fine
     with pytest.raises(PermissionError, match="AccessDenied"):
-        asyncio.run(_delete_objects(Refusing("AccessDenied"), ["b/k"]))
+        asyncio.run(delete_objects(Refusing("AccessDenied"), ["b/k"]))

@@ -18,7 +18,7 @@ import pytest
 from conftest import OtherUser
 
 import gatherstore as gs
-from gatherstore.stores.file import TmpdirStore
+from gatherstore.stores.tmpdir import TmpdirStore
 
 
 @pytest.fixture

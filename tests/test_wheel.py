@@ -99,8 +99,13 @@ def test_fresh_environment_without_extras(
         "gatherstore",
         "gatherstore._errors",
         "gatherstore.stores",
+        "gatherstore.stores._secrets",
+        "gatherstore.stores.areas",
+        "gatherstore.stores.backend",
         "gatherstore.stores.base",
         "gatherstore.stores.deadline",
+        "gatherstore.stores.failures",
         "gatherstore.stores.layout",
         "gatherstore.stores.registry",
+        "gatherstore.stores.waiting",
     ]

@@ -41,8 +41,8 @@ from ._progress import log_call
 from ._session import JobSession, after_failure, note_timeout, session_for
 from .stores.base import Store
 from .stores.deadline import deadline
-from .stores.file import TmpdirStore
 from .stores.registry import ROUTES, default_store, open_store
+from .stores.tmpdir import TmpdirStore
 
 __all__ = ["AUTO_THRESHOLD", "Call", "confirm", "facts", "failure", "resolve", "status"]
 

@@ -27,8 +27,8 @@ from ._cleanup import collect, parse_duration
 from ._errors import first_line
 from ._launch import joined_from_env
 from .stores.base import hide_password
-from .stores.file import default_tmpdir_base
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
+from .stores.tmpdir import default_tmpdir_base
 
 __all__ = ["main"]
 

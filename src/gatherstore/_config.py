@@ -41,37 +41,72 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, at_least: int = 1) -> int:
     """Bytes of a size such as ``64MB``, ``1GB``, ``1.5G``, ``512KiB`` or ``4096`` (binary units).
 
     Raises:
-        ValueError: ``text`` is not a positive size.
+        ValueError: ``text`` is not a size of at least ``at_least`` bytes.
     """
     match = _SIZE.fullmatch(text)
-    nbytes = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else 0
-    if nbytes <= 0:
+    nbytes = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else -1
+    if nbytes < at_least:
         raise ValueError(f"{text!r} is not a size; use e.g. 64MB, 1GB or 4096 (bytes)")
     return nbytes
 
 
+def _size_setting(name: str, default: str, at_least: int = 1) -> int:
+    """The size in the environment variable ``name``, else ``default``.
+
+    Raises:
+        ValueError: the variable holds no valid size; the message names it.
+    """
+    text = os.environ.get(name) or default
+    try:
+        return parse_size(text, at_least)
+    except ValueError:
+        raise ValueError(
+            f"{name}={text!r} is not a size of at least {at_least} bytes: set it to e.g. "
+            f"64MB, 1GB or 4096 (bytes), or unset it for the default {default}"
+        ) from None
+
+
+def _seconds_setting(name: str, default: float) -> float:
+    """The positive number of seconds in the environment variable ``name``, else ``default``.
+
+    Raises:
+        ValueError: the variable holds no positive number; the message names it.
+    """
+    text = os.environ.get(name) or str(default)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(
+            f"{name}={text!r} is not a positive number of seconds: set it to e.g. 600, "
+            f"or unset it for the default {default:g}"
+        )
+    return seconds
+
+
 #: Seconds a collective waits by default (``GATHERSTORE_TIMEOUT`` overrides it).
-DEFAULT_TIMEOUT = float(os.environ.get("GATHERSTORE_TIMEOUT", "1800"))
+DEFAULT_TIMEOUT = _seconds_setting("GATHERSTORE_TIMEOUT", 1800.0)
 
 #: Bytes a reader of stored parts reads ahead of its consumer by default
 #: (``GATHERSTORE_READ_AHEAD`` overrides it, e.g. ``256MB``); never more than
 #: :data:`READ_AHEAD_SHARE` of the memory the check found free.  32 MiB keeps
 #: 32 requests of small parts in flight and several chunks of big ones, and
 #: stays a small share of what a gather returns.
-DEFAULT_READ_AHEAD = parse_size(os.environ.get("GATHERSTORE_READ_AHEAD", "32MiB"))
+DEFAULT_READ_AHEAD = _size_setting("GATHERSTORE_READ_AHEAD", "32MiB")
 READ_AHEAD_SHARE = 8
 
 #: Totals up to this many bytes go over the process group with ``store="auto"``.
 #: Measured with 4 gloo ranks on one 2-core machine: at 64 KiB both routes take
 #: ~10 ms; from 256 KiB on the tmpdir route is 2.5-4x faster (1 MiB: 37 ms vs 10 ms;
 #: 256 MiB: 1.25 s vs 0.76 s).
-AUTO_THRESHOLD = parse_size(os.environ.get("GATHERSTORE_AUTO_THRESHOLD", "128KiB"))
+AUTO_THRESHOLD = _size_setting("GATHERSTORE_AUTO_THRESHOLD", "128KiB", at_least=0)
 #: Bytes per point-to-point message of the ``stream`` route.
-STREAM_CHUNK = parse_size(os.environ.get("GATHERSTORE_STREAM_CHUNK", "16MiB"))
+STREAM_CHUNK = _size_setting("GATHERSTORE_STREAM_CHUNK", "16MiB")
 _HEARTBEAT = 30.0
 
 
@@ -99,14 +134,7 @@ def heartbeat_interval() -> float:
     Raises:
         ValueError: the variable is not a positive number.
     """
-    text = os.environ.get("GATHERSTORE_HEARTBEAT") or str(_HEARTBEAT)
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if seconds <= 0:
-        raise ValueError(f"GATHERSTORE_HEARTBEAT={text!r} must be a positive number of seconds")
-    return seconds
+    return _seconds_setting("GATHERSTORE_HEARTBEAT", _HEARTBEAT)
 
 
 def read_ahead(explicit: int | None, headroom: int) -> int:

@@ -20,11 +20,10 @@ from typing import Any
 
 from ._errors import InsufficientMemoryError
 from .stores.base import Store
-from .stores.file import TmpdirStore
+from .stores.tmpdir import SHM, TmpdirStore
 
 __all__ = [
     "NEEDS",
-    "SHM",
     "NodeNeed",
     "check",
     "headroom",
@@ -35,7 +34,6 @@ __all__ = [
     "shortfalls",
 ]
 
-SHM = "/dev/shm"
 #: The kinds of memory need a route has (see :func:`route_need`): not the routes a
 #: user picks (``stores.registry.ROUTES``), but how each moves parts.
 NEEDS = ("collective", "shm", "store")

@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..stores.tmpdir import SHM
 from . import payloads
 
 __all__ = ["measure"]
 
-_SHM = "/dev/shm"
 _PICKLE_MAX = 64 << 20
 
 
@@ -31,9 +31,9 @@ def _best(fn: Callable[[], object], tries: int = 3) -> float:
 
 def _shm(src: np.ndarray) -> tuple[float, float] | None:
     """Seconds to write ``src`` to a /dev/shm file and read it back (None without /dev/shm)."""
-    if not os.access(_SHM, os.W_OK):
+    if not os.access(SHM, os.W_OK):
         return None
-    path = os.path.join(_SHM, f"gatherstore-bench-{uuid.uuid4().hex}")
+    path = os.path.join(SHM, f"gatherstore-bench-{uuid.uuid4().hex}")
     dst = np.empty_like(src)
     try:
         start = time.perf_counter()

@@ -7,6 +7,8 @@ by the user or root, and not writable by group or others unless sticky, like
 are then opened with ``O_NOFOLLOW`` relative to the base's descriptor and
 worked on through their own descriptor, so a path swapped later changes
 nothing; a rank that opens an area checks that it is the one the job created.
+A base or an area that fails these checks is refused with StoreUnavailableError,
+whose message says how to get a private base.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ import os
 import stat
 from pathlib import Path
 
+from .._errors import StoreUnavailableError
+
 __all__ = [
     "DIRECTORY",
+    "check_area",
     "check_opened",
+    "created",
     "describe_owner",
     "open_directory",
+    "refuse_untrusted",
     "remove_tree",
     "untrusted",
 ]
@@ -28,6 +35,8 @@ __all__ = [
 #: Flags that open a folder without following a symlink in its last component.
 DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _MAX_LINKS = 40  # symlinks followed on the way to a base, as the kernel allows
+#: (device, inode) of the job areas this process created, by locator, until their job ends.
+created: dict[str, tuple[int, int]] = {}
 
 
 def describe_owner(uid: int) -> str:
@@ -94,6 +103,47 @@ def untrusted(path: Path) -> str | None:
 def check_opened(path: Path, fd: int) -> str | None:
     """:func:`_unsafe` of the folder open at ``fd``: what was checked is what was opened."""
     return _unsafe(path, os.fstat(fd))
+
+
+def refuse_untrusted(store: object, base: Path, why: str | None) -> None:
+    """Refuse the base folder ``base`` of ``store`` when ``why`` says another user could
+    change it (:func:`untrusted`, :func:`check_opened`).
+
+    Raises:
+        StoreUnavailableError: ``why`` is not None.
+    """
+    if why is not None:
+        raise StoreUnavailableError(
+            f"store {store}: the base folder {base} is not private to you: {why}. "
+            "Another user could replace the job's folder and read or swap its parts. "
+            "Use a base only you can change: e.g. `mkdir -m 700 /dev/shm/$USER-gather` "
+            "and GATHERSTORE_TMPDIR=/dev/shm/$USER-gather (or tmpdir:///dev/shm/"
+            "$USER-gather); or `chmod go-w` the folder named, if it is yours",
+            store=str(store),
+        )
+
+
+def check_area(
+    store: object, base: Path, locator: str, st: os.stat_result, *, private: bool
+) -> None:
+    """Refuse a job folder (``st``: its fstat) that is not the one rank 0 created, as far
+    as this process can tell: the very folder in rank 0's process, and in a ``private``
+    base a private folder of the user's.
+
+    Raises:
+        StoreUnavailableError: the folder at ``locator`` was replaced.
+    """
+    made = created.get(locator)
+    foreign = st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
+    if (made is not None and made != (st.st_dev, st.st_ino)) or (private and foreign):
+        raise StoreUnavailableError(
+            f"store {store}: the job folder {locator} is not the one this job created "
+            f"(owned by {describe_owner(st.st_uid)}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}): it was replaced. Use a base folder that only "
+            f"you can change instead of {base} (e.g. `mkdir -m 700 "
+            "/dev/shm/$USER-gather`), and check who else can write there",
+            store=str(store),
+        )
 
 
 def open_directory(name: str, dir_fd: int) -> int:

@@ -5,7 +5,8 @@ redis-py sends one command and parses its reply before the next, reads replies
 then the caller).  Here a bounded window of commands is in flight, a SET's
 value goes out as the caller's buffers (never joined), and a GET's reply is
 received with large ``recv_into`` calls straight into the caller's buffer.
-redis-py still connects, authenticates, selects the database and wraps TLS.
+redis-py still connects, authenticates, selects the database and wraps TLS,
+with every socket wait bounded by the deadline in force (:class:`DeadlineConnection`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,71 @@ from typing import Any
 import redis
 import redis.connection
 
-__all__ = ["Wire", "pack", "pack_set", "pooled", "python_packer"]
+from .deadline import time_left
+
+__all__ = [
+    "DeadlineConnection",
+    "Wire",
+    "bounded_class",
+    "pack",
+    "pack_set",
+    "pooled",
+    "python_packer",
+]
 
 _connection: Any = redis.connection  # redis-py's helpers, untyped
 _CRLF = b"\r\n"
 _LINE_READ = 64  # bytes received while looking for a reply's first line
 _SMALL = 64 << 10  # pieces up to this size are sent together in one buffer
+
+
+class DeadlineConnection:
+    """Mixin for a redis-py connection class: every socket wait ends by the deadline.
+
+    The configured timeouts stay the ceiling; inside :func:`~.deadline.deadline`
+    connects, sends and reads wait at most the time the call has left.
+    """
+
+    _socket_timeout: float | None
+    _socket_connect_timeout: float | None
+    _sock: Any
+
+    @property
+    def socket_timeout(self) -> float | None:
+        return time_left(self._socket_timeout)
+
+    @socket_timeout.setter
+    def socket_timeout(self, value: float | None) -> None:
+        self._socket_timeout = value
+
+    @property
+    def socket_connect_timeout(self) -> float | None:
+        return time_left(self._socket_connect_timeout)
+
+    @socket_connect_timeout.setter
+    def socket_connect_timeout(self, value: float | None) -> None:
+        self._socket_connect_timeout = value
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._bound()
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        self._bound()
+        return super().read_response(*args, **kwargs)  # type: ignore[misc]
+
+    def _bound(self) -> None:
+        """Set the socket's timeout to the time left (redis-py >= 7 has
+        ``update_current_socket_timeout`` for this; the socket call works on every version).
+        A timeout of 0 means redis-py is polling the socket: left alone."""
+        sock = self._sock
+        if sock is not None and sock.gettimeout() != 0:
+            sock.settimeout(self.socket_timeout)
+
+
+def bounded_class(cls: type[Any]) -> type[Any]:
+    """``cls`` (a redis-py connection class) with :class:`DeadlineConnection` mixed in."""
+    return type(f"Deadline{cls.__name__}", (DeadlineConnection, cls), {})
 
 
 def python_packer() -> dict[str, Any]:

@@ -1,42 +1,28 @@
-"""The Store ABC: a place for bytes, with everything but five primitives written once.
+"""The Store: a place for bytes, with everything but a backend's primitives written once.
 
-A backend implements an all-or-nothing create-only write, a read that returns
-None when the key is absent, exists, list and delete.  Chunking, manifests,
-``wait``, exact prefix deletes, deletes by name, scoped views, error mapping, pickling and the
-password-free ``str`` live here, and so does the *deadline*: object collectives
-run their store work inside :func:`deadline`, and each backend bounds its
-socket and request timeouts by :func:`time_left`, so that no store call
-outlives the collective's ``timeout`` (a frozen server ends in
-StoreUnavailableError, not in a 60 s socket timeout).
-
-Every stored value starts with a 64-byte header: an inline value carries its
-payload after it; a value larger than ``max_value_size`` is written as chunks
-under ``<key>.chunks/`` first and its header (the manifest, listing the chunk
-sizes) last, so a reader never sees a partial value.
+A backend implements the primitives of :class:`~.backend.Backend`.  Chunking
+(in the layout of :mod:`.layout`, checked on every read), ``wait``, exact
+prefix deletes, deletes by name, scoped views, a job area's default life and
+pickling are written here, once; every call maps the backend's errors (see
+:mod:`.failures`) and is refused once the deadline in force has passed (see
+:mod:`.deadline`: no store call outlives the collective that makes it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import struct
-import time
-import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
-from .._errors import GatherError, GatherTimeout, StoreUnavailableError
+from .._errors import GatherError
+from . import failures, layout
 from ._secrets import describe_failure, hide_password, hide_secrets
-from .deadline import END_JOB_TIMEOUT, deadline, expired
-from .layout import CHUNKED as _CHUNKED
-from .layout import CHUNKS, HEADER_SIZE, Buffer
-from .layout import HEADER as _HEADER
-from .layout import INLINE as _INLINE
-from .layout import MAGIC as _MAGIC
-from .layout import header as _header
-from .layout import nbytes as _nbytes
-from .layout import split as _split
-from .layout import writable as _writable
+from .areas import JOB_AREA, job_directory, job_keys
+from .backend import Backend
+from .deadline import END_JOB_TIMEOUT, deadline
+from .failures import KeyExistsError
+from .layout import CHUNKS, HEADER_SIZE, Buffer, ChunksRead, Damaged, Layout, nbytes
+from .waiting import wait_for
 
 __all__ = [
     "CHUNKS",
@@ -44,6 +30,7 @@ __all__ = [
     "JOB_AREA",
     "Buffer",
     "KeyExistsError",
+    "ScopedStore",
     "Store",
     "describe_failure",
     "hide_password",
@@ -52,112 +39,13 @@ __all__ = [
     "job_keys",
 ]
 
-_LAYOUTS_KEPT = 4096  # chunk layouts remembered between get and discard
-#: Every job area is named after this: ``gatherstore/<job>/`` keys in key-value and
-#: object stores, ``gatherstore-<job>-*`` directories in filesystem stores.
-JOB_AREA = "gatherstore"
 
-
-def job_keys(job_id: str) -> str:
-    """The key prefix of a job's area in a key-value or object store."""
-    return f"{JOB_AREA}/{job_id}/"
-
-
-def job_directory(job_id: str | None = None) -> str:
-    """The name prefix of a job's directory in a filesystem store (of any job's: None)."""
-    return f"{JOB_AREA}-" if job_id is None else f"{JOB_AREA}-{job_id}-"
-
-
-class KeyExistsError(GatherError, FileExistsError):
-    """A create-only put found the key already there."""
-
-
-class Store(ABC):
+class Store(Backend):
     """A key-value place for bytes that every rank of a job can reach.
 
-    Keys are ``/``-separated paths.  Subclasses implement ``_write``, ``_read``,
-    ``_exists``, ``_list`` and ``_delete`` (and may override ``_delete_prefix`` and
-    ``_read_head`` where the backend does them faster).
+    Keys are ``/``-separated paths.  A backend implements the primitives of
+    :class:`~.backend.Backend`; everything a caller uses is written here, once.
     """
-
-    #: Largest value written in one piece; larger values are chunked.
-    max_value_size: ClassVar[int] = 1 << 62
-    #: Backend exceptions that mean "cannot reach or write the store".
-    unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
-    #: Whether processes outside the job can write here (then parts are signed).
-    reachable_by_others: ClassVar[bool] = True
-    #: Whether ranks on other nodes can see the store (False: check at first use).
-    poll_interval: ClassVar[float] = 0.005
-
-    # --- primitives -------------------------------------------------------------
-    @abstractmethod
-    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        """Write the concatenation of ``buffers`` at ``key`` all-or-nothing.
-
-        Returns False (writing nothing) when ``key`` already exists.
-        """
-
-    @abstractmethod
-    def _read(self, key: str) -> Buffer | None:
-        """The whole value at ``key``, or None when absent."""
-
-    @abstractmethod
-    def _exists(self, key: str) -> bool:
-        """Whether ``key`` exists."""
-
-    @abstractmethod
-    def _list(self, prefix: str) -> Iterable[str]:
-        """Every key that starts with ``prefix`` (``""`` or ending in ``/``)."""
-
-    @abstractmethod
-    def _delete(self, keys: Sequence[str]) -> None:
-        """Delete these exact keys; absent ones are ignored."""
-
-    def _delete_prefix(self, prefix: str) -> None:
-        """Delete every key under ``prefix`` (ending in ``/``)."""
-        keys = list(self._list(prefix))
-        if keys:
-            self._delete(keys)
-
-    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
-        """Write ``buffers`` at ``key`` whether or not it exists.  Backends override it to
-        replace the value in one step; this default leaves a moment without one."""
-        self._delete([key])
-        self._write(key, buffers)
-
-    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        """``_write`` of each (key, buffers), in order; backends that can keep a bounded
-        number of writes in flight override it."""
-        return [self._write(key, buffers) for key, buffers in items]
-
-    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
-        """Read each key's value into its view when the sizes match; per item the value's
-        size (None: absent).  Backends override it to keep a bounded number of reads
-        in flight, straight into the views."""
-        sizes: list[int | None] = []
-        for key, view in items:
-            raw = self._read(key)
-            sizes.append(None if raw is None else _nbytes(raw))
-            if raw is not None and _nbytes(raw) == len(view):
-                view[:] = memoryview(raw).cast("B")
-        return sizes
-
-    def _read_head(self, key: str, size: int) -> Buffer | None:
-        """At least the first ``size`` bytes at ``key`` (more is fine), or None when absent.
-
-        Backends that can read a range override it, so that ``discard`` never
-        fetches a whole value to learn whether it is chunked.
-        """
-        return self._read(key)
-
-    @property
-    @abstractmethod
-    def url(self) -> str:
-        """The URL that reopens this store with :func:`gatherstore.open_store`."""
-
-    def _options(self) -> dict[str, Any]:
-        """Keyword options that, with ``url``, reopen an equal store."""
-        return {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Store:
@@ -175,15 +63,6 @@ class Store(ABC):
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
         raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
-
-    @property
-    def sign_parts(self) -> bool:
-        """Whether object parts written here are signed and verified."""
-        return bool(self.__dict__.get("_sign", self.reachable_by_others))
-
-    @sign_parts.setter
-    def sign_parts(self, value: bool) -> None:
-        self.__dict__["_sign"] = value
 
     # --- job hooks (see gatherstore._session) ----------------------------------------
     def prepare_job(self, job_id: str) -> str:
@@ -203,39 +82,7 @@ class Store(ABC):
             self.delete(locator)
 
     # --- the API written once ---------------------------------------------------------
-    @contextlib.contextmanager
-    def _mapped(self, action: str) -> Iterator[None]:
-        """Map backend errors to gatherstore's, once: the message keeps the cause, the
-        traceback drops the backend's own frames (see :func:`describe_failure`)."""
-        if expired():
-            raise self._unavailable(action, "no time left in the call's timeout")
-        try:
-            yield
-        except GatherError:
-            raise
-        except self.unavailable_errors as exc:
-            raise self._unavailable(action, describe_failure(exc)) from None
-
-    def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
-        return StoreUnavailableError(
-            f"store {self} failed to {action}: {why}; check that it is reachable, "
-            "responsive, writable and not full",
-            store=str(self),
-        )
-
-    @staticmethod
-    def _check_key(key: str) -> str:
-        if (
-            not key
-            or key.startswith("/")
-            or key.endswith("/")
-            or any(part in ("", ".", "..") or part.endswith(CHUNKS) for part in key.split("/"))
-        ):
-            raise ValueError(
-                f"store key {key!r} is not valid: use non-empty '/'-separated names, "
-                f"without '.', '..' or names ending in {CHUNKS!r}"
-            )
-        return key
+    _check_key = staticmethod(layout.check_key)
 
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> int:
         """Write ``data`` (bytes, or a sequence of buffers written back to back) at ``key``.
@@ -253,11 +100,11 @@ class Store(ABC):
         buffers: Sequence[Buffer] = (
             [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         )
-        total = sum(_nbytes(b) for b in buffers)
+        total = sum(nbytes(b) for b in buffers)
         with self._mapped(f"write {key!r}"):
             if total + HEADER_SIZE <= self.max_value_size:
-                if not self._write(key, [_header(_INLINE, total, 0), *buffers]):
-                    raise self._exists_error(key)
+                if not self._write(key, [layout.header(layout.INLINE, total, 0), *buffers]):
+                    raise failures.exists(self, key)
                 return total
             return self._put_chunked(key, buffers, total)
 
@@ -273,56 +120,38 @@ class Store(ABC):
         if len(data) + HEADER_SIZE > self.max_value_size:
             raise ValueError(f"replace() takes values up to {self.max_value_size} bytes")
         with self._mapped(f"write {key!r}"):
-            self._replace(key, [_header(_INLINE, len(data), 0), data])
+            self._replace(key, [layout.header(layout.INLINE, len(data), 0), data])
 
     def _put_chunked(self, key: str, buffers: Sequence[Buffer], total: int) -> int:
         if self._exists(key):
-            raise self._exists_error(key)
-        chunk_dir = f"{key}{CHUNKS}/{uuid.uuid4().hex}/"
+            raise failures.exists(self, key)
+        folder = layout.chunk_folder(key)
         try:
-            runs = list(_split(buffers, self.max_value_size))
-            names = [f"{chunk_dir}{i:08d}" for i in range(len(runs))]
+            runs = list(layout.split(buffers, self.max_value_size))
+            names = [f"{folder}{i:08d}" for i in range(len(runs))]
             written = self._write_many(list(zip(names, runs, strict=True)))
             for name, wrote in zip(names, written, strict=True):
                 if not wrote:
-                    raise self._exists_error(name)
+                    raise failures.exists(self, name)
             sizes = [sum(len(v) for v in run) for run in runs]
-            manifest = struct.pack(f"<{len(sizes)}Q", *sizes) + chunk_dir.encode()
-            if not self._write(key, [_header(_CHUNKED, total, len(sizes)), manifest]):
-                raise self._exists_error(key)
+            if not self._write(key, layout.manifest(total, sizes, folder)):
+                raise failures.exists(self, key)
         except BaseException:
             with contextlib.suppress(Exception):
-                self._delete_prefix(chunk_dir)
+                self._delete_prefix(folder)
             raise
         return total
 
-    def _exists_error(self, key: str) -> KeyExistsError:
-        return KeyExistsError(
-            f"key {key!r} already exists in store {self}; parts are create-only — "
-            "delete it first or use a new key"
-        )
+    def _layout_of(self, key: str, raw: Buffer) -> Layout:
+        """The layout of the value ``raw`` read at ``key``.
 
-    def _parse(self, key: str, raw: Buffer) -> tuple[int, int, int, memoryview]:
-        view = memoryview(raw).cast("B")
-        if len(view) < HEADER_SIZE:
-            raise self._corrupt(key, "shorter than its header")
-        magic, kind, total, count = _HEADER.unpack_from(view)
-        if magic != _MAGIC or kind not in (_INLINE, _CHUNKED):
-            raise self._corrupt(key, "not written by this version of gatherstore's store layer")
-        body = view[HEADER_SIZE:]
-        if kind == _INLINE and len(body) != total:
-            raise self._corrupt(key, f"truncated: {len(body)} of {total} bytes")
-        return kind, total, count, body
-
-    def _corrupt(self, key: str, why: str) -> GatherError:
-        from .._errors import IntegrityError
-
-        return IntegrityError(f"value {key!r} in store {self} is {why}", key=key)
-
-    def _chunk_layout(self, key: str, count: int, body: memoryview) -> list[tuple[str, int]]:
-        sizes = struct.unpack_from(f"<{count}Q", body)
-        chunk_dir = bytes(body[8 * count :]).decode()
-        return [(f"{chunk_dir}{i:08d}", n) for i, n in enumerate(sizes)]
+        Raises:
+            IntegrityError: it is not laid out as gatherstore writes it.
+        """
+        try:
+            return layout.layout_of(key, raw)
+        except Damaged as exc:
+            raise failures.damaged(self, key, str(exc)) from None
 
     def get(self, key: str) -> Buffer | None:
         """The value at ``key`` (zero-copy where the backend allows), or None when absent.
@@ -351,32 +180,23 @@ class Store(ABC):
                 if raw is None:
                     out.append(None)
                     continue
-                kind, total, count, body = self._parse(key, raw)
-                layouts = self._layouts()
-                if len(layouts) >= _LAYOUTS_KEPT:  # values read but never discarded here
-                    layouts.clear()
-                if kind == _INLINE:
-                    layouts[key] = []  # discard need not look at it again
-                    out.append(body)
+                value = self._layout_of(key, raw)
+                # discard need not read the manifest again
+                self._chunks_read().remember(key, [chunk for chunk, _ in value.chunks])
+                if value.inline is not None:
+                    out.append(value.inline)
                     continue
-                layout = self._chunk_layout(key, count, body)
-                layouts[key] = [chunk for chunk, _ in layout]  # discard reads it no more
-                value = _writable(total)
-                view, pos = memoryview(value), 0
-                for chunk, size in layout:
+                whole = layout.writable(value.total)
+                view, pos = memoryview(whole), 0
+                for chunk, size in value.chunks:
                     places.append((chunk, view[pos : pos + size]))
                     owners.append(key)
                     pos += size
-                out.append(value)
+                out.append(whole)
             got = self._read_many_into(places) if places else []
             for key, (chunk, place), n in zip(owners, places, got, strict=True):
                 self._check_chunk(key, chunk, len(place), n)
             return out
-
-    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
-        """Each key's whole value, or None when absent; backends that can keep many reads
-        in flight at once override it."""
-        return [self._read(key) for key in keys]
 
     def _check_chunk(self, key: str, chunk: str, size: int, got: int | None) -> None:
         """Raise when a chunk of ``key`` is gone (``got`` None) or not ``size`` bytes."""
@@ -386,12 +206,13 @@ class Store(ABC):
                 "or it expired (raise the store's ttl)"
             )
         if got != size:
-            raise self._corrupt(key, f"truncated: chunk {chunk!r} has {got} of {size} bytes")
+            why = f"truncated: chunk {chunk!r} has {got} of {size} bytes"
+            raise failures.damaged(self, key, why)
 
-    def _layouts(self) -> dict[str, list[str]]:
+    def _chunks_read(self) -> ChunksRead:
         """Chunk keys of the values ``get`` read, until ``discard`` deletes them."""
-        layouts: dict[str, list[str]] = self.__dict__.setdefault("_read_layouts", {})
-        return layouts
+        chunks: ChunksRead = self.__dict__.setdefault("_chunks_memo", ChunksRead())
+        return chunks
 
     def iter_chunks(self, key: str) -> Iterator[memoryview]:
         """Stream the value at ``key`` chunk by chunk (one chunk in memory at a time).
@@ -404,18 +225,15 @@ class Store(ABC):
             raw = self._read(key)
             if raw is None:
                 raise KeyError(f"no key {key!r} in store {self}")
-            kind, _, count, body = self._parse(key, raw)
-            if kind == _INLINE:
-                yield body
+            value = self._layout_of(key, raw)
+            if value.inline is not None:
+                yield value.inline
                 return
-            yield from self._iter_chunk_values(key, count, body)
-
-    def _iter_chunk_values(self, key: str, count: int, body: memoryview) -> Iterator[memoryview]:
-        for chunk_key, size in self._chunk_layout(key, count, body):
-            raw = self._read(chunk_key)
-            self._check_chunk(key, chunk_key, size, None if raw is None else _nbytes(raw))
-            assert raw is not None
-            yield memoryview(raw).cast("B")
+            for chunk, size in value.chunks:
+                got = self._read(chunk)
+                self._check_chunk(key, chunk, size, None if got is None else nbytes(got))
+                assert got is not None
+                yield memoryview(got).cast("B")
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` holds a complete value."""
@@ -436,58 +254,44 @@ class Store(ABC):
             GatherTimeout: some keys are still missing after ``timeout`` seconds;
                 ``keys`` lists them.
         """
-        missing = list(keys)
-        deadline = time.monotonic() + timeout
-        delay = self.poll_interval / 8
-        while True:
-            missing = [k for k in missing if not self.exists(k)]
-            if not missing:
-                return
-            if time.monotonic() >= deadline:
-                raise GatherTimeout(
-                    f"store {self}: keys {missing} did not appear within {timeout:g} s",
-                    keys=missing,
-                    timeout=timeout,
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, self.poll_interval * 20)
+        wait_for(self.exists, keys, timeout, self.poll_interval, self)
 
     def discard(self, key: str) -> None:
         """Delete the value at ``key`` and its chunks, by name.
 
         Unlike :meth:`delete` it lists nothing, so it costs the same in a store
         that holds millions of other keys (a Redis ``SCAN`` walks them all).
-        Keys under ``key/`` are left alone.  An absent key is not an error.
+        Keys under ``key/`` are left alone.  An absent key is not an error, and a damaged
+        one goes with everything under ``<key>.chunks/``.
         """
         self._check_key(key)
         with self._mapped(f"delete {key!r}"):
-            known = self._layouts().pop(key, None)
+            known = self._chunks_read().pop(key)
             if known is not None:  # read by get: its chunks are known
                 self._delete([key, *known])
                 return
             head = self._read_head(key, HEADER_SIZE)
             if head is None:
                 return
-            chunks: list[str] = []
-            if bytes(memoryview(head).cast("B")[:9]) == _MAGIC + bytes([_CHUNKED]):
-                raw = self._read(key)
-                if raw is None:  # gone meanwhile (e.g. its TTL ran out)
-                    return
-                try:
-                    _, _, count, body = self._parse(key, raw)
-                    chunks = [chunk for chunk, _ in self._chunk_layout(key, count, body)]
-                except (GatherError, struct.error, UnicodeDecodeError):  # a damaged manifest
-                    self._delete_prefix(f"{key}{CHUNKS}/")
-            self._delete([key, *chunks])  # the manifest first: readers see all or nothing
+            try:
+                raw = self._read(key) if layout.chunked_head(head) else None
+                chunks = [] if raw is None else layout.layout_of(key, raw).chunks
+            except Damaged:  # its chunks, if any, are somewhere in its folder
+                self._delete([key])
+                self._delete_prefix(f"{key}{CHUNKS}/")
+                return
+            # the manifest first: readers see all or nothing
+            self._delete([key, *(chunk for chunk, _ in chunks)])
 
     def discard_many(self, keys: Sequence[str]) -> None:
         """:meth:`discard` of every key; values this store read with :meth:`get` or
         :meth:`get_many` (their chunks are known) go in one backend delete."""
         for key in keys:
             self._check_key(key)
-        known = [key for key in keys if key in self._layouts()]
+        read = self._chunks_read()
+        known = [key for key in keys if key in read]
         with self._mapped(f"delete {len(known)} values"):
-            names = [n for key in known for n in (key, *self._layouts().pop(key))]
+            names = [n for key in known for n in (key, *(read.pop(key) or []))]
             if names:
                 self._delete(names)  # each manifest before its chunks
         for key in keys:
@@ -508,41 +312,74 @@ class Store(ABC):
 
     def scoped(self, prefix: str) -> Store:
         """A view of this store in which every key lives under ``prefix``."""
-        from .scoped import ScopedStore
-
         return ScopedStore(self, prefix)
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections; the store is unusable afterwards."""
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __str__(self) -> str:
-        return hide_password(self.url)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self}>"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_reopen, (type(self), self.url, self._options(), self.__dict__.get("_sign")))
 
-    def _identity(self) -> tuple[Any, ...]:
-        """What makes two stores the same place: class, URL, options, signing."""
-        return (type(self), self.url, self._options(), self.sign_parts)
-
-    def __eq__(self, other: object) -> bool:
-        """Same class, URL and options mean the same store (one job area per store)."""
-        if not isinstance(other, Store):
-            return NotImplemented
-        return self._identity() == other._identity()
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.url))
-
 
 def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | None) -> Store:
     return cls.from_url(url, **options, **({} if sign is None else {"sign": sign}))
+
+
+class ScopedStore(Store):
+    """A view of a parent store whose keys all live under a prefix."""
+
+    def __init__(self, parent: Store, prefix: str) -> None:
+        self.parent = parent
+        self.prefix = prefix.strip("/") + "/"
+        self.max_value_size = parent.max_value_size  # type: ignore[misc]
+        self.unavailable_errors = parent.unavailable_errors  # type: ignore[misc]
+        self.reachable_by_others = parent.reachable_by_others  # type: ignore[misc]
+        self.poll_interval = parent.poll_interval  # type: ignore[misc]
+        self.sign_parts = parent.sign_parts
+
+    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        return self.parent._write(self.prefix + key, buffers)
+
+    def _read(self, key: str) -> Buffer | None:
+        return self.parent._read(self.prefix + key)
+
+    def _exists(self, key: str) -> bool:
+        return self.parent._exists(self.prefix + key)
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        n = len(self.prefix)
+        return (k[n:] for k in self.parent._list(self.prefix + prefix))
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        self.parent._delete([self.prefix + k for k in keys])
+
+    def _delete_prefix(self, prefix: str) -> None:
+        self.parent._delete_prefix(self.prefix + prefix)
+
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        self.parent._replace(self.prefix + key, buffers)
+
+    def _read_head(self, key: str, size: int) -> Buffer | None:
+        return self.parent._read_head(self.prefix + key, size)
+
+    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        return self.parent._write_many([(self.prefix + k, b) for k, b in items])
+
+    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return self.parent._read_many([self.prefix + k for k in keys])
+
+    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
+        return self.parent._read_many_into([(self.prefix + k, v) for k, v in items])
+
+    @property
+    def url(self) -> str:
+        return self.parent.url
+
+    def __str__(self) -> str:
+        return f"{self.parent} [{self.prefix}]"
+
+    def close(self) -> None:
+        self.parent.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ScopedStore, (self.parent, self.prefix))
+
+    def _identity(self) -> tuple[Any, ...]:
+        return (*self.parent._identity(), self.prefix)

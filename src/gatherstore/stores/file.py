@@ -1,4 +1,4 @@
-"""Local and shared filesystems: ``tmpdir`` (a private job directory) and ``file://``.
+"""Local and shared filesystems: ``file://`` (and ``tmpdir``, its private kind: see ``tmpdir``).
 
 Values are files; a write goes to a temp file with vectored writes and is
 published with ``link`` (atomic and create-only, on NFS too).  Every file is
@@ -21,7 +21,6 @@ import mmap
 import os
 import secrets
 import stat
-import tempfile
 import threading
 import urllib.parse
 import uuid
@@ -35,7 +34,7 @@ from . import _private as private
 from .base import Buffer, Store, hide_password, job_directory
 from .layout import writable
 
-__all__ = ["FileStore", "TmpdirStore", "default_tmpdir_base"]
+__all__ = ["FileStore"]
 
 _TMP = ".tmp-"
 _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
@@ -46,27 +45,9 @@ _RANGE = 16 << 20  # bytes per read of a large value, a few ranges at once
 _RANGES = 4
 _READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _IOV_MAX = 1024
-_SHM = "/dev/shm"
 _FILE = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _logger = logging.getLogger("gatherstore")
-#: (device, inode) of the job areas this process created, until their job ends.
-_created: dict[str, tuple[int, int]] = {}
 _opening = threading.RLock()  # an area opens its base inside
-
-
-def default_tmpdir_base() -> str:
-    """$GATHERSTORE_TMPDIR, else /dev/shm when writable, else the temp dir.
-
-    Whether a gather fits in /dev/shm (its free space, and the RAM and memory
-    cgroup its files are charged to) is decided per call, from every rank's
-    sizes: one that does not fit goes to the temp dir instead.
-    """
-    explicit = os.environ.get("GATHERSTORE_TMPDIR")
-    if explicit:
-        return explicit
-    if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK):
-        return _SHM
-    return tempfile.gettempdir()
 
 
 def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
@@ -154,13 +135,15 @@ class FileStore(Store):
             base, name = self._area_of
             fd = private.open_directory(name, base._dir())
             try:
-                base._check_area(str(self.root), os.fstat(fd))
+                private.check_area(
+                    base, base.root, str(self.root), os.fstat(fd), private=base.private
+                )
             except BaseException:
                 os.close(fd)
                 raise
             return fd
         if self.private:
-            self._refuse_untrusted(private.untrusted(self.root))
+            private.refuse_untrusted(self, self.root, private.untrusted(self.root))
         flags = private.DIRECTORY & ~getattr(os, "O_NOFOLLOW", 0)  # the user's own folder
         try:
             fd = os.open(self.root, flags)
@@ -171,22 +154,11 @@ class FileStore(Store):
             fd = os.open(self.root, flags)
         if self.private:
             try:
-                self._refuse_untrusted(private.check_opened(self.root, fd))
+                private.refuse_untrusted(self, self.root, private.check_opened(self.root, fd))
             except BaseException:
                 os.close(fd)
                 raise
         return fd
-
-    def _refuse_untrusted(self, why: str | None) -> None:
-        if why is not None:
-            raise StoreUnavailableError(
-                f"store {self}: the base folder {self.root} is not private to you: {why}. "
-                "Another user could replace the job's folder and read or swap its parts. "
-                "Use a base only you can change: e.g. `mkdir -m 700 /dev/shm/$USER-gather` "
-                "and GATHERSTORE_TMPDIR=/dev/shm/$USER-gather (or tmpdir:///dev/shm/"
-                "$USER-gather); or `chmod go-w` the folder named, if it is yours",
-                store=str(self),
-            )
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -384,7 +356,7 @@ class FileStore(Store):
             finally:
                 os.close(area)
             locator = str(self.root / name)
-            _created[locator] = (st.st_dev, st.st_ino)
+            private.created[locator] = (st.st_dev, st.st_ino)
             return locator
 
     def join_job(self, locator: str) -> Store:
@@ -400,24 +372,6 @@ class FileStore(Store):
             store._dir()
         return store
 
-    def _check_area(self, locator: str, st: os.stat_result) -> None:
-        """Refuse a job folder that is not the one rank 0 created (as far as this process
-        can tell: the very folder in rank 0's process, a private folder of the user's in a
-        private base)."""
-        created = _created.get(locator)
-        foreign = st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
-        if (created is not None and created != (st.st_dev, st.st_ino)) or (
-            self.private and foreign
-        ):
-            raise StoreUnavailableError(
-                f"store {self}: the job folder {locator} is not the one this job created "
-                f"(owned by {private.describe_owner(st.st_uid)}, mode "
-                f"{stat.S_IMODE(st.st_mode):o}): it was replaced. Use a base folder that only "
-                f"you can change instead of {self.root} (e.g. `mkdir -m 700 "
-                "/dev/shm/$USER-gather`), and check who else can write there",
-                store=str(self),
-            )
-
     def end_job(self, locator: str) -> None:
         """Remove the job folder ``locator`` (only a folder of this user's, named like a job
         folder, directly in this base; in the creating process only the very folder it
@@ -430,7 +384,7 @@ class FileStore(Store):
         path = Path(locator)
         if path.parent != self.root or not path.name.startswith(job_directory()):
             return
-        created = _created.pop(locator, None)
+        created = private.created.pop(locator, None)
         try:
             fd = self._dir()
         except (OSError, StoreUnavailableError):
@@ -448,35 +402,3 @@ class FileStore(Store):
         )
         _logger.warning("%s", message)
         raise StoreUnavailableError(message, store=str(self))
-
-
-class TmpdirStore(FileStore):
-    """A private job directory under a node-local base (``tmpdir`` or ``tmpdir:///base``).
-
-    The base defaults to :func:`default_tmpdir_base` (/dev/shm when it has
-    room).  Fine on one machine; across machines use ``file:///<shared dir>``.
-    Parts are not signed by default: the job directory is mode 0700 on a
-    local filesystem, reachable only by the job's own user, so the base must
-    be a folder no other user can change (owned by the user or root, not
-    writable by others unless sticky, on a path no other user controls): any
-    other base is refused with StoreUnavailableError at the job's first use.
-    """
-
-    reachable_by_others: ClassVar[bool] = False
-    private: ClassVar[bool] = True
-
-    def __init__(self, base: str | os.PathLike[str] | None = None) -> None:
-        self.explicit_base = base is not None
-        super().__init__(base if base is not None else default_tmpdir_base())
-
-    scheme: ClassVar[str] = "tmpdir"
-
-    @classmethod
-    def _from_url(cls, url: str, **options: Any) -> Store:
-        if url == cls.scheme and not options:
-            return cls()
-        return super()._from_url(url, **options)
-
-    @property
-    def url(self) -> str:
-        return f"tmpdir://{urllib.parse.quote(str(self.root))}" if self.explicit_base else "tmpdir"

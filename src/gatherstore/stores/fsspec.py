@@ -11,12 +11,8 @@ two racing writers of one key could both pass (gatherstore's own keys have one
 writer each).  Other filesystems (``memory://``, local, ...) write a temp file
 and move it into place after the same check.
 
-On S3 each GET's body is received straight into the value's buffer.  Measured
-on SeaweedFS this beat one multipart upload plus ranged GETs, with s3fs and
-with obstore alike.  Against an ``http://`` endpoint the payload is not hashed
-for the SigV4 signature (TLS is absent anyway, and gatherstore signs and
-verifies every part itself), and botocore computes no per-request CRC32 unless
-the service requires one.
+On S3 the fast path of ``_s3`` receives GET bodies straight into the value's
+buffer and skips hashes that TLS-less test endpoints do not need.
 
 Inside a store deadline (see :func:`gatherstore.stores.deadline.deadline`) every
 request of an asynchronous filesystem (s3fs, gcsfs, adlfs) is cancelled when
@@ -31,84 +27,27 @@ also when the filesystem is created.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import contextvars
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
 import fsspec.asyn
 
 from .._errors import StoreUnavailableError
+from . import _s3
+from ._s3 import fast_s3_options
 from .base import Buffer, Store, describe_failure, hide_password, hide_secrets
 from .deadline import MIN_TIMEOUT, time_left
 
-__all__ = ["FsspecStore"]
+__all__ = ["S3_CHUNK_SIZE", "FsspecStore", "fast_s3_options"]
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
 _S3 = {"s3", "s3a"}
-_ABSENT = (FileNotFoundError, IsADirectoryError)  # no value at a key
 _STEP = 16 << 20  # bytes per write/ranged read of a large value
-#: botocore settings for S3 unless the caller passes ``config_kwargs``: a frozen
-#: endpoint fails a request within seconds instead of botocore's 60 s x 5 attempts.
-_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
 #: Largest object written in one PUT; larger values are chunked into objects this size.
 S3_CHUNK_SIZE = 16 << 20
-_IN_FLIGHT = 4  # S3 chunk PUTs or GETs at once per store call
-_MANY_IN_FLIGHT = 32  # GETs of whole values (parts, small as a rule) at once
-_DELETE_BATCH = 1000  # keys per S3 DeleteObjects request (the API's limit)
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-
-
-def _checksum_settings() -> tuple[str, ...]:
-    """botocore's checksum settings (botocore >= 1.36 computes a CRC32 of every request)."""
-    try:
-        from botocore.config import Config
-    except ImportError:
-        return ()
-    names = ("request_checksum_calculation", "response_checksum_validation")
-    return tuple(n for n in names if n in getattr(Config, "OPTION_DEFAULTS", {}))
-
-
-_CHECKSUM_SETTINGS = _checksum_settings()
-
-
-def _endpoint(options: dict[str, Any]) -> str:
-    client = options.get("client_kwargs") or {}
-    return str(options.get("endpoint_url") or client.get("endpoint_url") or "")
-
-
-def fast_s3_options(options: dict[str, Any]) -> dict[str, Any]:
-    """s3fs ``options`` plus the settings of the fast path (the caller's own win).
-
-    No per-request CRC32 unless required; against an ``http://`` endpoint, no
-    SHA-256 of the payload either (botocore hashes every byte otherwise).
-    """
-    config = dict(options.get("config_kwargs") or {})
-    for name in _CHECKSUM_SETTINGS:
-        config.setdefault(name, "when_required")
-    if _endpoint(options).startswith("http://"):
-        config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
-    return {**options, "config_kwargs": config}
-
-
-def _in_flight(work: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-    """``work`` of every item, ``_IN_FLIGHT`` at once, each in the caller's context
-    (its store deadline included); results in order, the first error raised."""
-    if len(items) <= 1:
-        return [work(item) for item in items]
-    with ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="gatherstore-s3") as pool:
-        futures = [pool.submit(contextvars.copy_context().run, work, item) for item in items]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
 
 
 def _precondition_failed(exc: BaseException) -> bool:
@@ -148,96 +87,6 @@ def _backend_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-async def _get_object_into(fs: Any, path: str, view: memoryview) -> int:
-    """GET the S3 object at ``path`` into ``view``; its size (``view`` is left alone when the
-    sizes differ, and filled only in part when the body ends early: the caller checks).
-
-    s3fs's ``cat_file`` first asks for the size (a HEAD), then collects the body in
-    pieces, joins them into new bytes and leaves the copy into ``view`` to the caller;
-    here one GET's body goes into ``view`` piece by piece as it arrives.  Retried like
-    s3fs retries its own reads.
-    """
-    bucket, key, version = fs.split_path(path)
-    version_kw = {"VersionId": version} if version else {}
-
-    async def get() -> int:
-        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **version_kw)
-        body = response["Body"]
-        try:
-            size = int(response.get("ContentLength", -1))
-            if size != len(view):
-                return size
-            return await _body_into(body, view)
-        finally:
-            body.close()
-
-    retry = getattr(_s3fs_core(), "_error_wrapper", None)
-    return await (retry(get, retries=fs.retries) if retry else get())
-
-
-async def _body_into(body: Any, view: memoryview) -> int:
-    """Receive a response body into ``view``; the bytes received (at most ``len(view)``)."""
-    stream = getattr(getattr(body, "raw_stream", None), "content", None)
-    chunked = getattr(stream, "readchunk", None)  # aiohttp: one received piece, never joined
-    pos = 0
-    while pos < len(view):
-        if chunked is not None:
-            piece, http_chunk_end = await chunked()
-        else:
-            piece, http_chunk_end = await body.read(len(view) - pos), False
-        if not piece:
-            if http_chunk_end:
-                continue
-            break
-        n = min(len(piece), len(view) - pos)
-        view[pos : pos + n] = memoryview(piece)[:n]
-        pos += n
-    return pos
-
-
-async def _cat_many(fs: Any, paths: list[str], limit: int, step: int) -> list[bytes | None]:
-    """The first ``step`` bytes of every object (None where absent), ``limit`` GETs at once."""
-    gate = asyncio.Semaphore(limit)
-
-    async def first(path: str) -> bytes | None:
-        async with gate:
-            try:
-                head: bytes = await fs._cat_file(path, start=0, end=step)
-            except _ABSENT:
-                return None
-            return head
-
-    return list(await asyncio.gather(*(first(path) for path in paths)))
-
-
-async def _delete_objects(fs: Any, paths: list[str]) -> None:
-    """Delete S3 objects of one bucket with one DeleteObjects request; an object that is
-    already gone is fine, any other refusal raises (s3fs's own bulk delete drops them)."""
-    bucket = fs.split_path(paths[0])[0]
-    objects = [{"Key": fs.split_path(path)[1]} for path in paths]
-    for path in paths:
-        fs.invalidate_cache(path)
-    reply = await fs._call_s3(
-        "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
-    )
-    errors = [e for e in reply.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
-    if errors:
-        first = errors[0]
-        raise PermissionError(
-            f"S3 refused to delete {len(errors)} object(s), e.g. {first.get('Key')!r}: "
-            f"{first.get('Code')} {first.get('Message', '')}".rstrip()
-        )
-
-
-def _s3fs_core() -> Any:
-    """s3fs's core module (its retry wrapper), or None without s3fs."""
-    try:
-        import s3fs.core
-    except ImportError:  # pragma: no cover - s3:// needs s3fs anyway
-        return None
-    return s3fs.core
-
-
 class FsspecStore(Store):
     """Values as files/objects of an fsspec filesystem under ``url``.
 
@@ -247,12 +96,14 @@ class FsspecStore(Store):
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
-        self._s3 = self.protocol in _S3
-        options = {"config_kwargs": _S3_CONFIG, **storage_options} if self._s3 else storage_options
+        self._is_s3 = self.protocol in _S3
+        options = (
+            {"config_kwargs": _s3.S3_CONFIG, **storage_options} if self._is_s3 else storage_options
+        )
         self.unavailable_errors = _backend_errors()  # type: ignore[misc]
         try:
             self.fs, root = fsspec.core.url_to_fs(
-                url, **(fast_s3_options(options) if self._s3 else options)
+                url, **(fast_s3_options(options) if self._is_s3 else options)
             )
         except (ValueError, TypeError) as exc:
             raise ValueError(
@@ -289,7 +140,9 @@ class FsspecStore(Store):
 
     @property
     def url(self) -> str:
-        return f"{self.protocol}://{self.root}"
+        """``<protocol>://<root>``; a local folder is ``local://…``, since ``file://…``
+        opens a :class:`~.file.FileStore`."""
+        return f"{'local' if self.protocol == 'file' else self.protocol}://{self.root}"
 
     def _options(self) -> dict[str, Any]:
         return dict(self.storage_options)
@@ -374,34 +227,34 @@ class FsspecStore(Store):
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         if not self._object_store:
             return super()._write_many(items)
-        return _in_flight(
+        return _s3.in_flight(
             lambda item: self._put_object(item[0], self._path(item[0]), item[1]), items
         )
 
     def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
-        if not self._s3:
+        if not self._is_s3:
             return super()._read_many_into(items)
 
         def fetch(item: tuple[str, memoryview]) -> int | None:
             key, view = item
             try:
                 size: int = self._call_async(
-                    "read", _get_object_into, self.fs, self._path(key), view
+                    "read", _s3.get_object_into, self.fs, self._path(key), view
                 )
-            except _ABSENT:
+            except _s3.ABSENT:
                 return None
             return size
 
-        return _in_flight(fetch, items)
+        return _s3.in_flight(fetch, items)
 
     def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
-        """On object stores, up to ``_MANY_IN_FLIGHT`` GETs at once on the filesystem's event
+        """On object stores, up to ``_s3.MANY_IN_FLIGHT`` GETs at once on the filesystem's event
         loop (small values do not wait for each other); a value past one ranged GET is
         then read in ranges."""
         if not (self._object_store and getattr(self.fs, "async_impl", False)) or len(keys) < 2:
             return super()._read_many(keys)
         paths = [self._path(key) for key in keys]
-        firsts = self._call_async("read", _cat_many, self.fs, paths, _MANY_IN_FLIGHT, _STEP)
+        firsts = self._call_async("read", _s3.cat_many, self.fs, paths, _s3.MANY_IN_FLIGHT, _STEP)
         return [
             None if first is None else self._read_ranges(path, first)
             for path, first in zip(paths, firsts, strict=True)
@@ -424,7 +277,7 @@ class FsspecStore(Store):
                     if not n:
                         break
                     pos += n
-        except _ABSENT:
+        except _s3.ABSENT:
             return None
         return out if pos == len(out) else out[:pos]
 
@@ -437,7 +290,7 @@ class FsspecStore(Store):
         still costs one request.
         """
         if first is None:
-            first = self._call("cat_file", path, start=0, end=_STEP)
+            first = self._head(path, _STEP)
         if len(first) < _STEP:
             return bytearray(first)
         out = bytearray(self._call("size", path))
@@ -450,9 +303,24 @@ class FsspecStore(Store):
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         try:
-            head: bytes = self._call("cat_file", self._path(key), start=0, end=size)
-        except _ABSENT:
+            return self._head(self._path(key), size)
+        except _s3.ABSENT:
             return None
+
+    def _head(self, path: str, size: int) -> bytes:
+        """The first ``size`` bytes of the object at ``path``, by a ranged read; an empty
+        object (damage: stored values have a header) gives empty bytes."""
+        try:
+            head: bytes = self._call("cat_file", path, start=0, end=size)
+        except _s3.ABSENT:
+            raise
+        except Exception as exc:
+            if not _s3.no_range(exc):
+                raise
+            self.fs.invalidate_cache(path)
+            if self._call("size", path) != 0:
+                raise
+            return b""
         return head
 
     def _exists(self, key: str) -> bool:
@@ -471,11 +339,13 @@ class FsspecStore(Store):
     def _delete(self, keys: Sequence[str]) -> None:
         """Delete ``keys`` in order; on S3 the first on its own, then the rest in batches of
         one request each (``discard`` passes a manifest first, then its chunks)."""
-        if self._s3 and len(keys) > 2:
+        if self._is_s3 and len(keys) > 2:
             self._delete(keys[:1])
             rest = [self._path(k) for k in keys[1:]]
-            for i in range(0, len(rest), _DELETE_BATCH):
-                self._call_async("delete", _delete_objects, self.fs, rest[i : i + _DELETE_BATCH])
+            for i in range(0, len(rest), _s3.DELETE_BATCH):
+                self._call_async(
+                    "delete", _s3.delete_objects, self.fs, rest[i : i + _s3.DELETE_BATCH]
+                )
             return
         for key in keys:
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):

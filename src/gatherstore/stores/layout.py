@@ -1,16 +1,21 @@
 """How a store value is laid out: a 64-byte header, then the payload or a manifest.
 
 An inline value carries its payload after the header; a value larger than the
-store's ``max_value_size`` is written as chunks under ``<key>.chunks/`` first
-and its header (the manifest, listing the chunk sizes) last, so a reader never
-sees a partial value.
+store's ``max_value_size`` is written as chunks under ``<key>.chunks/<id>/``
+first and its header (the manifest, listing the chunk sizes and their folder)
+last, so a reader never sees a partial value.  What is read is checked against
+this layout before any chunk is fetched: a manifest names only its own key's
+chunks, as many as its body holds, adding up to its total (see :func:`layout_of`).
 """
 
 from __future__ import annotations
 
 import mmap
+import re
 import struct
+import uuid
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 __all__ = [
     "CHUNKED",
@@ -20,7 +25,15 @@ __all__ = [
     "INLINE",
     "MAGIC",
     "Buffer",
+    "ChunksRead",
+    "Damaged",
+    "Layout",
+    "check_key",
+    "chunk_folder",
+    "chunked_head",
     "header",
+    "layout_of",
+    "manifest",
     "nbytes",
     "split",
     "writable",
@@ -36,11 +49,133 @@ HEADER = struct.Struct("<8sBxxxxxxxQQ")  # magic, kind, total payload, chunk cou
 HEADER_SIZE = 64
 INLINE, CHUNKED = 0, 1
 CHUNKS = ".chunks"
+_CHUNK_FOLDER = re.compile(rb"[0-9a-f]{32}/")  # after "<key>.chunks/": one write's chunks
+_FOLDER_SIZE = 33
+_CHUNKS_KEPT = 4096  # values whose chunks a store remembers between a read and a delete
+
+
+class Damaged(ValueError):
+    """A stored value is not laid out as gatherstore writes it; the message says how."""
+
+
+class Layout(NamedTuple):
+    """What a stored value's header says: its payload size, and where the payload is."""
+
+    total: int
+    #: The payload of an inline value (None: the value is chunked).
+    inline: memoryview | None
+    #: (chunk key, size) of every chunk of a chunked value, in order.
+    chunks: list[tuple[str, int]]
+
+
+def check_key(key: str) -> str:
+    """``key`` when it is a valid store key.
+
+    Raises:
+        ValueError: it is empty, absolute, ends in ``/``, has an empty, ``.`` or ``..``
+            component, or one that ends in ``.chunks`` (chunks live there).
+    """
+    if (
+        not key
+        or key.startswith("/")
+        or key.endswith("/")
+        or any(part in ("", ".", "..") or part.endswith(CHUNKS) for part in key.split("/"))
+    ):
+        raise ValueError(
+            f"store key {key!r} is not valid: use non-empty '/'-separated names, "
+            f"without '.', '..' or names ending in {CHUNKS!r}"
+        )
+    return key
 
 
 def header(kind: int, total: int, count: int) -> bytes:
     """The 64-byte header of a value: inline (``count`` 0) or a chunked manifest."""
     return HEADER.pack(MAGIC, kind, total, count).ljust(HEADER_SIZE, b"\0")
+
+
+def _head(view: memoryview) -> tuple[int, int, int]:
+    """The kind, total and chunk count of a header.
+
+    Raises:
+        Damaged: ``view`` is shorter than a header, or the header is not one gatherstore
+            writes (another magic, an unknown kind, an inline value with chunks).
+    """
+    if len(view) < HEADER_SIZE:
+        raise Damaged("shorter than its header")
+    magic, kind, total, count = HEADER.unpack_from(view)
+    if magic != MAGIC or kind not in (INLINE, CHUNKED) or (kind == INLINE and count):
+        raise Damaged("not written by this version of gatherstore's store layer")
+    return kind, total, count
+
+
+def chunked_head(head: Buffer) -> bool:
+    """Whether the value whose first bytes are ``head`` is chunked.
+
+    Raises:
+        Damaged: ``head`` is not the start of a value gatherstore writes.
+    """
+    return _head(memoryview(head).cast("B"))[0] == CHUNKED
+
+
+def layout_of(key: str, raw: Buffer) -> Layout:
+    """The layout of the value ``raw`` stored at ``key``.
+
+    Raises:
+        Damaged: the header is damaged; an inline payload is not as long as the header
+            says; a manifest's body does not hold its chunk count, names another folder
+            than ``<key>.chunks/<id>/``, or lists sizes that do not add up to its total.
+    """
+    view = memoryview(raw).cast("B")
+    kind, total, count = _head(view)
+    body = view[HEADER_SIZE:]
+    if kind == INLINE:
+        if len(body) != total:
+            raise Damaged(f"truncated or grown: {len(body)} bytes, its header says {total}")
+        return Layout(total, body, [])
+    own = f"{key}{CHUNKS}/".encode()
+    if count < 1 or len(body) != 8 * count + len(own) + _FOLDER_SIZE:
+        raise Damaged(f"a manifest of {len(body)} bytes, which cannot list {count} chunks")
+    folder = body[8 * count :]
+    own_id = bytes(folder[len(own) :])
+    if folder[: len(own)] != own or not _CHUNK_FOLDER.fullmatch(own_id):
+        raise Damaged("a manifest that names chunks outside the value's own folder")
+    sizes = struct.unpack_from(f"<{count}Q", body)
+    if sum(sizes) != total:
+        raise Damaged(f"a manifest whose chunks add up to {sum(sizes)} bytes, not {total}")
+    name = f"{key}{CHUNKS}/{own_id.decode()}"
+    return Layout(total, None, [(f"{name}{i:08d}", n) for i, n in enumerate(sizes)])
+
+
+def chunk_folder(key: str) -> str:
+    """A new folder for the chunks of one write of ``key``."""
+    return f"{key}{CHUNKS}/{uuid.uuid4().hex}/"
+
+
+def manifest(total: int, sizes: Sequence[int], folder: str) -> list[bytes]:
+    """The value that publishes ``total`` bytes written as chunks of ``sizes`` in ``folder``."""
+    sizes_packed = struct.pack(f"<{len(sizes)}Q", *sizes)
+    return [header(CHUNKED, total, len(sizes)), sizes_packed, folder.encode()]
+
+
+class ChunksRead:
+    """The chunk keys of the values a store read, until it deletes them: a delete of a value
+    just read needs not read its manifest again.  Values read but never deleted are
+    forgotten after a few thousand."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, list[str]] = {}
+
+    def remember(self, key: str, chunks: list[str]) -> None:
+        if len(self._chunks) >= _CHUNKS_KEPT:
+            self._chunks.clear()
+        self._chunks[key] = chunks
+
+    def pop(self, key: str) -> list[str] | None:
+        """The chunk keys of ``key`` (forgotten now), or None when it was not read."""
+        return self._chunks.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._chunks
 
 
 def nbytes(buf: Buffer) -> int:

@@ -7,11 +7,11 @@ Precedence of the default store: the call's argument, then
 from __future__ import annotations
 
 import importlib
-import os
 import urllib.parse
 from importlib.metadata import entry_points
 from typing import Any
 
+from .. import _config as config
 from .base import Store, hide_password
 
 __all__ = [
@@ -30,7 +30,7 @@ _FSSPEC = "gatherstore.stores.fsspec:FsspecStore"
 
 #: scheme -> {"class": Store class or "module:Class", "err": install hint}, as fsspec keeps them
 _registry: dict[str, dict[str, Any]] = {
-    "tmpdir": {"class": "gatherstore.stores.file:TmpdirStore"},
+    "tmpdir": {"class": "gatherstore.stores.tmpdir:TmpdirStore"},
     "file": {"class": "gatherstore.stores.file:FileStore"},
     **{
         scheme: {"class": "gatherstore.stores.redis:RedisStore", "err": "pip install redis"}
@@ -182,4 +182,4 @@ def default_store(spec: str | Store | None = None) -> str | Store:
         return spec
     if _default[0] is not None:
         return _default[0]
-    return os.environ.get("GATHERSTORE_STORE") or "auto"
+    return config.store_spec() or "auto"

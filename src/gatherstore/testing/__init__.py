@@ -49,26 +49,9 @@ from ..stores.base import CHUNKS, HEADER_SIZE, KeyExistsError, Store
 from ..stores.deadline import deadline
 from ..stores.registry import open_store
 from ._damage import DAMAGE, LARGE, SMALL
+from ._threads import started
 
 __all__ = ["StoreTests"]
-
-
-def _started(work: Callable[[], None], done: threading.Event) -> tuple[threading.Thread, list[Any]]:
-    """A started thread running ``work``; it sets ``done`` when it ends, and the list
-    returned holds what ``work`` raised."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, errors
 
 
 class StoreTests:
@@ -209,7 +192,7 @@ class StoreTests:
                     return
                 polling.set()
 
-        thread, errors = _started(read, polling)
+        thread, errors = started(read, polling)
         assert polling.wait(30)  # the reader is reading before the write begins
         chunked.put("big", data)
         thread.join(timeout=30)
@@ -223,7 +206,7 @@ class StoreTests:
         store.wait(["early"], timeout=0)
         store.wait([], timeout=0)
         returned = threading.Event()
-        thread, errors = _started(lambda: store.wait(["early", "late", "later"], 60), returned)
+        thread, errors = started(lambda: store.wait(["early", "late", "later"], 60), returned)
         try:
             store.put("late", b"v")
             assert not returned.wait(0.3), f"wait returned before 'later' existed: {errors}"
@@ -310,14 +293,20 @@ class StoreTests:
         self, chunked: Store, size: int, target: str, damage: Callable[[bytes], bytes]
     ) -> None:
         chunked.put("k", b"d" * size)
+        chunked.put("ok", b"o")  # read together with the damaged one by get_many
         key = "k" if target == "value" else self._chunks_of(chunked, "k")[0]
         self.raw_set(chunked, key, damage(self.raw_get(chunked, key) or b""))
-        for read in (chunked.get, lambda k: b"".join(chunked.iter_chunks(k))):
+        reads: list[Callable[[str], Any]] = [
+            chunked.get,
+            lambda k: chunked.get_many(["ok", k]),
+            lambda k: b"".join(chunked.iter_chunks(k)),
+        ]
+        for read in reads:
             with pytest.raises(IntegrityError) as info:
                 read("k")
             assert str(chunked) in str(info.value)
             assert getattr(info.value, "key", "k") == "k"
-        chunked.discard("k")  # a damaged value is removed with all its chunks
+        chunked.discard_many(["ok", "k"])  # a damaged value goes with all its chunks
         assert self.raw_keys(chunked) == []
 
     def test_a_lost_chunk_is_not_reported_as_tampering(self, chunked: Store) -> None:

@@ -20,30 +20,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import pytest
 
+from ._endpoint import S3Endpoint
+
 __all__ = ["S3Endpoint", "gatherstore_redis_url", "gatherstore_run", "gatherstore_s3"]
-
-
-@dataclass(frozen=True)
-class S3Endpoint:
-    """An S3-compatible endpoint and its credentials."""
-
-    endpoint_url: str
-    key: str
-    secret: str
-
-    @property
-    def storage_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``s3fs.S3FileSystem`` (fsspec storage options)."""
-        return {
-            "key": self.key,
-            "secret": self.secret,
-            "client_kwargs": {"endpoint_url": self.endpoint_url},
-        }
 
 
 def _unavailable(service: str, exc: Exception) -> NoReturn:

@@ -1,0 +1,167 @@
+"""What a backend implements: the primitives of a store, and the URL and options naming it.
+
+A backend (``FileStore``, ``RedisStore``, ``FsspecStore``, a third party's)
+subclasses :class:`~.base.Store` and implements five primitives: an
+all-or-nothing create-only write, a read that returns None when the key is
+absent, exists, list and delete by name; it may override the others where it
+does them faster (many writes or reads in flight, a ranged read, a prefix
+delete).  It names its exceptions that mean "unreachable", which the store
+maps to StoreUnavailableError at this boundary, and the URL and options that
+reopen it, which make two stores equal, hash alike and pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from .._errors import StoreUnavailableError
+from . import failures
+from ._secrets import hide_password
+from .layout import Buffer, nbytes
+
+__all__ = ["Backend"]
+
+_B = TypeVar("_B", bound="Backend")
+
+
+class Backend(ABC):
+    """The primitives of a key-value place for bytes, and its identity.
+
+    Keys are ``/``-separated paths.  Subclasses implement ``_write``, ``_read``,
+    ``_exists``, ``_list``, ``_delete`` and ``url`` (and may override the other
+    primitives where the backend does them faster).
+    """
+
+    #: Largest value written in one piece; larger values are chunked.
+    max_value_size: ClassVar[int] = 1 << 62
+    #: Backend exceptions that mean "cannot reach or write the store".
+    unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
+    #: Whether processes outside the job can write here (then parts are signed).
+    reachable_by_others: ClassVar[bool] = True
+    #: Seconds between checks for keys (``wait`` starts at an eighth of it and backs off).
+    poll_interval: ClassVar[float] = 0.005
+
+    # --- primitives -------------------------------------------------------------
+    @abstractmethod
+    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        """Write the concatenation of ``buffers`` at ``key`` all-or-nothing.
+
+        Returns False (writing nothing) when ``key`` already exists.
+        """
+
+    @abstractmethod
+    def _read(self, key: str) -> Buffer | None:
+        """The whole value at ``key``, or None when absent."""
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterable[str]:
+        """Every key that starts with ``prefix`` (``""`` or ending in ``/``)."""
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[str]) -> None:
+        """Delete these exact keys; absent ones are ignored."""
+
+    def _delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix`` (ending in ``/``)."""
+        keys = list(self._list(prefix))
+        if keys:
+            self._delete(keys)
+
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        """Write ``buffers`` at ``key`` whether or not it exists.  Backends override it to
+        replace the value in one step; this default leaves a moment without one."""
+        self._delete([key])
+        self._write(key, buffers)
+
+    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """``_write`` of each (key, buffers), in order; backends that can keep a bounded
+        number of writes in flight override it."""
+        return [self._write(key, buffers) for key, buffers in items]
+
+    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Each key's whole value, or None when absent; backends that can keep many reads
+        in flight at once override it."""
+        return [self._read(key) for key in keys]
+
+    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
+        """Read each key's value into its view when the sizes match; per item the value's
+        size (None: absent).  Backends override it to keep a bounded number of reads
+        in flight, straight into the views."""
+        sizes: list[int | None] = []
+        for key, view in items:
+            raw = self._read(key)
+            sizes.append(None if raw is None else nbytes(raw))
+            if raw is not None and nbytes(raw) == len(view):
+                view[:] = memoryview(raw).cast("B")
+        return sizes
+
+    def _read_head(self, key: str, size: int) -> Buffer | None:
+        """At least the first ``size`` bytes at ``key`` (more is fine; an empty value gives
+        empty bytes), or None when absent.
+
+        Backends that can read a range override it, so that ``discard`` never
+        fetches a whole value to learn whether it is chunked.
+        """
+        return self._read(key)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the store is unusable afterwards."""
+
+    def __enter__(self: _B) -> _B:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- errors at the boundary ------------------------------------------------------
+    def _mapped(self, action: str) -> contextlib.AbstractContextManager[None]:
+        """Backend errors of ``action`` mapped to gatherstore's (see :func:`failures.mapped`)."""
+        return failures.mapped(self, self.unavailable_errors, action)
+
+    def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
+        return failures.unavailable(self, action, why)
+
+    # --- identity ----------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The URL that reopens this store with :func:`gatherstore.open_store`."""
+
+    def _options(self) -> dict[str, Any]:
+        """Keyword options that, with ``url``, reopen an equal store."""
+        return {}
+
+    @property
+    def sign_parts(self) -> bool:
+        """Whether object parts written here are signed and verified."""
+        return bool(self.__dict__.get("_sign", self.reachable_by_others))
+
+    @sign_parts.setter
+    def sign_parts(self, value: bool) -> None:
+        self.__dict__["_sign"] = value
+
+    def _identity(self) -> tuple[Any, ...]:
+        """What makes two stores the same place: class, URL, options, signing."""
+        return (type(self), self.url, self._options(), self.sign_parts)
+
+    def __eq__(self, other: object) -> bool:
+        """Same class, URL and options mean the same store (one job area per store)."""
+        if not isinstance(other, Backend):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.url))
+
+    def __str__(self) -> str:
+        return hide_password(self.url)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self}>"

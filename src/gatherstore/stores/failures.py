@@ -1,0 +1,64 @@
+"""How a store's failures reach the caller: gatherstore's errors, mapped once at the boundary.
+
+A backend's own exceptions (redis-py's, botocore's, an ``OSError``) become
+StoreUnavailableError naming the store and the action, with the backend's
+message but not its traceback; a value that is not laid out as gatherstore
+writes it is an IntegrityError; a create-only write that finds its key is a
+KeyExistsError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from .._errors import GatherError, IntegrityError, StoreUnavailableError
+from ._secrets import describe_failure
+from .deadline import expired
+
+__all__ = ["KeyExistsError", "damaged", "exists", "mapped", "unavailable"]
+
+
+class KeyExistsError(GatherError, FileExistsError):
+    """A create-only put found the key already there."""
+
+
+def unavailable(store: object, action: str, why: str) -> StoreUnavailableError:
+    """The error of ``store`` failing to do ``action`` (e.g. "read 'k'") because of ``why``."""
+    return StoreUnavailableError(
+        f"store {store} failed to {action}: {why}; check that it is reachable, "
+        "responsive, writable and not full",
+        store=str(store),
+    )
+
+
+@contextlib.contextmanager
+def mapped(store: object, errors: tuple[type[BaseException], ...], action: str) -> Iterator[None]:
+    """Run ``action`` on ``store``: ``errors`` (its backend's) become StoreUnavailableError,
+    whose message keeps the cause and whose traceback drops the backend's own frames (see
+    :func:`~._secrets.describe_failure`); past the deadline, nothing runs.
+
+    Raises:
+        StoreUnavailableError: the deadline in force has passed, or the backend failed.
+    """
+    if expired():
+        raise unavailable(store, action, "no time left in the call's timeout")
+    try:
+        yield
+    except GatherError:
+        raise
+    except errors as exc:
+        raise unavailable(store, action, describe_failure(exc)) from None
+
+
+def damaged(store: object, key: str, why: str) -> IntegrityError:
+    """The error of a value at ``key`` in ``store`` that is ``why`` (e.g. "truncated: …")."""
+    return IntegrityError(f"value {key!r} in store {store} is {why}", key=key)
+
+
+def exists(store: object, key: str) -> KeyExistsError:
+    """The error of a create-only write of ``key`` that found it in ``store``."""
+    return KeyExistsError(
+        f"key {key!r} already exists in store {store}; parts are create-only — "
+        "delete it first or use a new key"
+    )

@@ -1,0 +1,70 @@
+"""``tmpdir``: a private job folder under a node-local base, and the choice of that base.
+
+The base is ``$GATHERSTORE_TMPDIR``, else ``/dev/shm`` (RAM: the fastest
+route between the ranks of one machine) when this process can write there,
+else the temp dir.  Whether one gather fits in ``/dev/shm`` is decided per
+call, from every rank's sizes (see ``gatherstore._memory``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.parse
+from typing import Any, ClassVar
+
+from .. import _config as config
+from .base import Store
+from .file import FileStore
+
+__all__ = ["SHM", "TmpdirStore", "default_tmpdir_base"]
+
+#: The node's shared memory, where ``tmpdir`` keeps its job folders when it can.
+SHM = "/dev/shm"
+
+
+def default_tmpdir_base() -> str:
+    """$GATHERSTORE_TMPDIR, else /dev/shm when writable, else the temp dir.
+
+    Whether a gather fits in /dev/shm (its free space, and the RAM and memory
+    cgroup its files are charged to) is decided per call, from every rank's
+    sizes: one that does not fit goes to the temp dir instead.
+    """
+    explicit = config.tmpdir_base()
+    if explicit:
+        return explicit
+    if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
+        return SHM
+    return tempfile.gettempdir()
+
+
+class TmpdirStore(FileStore):
+    """A private job directory under a node-local base (``tmpdir`` or ``tmpdir:///base``).
+
+    The base defaults to :func:`default_tmpdir_base` (/dev/shm when it has
+    room).  Fine on one machine; across machines use ``file:///<shared dir>``.
+    Parts are not signed by default: the job directory is mode 0700 on a
+    local filesystem, reachable only by the job's own user, so the base must
+    be a folder no other user can change (owned by the user or root, not
+    writable by others unless sticky, on a path no other user controls): any
+    other base is refused with StoreUnavailableError at the job's first use.
+    """
+
+    reachable_by_others: ClassVar[bool] = False
+    private: ClassVar[bool] = True
+
+    def __init__(self, base: str | os.PathLike[str] | None = None) -> None:
+        self.explicit_base = base is not None
+        super().__init__(base if base is not None else default_tmpdir_base())
+
+    scheme: ClassVar[str] = "tmpdir"
+
+    @classmethod
+    def _from_url(cls, url: str, **options: Any) -> Store:
+        if url == cls.scheme and not options:
+            return cls()
+        return super()._from_url(url, **options)
+
+    @property
+    def url(self) -> str:
+        return f"tmpdir://{urllib.parse.quote(str(self.root))}" if self.explicit_base else "tmpdir"
