@@ -1,5 +1,10 @@
 """Every Python block of the documentation site runs, and its shell commands parse.
 
+The site also stays true to the code: every GATHERSTORE_* variable in src/ is on the
+settings page, every public exception has a row (meaning, remedy, attributes) in the
+errors table, every path of the repository a page cites exists, and every public
+function's docstring (the API reference) lists what it raises.
+
 The ```python blocks of a page (``docs/**/*.md``) run in order, in one fresh folder per
 page, each in a subprocess with a timeout: a block that launches processes or talks to
 Redis or S3 does so for real.  An HTML comment on the line before a block says how to
@@ -34,6 +39,7 @@ out (argparse would take an abbreviation).
 from __future__ import annotations
 
 import argparse
+import builtins
 import contextlib
 import os
 import re
@@ -41,15 +47,14 @@ import shlex
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gatherstore import _cli
+from gatherstore._bench.clients import fresh_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -119,24 +124,8 @@ def test_every_marker_is_known_and_precedes_a_python_block() -> None:
     assert len(_python_pages()) >= 10  # the guides have examples
 
 
-@contextlib.contextmanager
-def _bucket(endpoint: Any) -> Iterator[str]:
-    """A fresh, empty bucket on ``endpoint``, removed with what is left in it."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**endpoint.storage_options)
-    name = f"gatherstore-docs-{uuid.uuid4().hex[:12]}"
-    fs.mkdir(name)
-    try:
-        yield name
-    finally:
-        fs.rm(name, recursive=True)
-
-
 def _environment(page_dir: Path) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith("GATHER")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith("GATHER")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env["HOME"] = str(page_dir)  # nothing a block writes lands outside its folder
     return env
@@ -187,7 +176,8 @@ def test_python_blocks_run(page: Path, tmp_path: Path, request: pytest.FixtureRe
             replace[REDIS] = request.getfixturevalue("gatherstore_redis_url")
         if S3_BUCKET in text:
             endpoint = request.getfixturevalue("gatherstore_s3")
-            replace[S3_BUCKET] = f"s3://{stack.enter_context(_bucket(endpoint))}/"
+            bucket = stack.enter_context(fresh_bucket(endpoint.storage_options, "docs"))
+            replace[S3_BUCKET] = f"s3://{bucket}/"
             env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = endpoint.key, endpoint.secret
             env["AWS_ENDPOINT_URL"] = endpoint.endpoint_url
         if "gatherstore_redis_url" in text:  # a test module's fixture: the same server
@@ -200,9 +190,7 @@ def test_python_blocks_run(page: Path, tmp_path: Path, request: pytest.FixtureRe
 
 # --- shell commands --------------------------------------------------------------------------
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    action = next(
-        a for a in _cli._parser()._actions if isinstance(a, argparse._SubParsersAction)
-    )
+    action = next(a for a in _cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
     return dict(action.choices)
 
 
@@ -220,7 +208,7 @@ def _check_parses(where: str, command: str) -> list[str]:
     if not argv or argv[0] not in parsers:
         return [f"{where}: `gatherstore {command}`: no command {argv[:1]}"]
     try:
-        with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
             parsers[argv[0]].parse_args(argv[1:])
     except SystemExit:
         return [f"{where}: `gatherstore {command}` does not parse"]
@@ -237,7 +225,9 @@ def _check_flags(where: str, span: str) -> list[str]:
         return [f"{where}: `{span}`: gatherstore has no command {name!r}"]
     known = {flag for action in parsers[name]._actions for flag in action.option_strings}
     flags = re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest)
-    return [f"{where}: `{span}`: {flag} is not a flag of {name}" for flag in flags if flag not in known]
+    return [
+        f"{where}: `{span}`: {flag} is not a flag of {name}" for flag in flags if flag not in known
+    ]
 
 
 def test_gatherstore_commands_in_the_docs_parse() -> None:
@@ -260,21 +250,144 @@ def test_gatherstore_commands_in_the_docs_parse() -> None:
     assert checked >= 10
 
 
+def test_repository_paths_the_docs_name_exist() -> None:
+    """Test modules, stand-ins and scripts the pages cite (`tests/...`, `stores/...`, `.ci/...`)
+    are in the repository: a renamed test leaves no stale reference."""
+    cited = set()
+    for page in [*PAGES, ROOT / "README.md"]:
+        cited |= set(
+            re.findall(r"(?<![\w/.(])((?:tests|stores|\.ci)/[\w./*-]*\w)", page.read_text())
+        )
+    assert len(cited) >= 10
+    assert sorted(path for path in cited if not any(ROOT.glob(path))) == []
+
+
 # --- settings ---------------------------------------------------------------------------------
-def test_every_environment_variable_is_documented() -> None:
-    """The library's settings are in _config's table (rendered on the settings page); the
-    test fixtures' on the testing page."""
-    read = set()
-    for source in (ROOT / "src" / "gatherstore").rglob("*.py"):
-        read |= set(re.findall(r"\bGATHERSTORE_[A-Z0-9_]*[A-Z0-9]\b", source.read_text()))
+_VARIABLE = re.compile(r"\bGATHERSTORE_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+def _settings_page() -> str:
+    """The settings page as the site shows it: its text, with _config's docstring (the table
+    of the library's settings) where the page renders it."""
     from gatherstore import _config
 
-    table = _config.__doc__ or ""
-    testing = (DOCS / "testing.md").read_text()
-    missing = sorted(
-        name
-        for name in read
-        if f"``{name}``" not in table and not (name.startswith("GATHERSTORE_TEST_") and name in testing)
-    )
-    assert missing == []
-    assert "::: gatherstore._config" in (DOCS / "settings.md").read_text()
+    text = (DOCS / "settings.md").read_text()
+    assert "::: gatherstore._config" in text, "the settings page renders _config's table"
+    return text.replace("::: gatherstore._config", _config.__doc__ or "")
+
+
+def test_every_environment_variable_is_on_the_settings_page() -> None:
+    """Every GATHERSTORE_* name in src/ (what os.environ is asked for, and what error
+    messages and docstrings tell users to set) is on the settings page; every variable of
+    _config's table is read by the library."""
+    from gatherstore import _config
+
+    read: dict[str, set[str]] = {}
+    for source in (ROOT / "src" / "gatherstore").rglob("*.py"):
+        code = source.read_text()
+        if source.name == "_config.py":  # its docstring is the table itself
+            code = code.replace(_config.__doc__ or "", "")
+        for name in _VARIABLE.findall(code):
+            read.setdefault(name, set()).add(str(source.relative_to(ROOT)))
+    page = _settings_page()
+    missing = {name: sorted(where) for name, where in read.items() if f"`{name}`" not in page}
+    assert missing == {}, "add these to _config's table or the settings page"
+    table = set(_VARIABLE.findall(_config.__doc__ or ""))
+    assert table - set(read) == set(), "_config's table lists variables nothing reads"
+    assert {"GATHERSTORE_STORE", "GATHERSTORE_TIMEOUT", "GATHERSTORE_TEST_REDIS_URL"} <= set(read)
+
+
+# --- errors -----------------------------------------------------------------------------------
+def _attributes(cls: type) -> list[str]:
+    """The names under ``Attributes:`` in ``cls``'s docstring."""
+    doc = (cls.__doc__ or "").partition("Attributes:")[2]
+    return re.findall(r"^\s{4,}(\w+):", doc, re.MULTILINE)
+
+
+def test_every_public_exception_is_in_the_errors_table() -> None:
+    """Each exception of gatherstore and gatherstore.stores has a row on the guarantees page
+    (what it means, what to do) that names every attribute its docstring lists."""
+    import gatherstore as gs
+    from gatherstore import stores
+
+    rows = {
+        match.group(1).rsplit(".", 1)[-1]: match.group(0)
+        for match in re.finditer(
+            r"^\| `([\w.]+)` \|.*$", (DOCS / "guarantees.md").read_text(), re.M
+        )
+    }
+    errors = {
+        getattr(module, name)
+        for module in (gs, stores)
+        for name in module.__all__
+        if isinstance(getattr(module, name), type)
+        and issubclass(getattr(module, name), BaseException)
+    }
+    assert len(errors) >= 10
+    problems = []
+    for error in sorted(errors, key=lambda e: e.__name__):
+        row = rows.get(error.__name__)
+        if row is None:
+            problems.append(f"{error.__name__}: no row")
+            continue
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if len(cells) != 5 or not all(cells[1:4]):
+            problems.append(f"{error.__name__}: a row needs its builtin, meaning and remedy")
+        elif not issubclass(error, getattr(builtins, cells[1].strip("`"), ())):
+            problems.append(f"{error.__name__} is not a {cells[1]}")
+        problems += [
+            f"{error.__name__}: attribute .{name} is not in its row"
+            for name in _attributes(error)
+            if f"`.{name}`" not in row
+        ]
+    assert problems == []
+
+
+# --- API reference ----------------------------------------------------------------------------
+#: Public functions that raise nothing of their own, and why (all the others list ``Raises:``).
+NEVER_RAISE = {
+    "backend": "reads the process group's backend, or None",
+    "get_rank": "reads the process group, or answers 0",
+    "get_world_size": "reads the process group, or answers 1",
+    "is_distributed": "whether a process group exists",
+    "is_main_process": "compares get_rank() with 0",
+    "rank_zero_only": "a decorator: the function it wraps raises its own errors, on rank 0",
+}
+
+
+def test_every_public_function_lists_what_it_raises() -> None:
+    """The API reference states each function's errors: a ``Raises:`` section, or an entry in
+    NEVER_RAISE whose function has no ``raise`` of its own; every error a section names is a
+    builtin or gatherstore's."""
+    import ast
+    import inspect
+
+    import gatherstore as gs
+
+    functions = {
+        name: getattr(gs, name) for name in gs.__all__ if inspect.isfunction(getattr(gs, name))
+    }
+    assert len(functions) >= 30
+    problems = []
+    for name, fn in sorted(functions.items()):
+        doc = inspect.getdoc(fn) or ""
+        if name in NEVER_RAISE:
+            raises = [
+                n
+                for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+                if isinstance(n, ast.Raise)
+            ]
+            if raises or "Raises:" in doc:
+                problems.append(f"{name} is in NEVER_RAISE but raises")
+            continue
+        section = doc.partition("\nRaises:\n")[2]
+        if not section:
+            problems.append(f"{name}: no Raises: section")
+        for line in section.splitlines():
+            names = re.match(r"\s{4}([A-Z]\w*(?: / [A-Z]\w*)*):", line)
+            for error in names.group(1).split(" / ") if names else ():
+                known = getattr(builtins, error, None) or getattr(gs, error, None)
+                if not (isinstance(known, type) and issubclass(known, BaseException)):
+                    problems.append(f"{name}: Raises: {error} is not an exception")
+    assert problems == []
+    assert set(NEVER_RAISE) <= set(functions)
