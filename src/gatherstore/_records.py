@@ -25,13 +25,36 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Batch", "Column", "pack", "structure"]
+__all__ = ["Batch", "Column", "on_host", "pack", "structure"]
 
 #: Shortest run of records worth a batch.
 MIN_RUN = 8
 #: Containers shorter than this are searched for lists of records (depth-limited).
 _SCAN_LEN = 64
 _SCAN_DEPTH = 4
+
+
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (detached) in CPU memory, without a byte of device memory more.
+
+    ``Tensor.cpu()`` of a non-contiguous device tensor first makes it contiguous on
+    the device: a temporary as big as the view.  Here the span of storage the view
+    covers goes to the CPU as one contiguous copy, and the view is taken there.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu" or tensor.is_contiguous():
+        return tensor.cpu()
+    return host_view(tensor)
+
+
+def host_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The view ``tensor`` as a contiguous CPU tensor, copied from the storage span it covers."""
+    if tensor.numel() == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    span = 1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    flat = tensor.as_strided((span,), (1,), tensor.storage_offset()).cpu()
+    return flat.as_strided(tensor.shape, tensor.stride(), flat.storage_offset()).contiguous()
+
 
 Kind = tuple[Any, ...]
 
@@ -95,7 +118,7 @@ def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
     if len(dtypes) != 1 or len(ndims) != 1:
         return None
     (dtype,), (ndim,) = dtypes, ndims
-    detached = [v.detach().cpu() for v in values]
+    detached = [on_host(v) for v in values]
     try:
         joined = torch.stack(detached) if ndim == 0 else torch.cat(detached)
     except RuntimeError:  # trailing shapes differ

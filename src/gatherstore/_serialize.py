@@ -116,9 +116,7 @@ def _reduce_object(obj: Any) -> Any:
         return _reduce_array(obj)
     if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
         return NotImplemented
-    tensor = obj.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
+    tensor = records.on_host(obj)
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
     flat = tensor.reshape(-1)
     raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
