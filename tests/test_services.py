@@ -236,7 +236,7 @@ def test_broken_compose_file_is_rejected(tmp_path: Path) -> None:
     assert "bogus" in result.stderr
 
 
-#: The README's opt-in line for a user's conftest.py.
+#: The opt-in line for a user's conftest.py, as the testing page gives it.
 OPT_IN = 'pytest_plugins = ["gatherstore.testing.plugin"]'
 
 _PLUGIN_TESTS = """
@@ -301,24 +301,28 @@ def test_plugin_runs_gloo_processes(pytester: pytest.Pytester) -> None:
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
 
 
-def _readme_block(heading: str, containing: str) -> str:
-    """The first ```python block after ``heading`` in README.md that holds ``containing``."""
-    text = (ROOT / "README.md").read_text()
+#: The page that documents the plugin.
+TESTING_PAGE = ROOT / "docs" / "testing.md"
+
+
+def _doc_block(heading: str, containing: str) -> str:
+    """The first ```python block after ``heading`` in the testing page that holds
+    ``containing``."""
+    text = TESTING_PAGE.read_text()
     after = text[text.index(heading) :]
     blocks = [block.split("```")[0] for block in after.split("```python\n")[1:]]
     return next(block for block in blocks if containing in block)
 
 
 @pytest.mark.timeout(180)
-def test_readme_redis_example_runs_verbatim_with_the_opt_in_line(
+def test_documented_redis_example_runs_verbatim_with_the_opt_in_line(
     pytester: pytest.Pytester,
 ) -> None:
     _require(_has_redis(), "redis-server is not installed")
-    readme = (ROOT / "README.md").read_text()
-    assert OPT_IN in readme, "the README gives the opt-in line"
+    assert OPT_IN in _doc_block("## Your evaluation against a real Redis", "pytest_plugins")
     pytester.makeconftest(OPT_IN)
     pytester.makepyfile(
-        test_readme_example=_readme_block("## Testing your evaluation", "def test_")
+        test_documented_example=_doc_block("## Your evaluation against a real Redis", "def test_")
     )
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
 

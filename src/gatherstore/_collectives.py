@@ -319,7 +319,13 @@ def broadcast_tensor(
 
 @control.serialized
 def shared_random_seed() -> int:
-    """A random integer in [0, 2**31), the same on every rank."""
+    """A random integer in [0, 2**31), the same on every rank: rank 0's.
+
+    Raises:
+        GatherTimeout: ranks that did not arrive within ``GATHERSTORE_TIMEOUT``, named.
+        MismatchError: ranks were in different gatherstore calls.
+        RemoteRankError: the job's rendezvous store went away (its host ended).
+    """
     seed = random.SystemRandom().randrange(2**31)
     if not topology.is_distributed():
         return seed

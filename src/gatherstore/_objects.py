@@ -207,7 +207,16 @@ def gather_prepared(
 def broadcast_object(
     obj: Any = None, src: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
 ) -> Any:
-    """``src``'s ``obj`` on every rank (``src`` gets its own object back)."""
+    """``src``'s ``obj`` on every rank (``src`` gets its own object back).
+
+    Other ranks' ``obj`` is ignored.
+
+    Raises:
+        ValueError: a ``src`` outside the job, or a bad ``timeout`` or store URL.
+        InsufficientMemoryError: the object would not fit in a receiving rank's
+            available memory (raised on every rank before any data moves).
+        and the errors of :func:`all_gather_object`.
+    """
     _serial_check(src, "broadcast_object")
     if not topology.is_distributed():
         return obj

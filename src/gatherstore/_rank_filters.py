@@ -34,6 +34,7 @@ def one_rank_only(
     :class:`RemoteRankError` instead of waiting forever.
 
     Raises:
+        ValueError: a bad ``timeout`` (when decorating).
         GatherTimeout: with ``with_barrier``, ranks that did not arrive in time, named.
         RemoteRankError: on the other ranks, when the function raised on ``rank``.
     """

@@ -91,22 +91,43 @@ def is_main_process() -> bool:
 
 
 def get_local_rank() -> int:
-    """Rank of this process among those on its node (0 without a process group)."""
+    """Rank of this process among those on its node (0 without a process group).
+
+    The launcher's variables say it; in a process group made without them (and
+    without ``launch`` or ``init_from_env``, which compute it at once), the
+    hostnames every rank publishes at its first use of gatherstore do.
+
+    Raises:
+        GatherTimeout: in that case, ranks that published no hostname within
+            ``GATHERSTORE_TIMEOUT``, named.
+    """
     return _layout().local_rank
 
 
 def get_local_size() -> int:
-    """Number of processes on this node (1 without a process group)."""
+    """Number of processes on this node (1 without a process group).
+
+    Raises:
+        GatherTimeout: as in :func:`get_local_rank`.
+    """
     return _layout().local_size
 
 
 def get_node_rank() -> int:
-    """Index of this node (0 without a process group)."""
+    """Index of this node (0 without a process group).
+
+    Raises:
+        GatherTimeout: as in :func:`get_local_rank`.
+    """
     return _layout().node_rank
 
 
 def get_nnodes() -> int:
-    """Number of nodes in the job (1 without a process group)."""
+    """Number of nodes in the job (1 without a process group).
+
+    Raises:
+        GatherTimeout: as in :func:`get_local_rank`.
+    """
     return _layout().nnodes
 
 
@@ -120,6 +141,9 @@ def device() -> torch.device:
 
     ``cuda:<local rank>`` under NCCL; ``cpu`` under gloo; without a process
     group, the current CUDA device when CUDA is available, else ``cpu``.
+
+    Raises:
+        GatherTimeout: under NCCL, as in :func:`get_local_rank`.
     """
     name = backend()
     if name is not None and "nccl" in name:
@@ -130,7 +154,11 @@ def device() -> torch.device:
 
 
 def gpu_mem_usage() -> int:
-    """Peak GPU memory allocated by this process on its device, in MiB (0 without CUDA)."""
+    """Peak GPU memory allocated by this process on its device, in MiB (0 without CUDA).
+
+    Raises:
+        GatherTimeout: under NCCL, as in :func:`get_local_rank`.
+    """
     if not torch.cuda.is_available():
         return 0
     dev = device()  # cpu under gloo even with CUDA: then the current CUDA device
@@ -139,7 +167,11 @@ def gpu_mem_usage() -> int:
 
 
 def describe() -> dict[str, Any]:
-    """The topology as a JSON-friendly dict, keys named after the functions."""
+    """The topology as a JSON-friendly dict, keys named after the functions.
+
+    Raises:
+        GatherTimeout: as in :func:`get_local_rank`.
+    """
     return {
         "rank": get_rank(),
         "world_size": get_world_size(),

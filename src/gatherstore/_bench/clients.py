@@ -33,7 +33,7 @@ import numpy as np
 
 from .cases import Case
 
-__all__ = ["REDIS_VALUE", "S3_PART", "measure", "measure_redis", "measure_s3"]
+__all__ = ["REDIS_VALUE", "S3_PART", "fresh_bucket", "measure", "measure_redis", "measure_s3"]
 
 #: Bytes per Redis value (gatherstore's default chunk size) and per S3 part or range.
 REDIS_VALUE = 4 << 20
@@ -213,12 +213,13 @@ def measure_redis(url: str, nbytes: int, repeats: int = 1) -> dict[str, float]:
 
 # --- S3 ------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _bucket(options: dict[str, Any]) -> Iterator[str]:
-    """A fresh bucket, removed with everything in it afterwards."""
+def fresh_bucket(options: dict[str, Any], label: str) -> Iterator[str]:
+    """A fresh bucket named ``gatherstore-<label>-…`` on the S3 endpoint of ``options``
+    (s3fs's), removed with everything in it afterwards."""
     import s3fs
 
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-    bucket = f"gatherstore-ceiling-{uuid.uuid4().hex[:12]}"
+    bucket = f"gatherstore-{label}-{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
     try:
         yield bucket
@@ -319,7 +320,7 @@ def measure_s3(options: dict[str, Any], nbytes: int, repeats: int = 1) -> dict[s
     if importlib.util.find_spec("obstore") and {"key", "secret"} <= options.keys():
         names.append("s3_obstore")
     out: dict[str, float] = {}
-    with _bucket(options) as bucket:
+    with fresh_bucket(options, "ceiling") as bucket:
         for name in names:
             write, read = _fresh(_s3_client, options, bucket, nbytes, repeats, name)
             out.update(_rates(name, nbytes, write, read))

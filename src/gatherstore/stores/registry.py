@@ -170,7 +170,15 @@ def open_store(spec: str | Store, **options: Any) -> Store:
 
 
 def set_default_store(spec: str | Store | None) -> None:
-    """Make ``spec`` the store object collectives use when none is passed (None: unset)."""
+    """Make ``spec`` the store object collectives use when none is passed (None: unset).
+
+    A URL's scheme is checked now; the store opens at its first use.
+
+    Raises:
+        ValueError: a malformed URL or an unknown scheme.
+        ImportError: the scheme's store needs a package that is not installed.
+        TypeError: the scheme is registered to something that is not a Store.
+    """
     if isinstance(spec, str) and spec not in ROUTES:
         _resolve(_scheme(spec))
     _default[0] = spec
