@@ -56,6 +56,9 @@ def _outage_job(
     store = gs.open_store(url, **options)
     rank = gs.get_rank()
     obj = np.full(200_000, rank, dtype=np.int64)
+    # the job's area is set up, and the server has made its first volume, before the fault:
+    # on a loaded machine that alone can outlast TIMEOUT
+    gs.gather_object(obj, store=store, timeout=120)
     parts = gs.gather_iter(obj, store=store, timeout=TIMEOUT)
     gs.barrier()
     if rank == 0:
