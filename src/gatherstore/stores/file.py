@@ -4,20 +4,15 @@ Values are files; a write goes to a temp file with vectored writes and is
 published with ``link`` (atomic and create-only, on NFS too).  Every file is
 reached relative to a descriptor of the store's folder (a job area is opened
 with ``O_NOFOLLOW`` inside its base): a folder renamed or replaced after it
-was opened cannot redirect the job (see ``_private``).  On a shared
-filesystem values are read into private memory (one copy): a file another
-process truncates or rewrites after it was read cannot change what was
-verified, nor kill the reader with SIGBUS.  In a private job folder
-(``tmpdir``), where only the job's own processes can write, large values are
-mapped copy-on-write instead: no copy, pages shared with the file.  Either way
-arrays decoded from a value stay valid after its file is deleted.
+was opened cannot redirect the job (see ``_private``).  How a value is read
+(into private memory, or mapped in a private job folder) is ``_fileio``'s;
+either way arrays decoded from a value stay valid after its file is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import secrets
 import stat
@@ -25,55 +20,22 @@ import threading
 import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
 from .._errors import StoreUnavailableError
+from . import _fileio as fileio
 from . import _private as private
 from .base import Buffer, Store, hide_password, job_directory
-from .layout import writable
 
 __all__ = ["FileStore"]
 
 _TMP = ".tmp-"
 _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
 _ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
-_READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
-_MAP_MIN = 1 << 20  # values from this size on are mapped in a private job folder
-_RANGE = 16 << 20  # bytes per read of a large value, a few ranges at once
-_RANGES = 4
-_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
-_IOV_MAX = 1024
 _FILE = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _logger = logging.getLogger("gatherstore")
 _opening = threading.RLock()  # an area opens its base inside
-
-
-def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
-    """Write ``buffers`` back to back with ``writev``, handling partial writes."""
-    views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-    while views:
-        written = os.writev(fd, views[:_IOV_MAX])
-        while written and views:
-            if written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][written:]
-                written = 0
-
-
-def _read_span(fd: int, view: memoryview, start: int, end: int) -> int:
-    """Read bytes ``start:end`` of the file ``fd`` into ``view`` at the same place; how many
-    (fewer when the file is shorter: it was truncated meanwhile)."""
-    pos = start
-    while pos < end:
-        n = os.preadv(fd, [view[pos : min(end, pos + _READ_STEP)]], pos)
-        if not n:
-            break
-        pos += n
-    return pos - start
 
 
 class FileStore(Store):
@@ -191,7 +153,7 @@ class FileStore(Store):
                     raise
         try:
             try:
-                write_all(out, buffers)
+                fileio.write_all(out, buffers)
             finally:
                 os.close(out)
             os.link(tmp, key, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
@@ -210,7 +172,7 @@ class FileStore(Store):
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, 0o600, dir_fd=fd)
         try:
             try:
-                write_all(out, buffers)
+                fileio.write_all(out, buffers)
             finally:
                 os.close(out)
             os.replace(tmp, key, src_dir_fd=fd, dst_dir_fd=fd)
@@ -244,19 +206,7 @@ class FileStore(Store):
         if fd is None:
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size >= _MAP_MIN and self._in_private_area():
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=_READ_WRITE)
-                return memoryview(mapped)
-            buf = writable(size)
-            view = memoryview(buf)
-            spans = [(start, min(start + _RANGE, size)) for start in range(0, size, _RANGE)]
-            if len(spans) > 1:  # a network filesystem serves several ranges faster than one
-                with ThreadPoolExecutor(_RANGES, thread_name_prefix="gatherstore-file") as pool:
-                    got = sum(pool.map(lambda span: _read_span(fd, view, *span), spans))
-            else:
-                got = _read_span(fd, view, 0, size)
-            return buf if got == size else view[:got]  # truncated meanwhile: the layer says so
+            return fileio.read_whole(fd, mapped=self._in_private_area())
         finally:
             os.close(fd)
 

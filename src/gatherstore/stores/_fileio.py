@@ -1,0 +1,71 @@
+"""Bytes to and from an open file: vectored writes, and whole reads that fit the folder.
+
+A value in a private job folder (``tmpdir``), which only the job's processes can
+change, is mapped copy-on-write: no copy, no zero-fill, pages shared with the file.
+Elsewhere it is read into private memory, so that what was verified is what is
+unpickled and a file truncated under the reader cannot raise SIGBUS; a large one in
+16 MiB ranges, four at once, which a network filesystem serves faster than one stream.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from .base import Buffer
+from .layout import writable
+
+__all__ = ["read_whole", "write_all"]
+
+_READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
+_MAP_MIN = 1 << 20  # values from this size on are mapped in a private job folder
+_RANGE = 16 << 20  # bytes per read of a large value, a few ranges at once
+_RANGES = 4
+_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+_IOV_MAX = 1024
+
+
+def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
+    """Write ``buffers`` back to back with ``writev``, handling partial writes."""
+    views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        while written and views:
+            if written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][written:]
+                written = 0
+
+
+def read_whole(fd: int, *, mapped: bool) -> Buffer:
+    """The whole file ``fd`` in a writable buffer (``mapped``: its pages, copy-on-write,
+    when large); shorter than its size when it was truncated meanwhile (the layer above
+    then reports the damage)."""
+    size = os.fstat(fd).st_size
+    if mapped and size >= _MAP_MIN:
+        return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=_READ_WRITE))
+    buf = writable(size)
+    view = memoryview(buf)
+    spans = [(start, min(start + _RANGE, size)) for start in range(0, size, _RANGE)]
+    if len(spans) > 1:
+        with ThreadPoolExecutor(_RANGES, thread_name_prefix="gatherstore-file") as pool:
+            got = sum(pool.map(lambda span: _read_span(fd, view, *span), spans))
+    else:
+        got = _read_span(fd, view, 0, size)
+    return buf if got == size else view[:got]
+
+
+def _read_span(fd: int, view: memoryview, start: int, end: int) -> int:
+    """Read bytes ``start:end`` of the file ``fd`` into ``view`` at the same place; how many
+    (fewer when the file is shorter: it was truncated meanwhile)."""
+    pos = start
+    while pos < end:
+        n = os.preadv(fd, [view[pos : min(end, pos + _READ_STEP)]], pos)
+        if not n:
+            break
+        pos += n
+    return pos - start
