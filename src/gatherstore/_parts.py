@@ -169,11 +169,13 @@ class Parts(Iterator[Any]):
         window = sum(self.sizes[r] for r in pending if r != asked)
         count = len(pending)
         batch: list[int] = []
+        crowded = False  # stopped by the requests in flight (not by the budget or the end)
         for rank in self.todo:
             if rank in self.requested:
                 continue
             if rank != asked:
-                if count >= self.in_flight or window + self.sizes[rank] > self.budget:
+                crowded = count >= self.in_flight
+                if crowded or window + self.sizes[rank] > self.budget:
                     break
                 window += self.sizes[rank]
             batch.append(rank)
@@ -181,7 +183,9 @@ class Parts(Iterator[Any]):
             if len(batch) == self.batch:
                 self._request(batch)
                 batch = []
-        if batch:
+        # a short batch waits until a whole batch fits: one request per slot freed would
+        # leave the pool's threads each waiting on one part, a round trip per part
+        if batch and (asked in batch or not crowded):
             self._request(batch)
 
     def _request(self, ranks: list[int]) -> None:

@@ -68,9 +68,11 @@ def fast_s3_options(options: dict[str, Any]) -> dict[str, Any]:
     """s3fs ``options`` plus the settings of the fast path (the caller's own win).
 
     No per-request CRC32 unless required; against an ``http://`` endpoint, no
-    SHA-256 of the payload either (botocore hashes every byte otherwise).
+    SHA-256 of the payload either (botocore hashes every byte otherwise); a
+    connection pool as large as the GETs sent at once (botocore's holds 10).
     """
     config = dict(options.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", MANY_IN_FLIGHT)
     for name in _CHECKSUM_SETTINGS:
         config.setdefault(name, "when_required")
     if _endpoint(options).startswith("http://"):
