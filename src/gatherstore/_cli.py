@@ -67,6 +67,14 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _milliseconds(text: str) -> float:
+    """Milliseconds on the command line, seconds in the code."""
+    try:
+        return _seconds(text.removesuffix("ms")) / 1e3
+    except ValueError:
+        raise ValueError(f"{text!r} is not a positive number of milliseconds") from None
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -120,10 +128,19 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import hostbench
 
         return hostbench.main(share_local=args.share_local, repeats=args.repeats)
+    if args.s3_latency and not args.parts:
+        raise ValueError("--s3-latency goes with --parts W")
     if args.parts:
         from ._bench import parts
 
-        return parts.main(args.parts, args.part_size, args.repeats)
+        return parts.main(
+            args.parts,
+            args.part_size,
+            args.repeats,
+            redis=args.redis,
+            s3=args.s3,
+            s3_latency=args.s3_latency,
+        )
     plan = bench.Plan(
         args.sizes, args.world, args.payloads, args.repeats, args.timeout, args.map_images
     )
@@ -291,6 +308,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--part-size", type=_argtype(parse_size), default=64 << 10, help="with --parts (64KB)"
+    )
+    p.add_argument(
+        "--s3-latency",
+        type=_argtype(_milliseconds),
+        metavar="MS",
+        help="with --parts: S3 once more through a proxy holding each reply MS (e.g. 20)",
     )
     p.set_defaults(handler=_bench)
 

@@ -3,10 +3,12 @@
 The reader requests up to :data:`IN_FLIGHT` parts at once, in two batches, each
 one :meth:`Store.get_many` (a Redis pipeline, concurrent S3 GETs on one event
 loop), so that the latency of a thousand small parts overlaps instead of adding
-up; as long as the parts read ahead of the consumer fit the call's read-ahead
-budget in bytes.  A part larger than the budget is read when the consumer asks
-for it, so the destination holds what the consumer keeps plus at most the
-budget.  Parts are verified in the reading threads (checksums release the GIL),
+up, as long as the parts read ahead of the consumer fit the call's read-ahead
+budget in bytes.  A batch holds at most :data:`BATCH_BYTES`: a batch is handed
+over whole, so large parts go one per request, and the consumer unpickles one
+while the next is read and verified.  A part larger than the budget is read
+when the consumer asks for it, so the destination holds what the consumer keeps
+plus at most the budget.  Parts are verified in the reading threads (checksums release the GIL),
 and deleted once read, in batches (:meth:`Store.discard_many`) in the background.
 """
 
@@ -31,6 +33,8 @@ __all__ = ["IN_FLIGHT", "Parts", "Reading", "binding", "fetch", "fetch_many", "p
 #: Parts a reader requests at once (in two batches of one store request each).
 IN_FLIGHT = 32
 _BATCHES = 2
+#: A batch ends once it holds this many bytes (see the module's docstring).
+BATCH_BYTES = 4 << 20
 
 
 class Reading(Protocol):
@@ -169,6 +173,7 @@ class Parts(Iterator[Any]):
         window = sum(self.sizes[r] for r in pending if r != asked)
         count = len(pending)
         batch: list[int] = []
+        batch_bytes = 0
         crowded = False  # stopped by the requests in flight (not by the budget or the end)
         for rank in self.todo:
             if rank in self.requested:
@@ -179,10 +184,11 @@ class Parts(Iterator[Any]):
                     break
                 window += self.sizes[rank]
             batch.append(rank)
+            batch_bytes += self.sizes[rank]
             count += 1
-            if len(batch) == self.batch:
+            if len(batch) == self.batch or batch_bytes >= BATCH_BYTES:
                 self._request(batch)
-                batch = []
+                batch, batch_bytes = [], 0
         # a short batch waits until a whole batch fits: one request per slot freed would
         # leave the pool's threads each waiting on one part, a round trip per part
         if batch and (asked in batch or not crowded):

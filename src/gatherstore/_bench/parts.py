@@ -9,11 +9,16 @@ in rank order, as ``gather_object`` does.  Only the reading is timed.  Each
 store is measured with the reader as it is (:data:`IN_FLIGHT` reads and deletes
 at once, within the read-ahead budget) and with the previous two-part window,
 in the same run.  A part costs one GET (its deletes go in batches).
+
+A local SeaweedFS answers in about a millisecond; with ``s3_latency`` S3 is also
+read through :class:`~gatherstore._bench.delay.DelayProxy`, which holds every
+reply that long, as a region's round trip does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import time
@@ -32,7 +37,8 @@ from .._session import JobSession
 from ..stores.base import Store
 from ..stores.deadline import deadline
 from ..stores.registry import open_store
-from .cases import reachable
+from .cases import Case, reachable
+from .delay import DelayProxy
 
 __all__ = ["WINDOWS", "main", "read_back"]
 
@@ -103,13 +109,37 @@ def read_back(
     return seconds
 
 
-def main(world: int, part_bytes: int, repeats: int = 3, out: TextIO | None = None) -> int:
-    """Print the table: each store, old window against new, median of ``repeats``."""
+def _delayed(stack: contextlib.ExitStack, case: Case, seconds: float) -> Case:
+    """``case`` (S3) read through a :class:`DelayProxy` holding each reply ``seconds``."""
+    client = dict(case.options["client_kwargs"])
+    client["endpoint_url"] = stack.enter_context(DelayProxy(client["endpoint_url"], seconds)).url
+    name = f"{case.name} +{seconds * 1e3:g} ms"
+    return dataclasses.replace(case, name=name, options={**case.options, "client_kwargs": client})
+
+
+def main(
+    world: int,
+    part_bytes: int,
+    repeats: int = 3,
+    out: TextIO | None = None,
+    *,
+    redis: str | None = None,
+    s3: str | None = None,
+    s3_latency: float | None = None,
+) -> int:
+    """Print the table: each store, old window against new, median of ``repeats``.
+
+    ``redis``/``s3`` name the servers (else the environment's, else started here);
+    with ``s3_latency`` (seconds) S3 is measured a second time with that round trip.
+    """
     import sys
 
     stream = out or sys.stdout
-    with reachable(services=True) as (cases, notes, _):
+    with contextlib.ExitStack() as stack:
+        cases, notes, _ = stack.enter_context(reachable(redis, s3, services=True))
         chosen = [c for c in cases if c.name in STORES]
+        if s3_latency:
+            chosen += [_delayed(stack, c, s3_latency) for c in chosen if c.service == "s3"]
         print(f"W = {world} parts of {part_bytes >> 10} KiB, read by one destination", file=stream)
         print("| store | reader | time s | parts (GETs) per s | x before |", file=stream)
         print("| --- | --- | ---: | ---: | ---: |", file=stream)
