@@ -15,7 +15,6 @@ import asyncio
 import subprocess
 import sys
 import time
-from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["DelayProxy"]
@@ -89,12 +88,7 @@ class DelayProxy:
         self.url = urlunsplit(self._upstream._replace(netloc=f"127.0.0.1:{port}"))
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._stop()
 
     def _stop(self) -> str:
