@@ -224,7 +224,7 @@ def _check_flags(where: str, span: str) -> list[str]:
     if name not in parsers:
         return [f"{where}: `{span}`: gatherstore has no command {name!r}"]
     known = {flag for action in parsers[name]._actions for flag in action.option_strings}
-    flags = re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest)
+    flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest)
     return [
         f"{where}: `{span}`: {flag} is not a flag of {name}" for flag in flags if flag not in known
     ]
