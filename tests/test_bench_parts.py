@@ -11,6 +11,8 @@ import socketserver
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -18,6 +20,9 @@ import pytest
 from gatherstore import _cli
 from gatherstore._bench import parts
 from gatherstore._bench.delay import DelayProxy
+from gatherstore._parts import BATCH_BYTES, IN_FLIGHT
+from gatherstore.stores.base import Store
+from gatherstore.stores.registry import open_store
 from gatherstore.testing.plugin import S3Endpoint
 
 
@@ -104,3 +109,29 @@ def test_the_parts_bench_reads_every_store_with_both_readers(
     assert "note:" not in out.getvalue()
     fs = s3fs.S3FileSystem(**gatherstore_s3.storage_options, skip_instance_cache=True)
     assert not [b for b in fs.ls("") if "gatherstore-bench-" in b]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("part_bytes", "requests"),
+    [(64 << 10, [16, 16, 1]), (5 << 20, [1, 1, 1, 1])],
+    ids=["small parts in batches", "large parts one per request"],
+)
+def test_the_reader_batches_small_parts_and_hands_large_ones_over_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_bytes: int, requests: list[int]
+) -> None:
+    """Small parts share requests (their latency overlaps); a batch is handed over whole,
+    so a part of more than ``BATCH_BYTES`` comes alone, to be unpickled while the next
+    is read."""
+    assert 5 << 20 > BATCH_BYTES > 16 * (64 << 10)
+    seen: list[int] = []
+    get_many = Store.get_many
+
+    def counted(self: Store, keys: list[str]) -> Any:
+        seen.append(len(keys))
+        return get_many(self, keys)
+
+    monkeypatch.setattr(Store, "get_many", counted)  # the job's store is another object
+    with open_store(f"file://{tmp_path}") as store:
+        parts.read_back(store, sum(requests) + 1, part_bytes, IN_FLIGHT, None)  # + dst
+    assert seen == requests
