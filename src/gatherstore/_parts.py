@@ -8,8 +8,9 @@ budget in bytes.  A batch holds at most :data:`BATCH_BYTES`: a batch is handed
 over whole, so large parts go one per request, and the consumer unpickles one
 while the next is read and verified.  A part larger than the budget is read
 when the consumer asks for it, so the destination holds what the consumer keeps
-plus at most the budget.  Parts are verified in the reading threads (checksums release the GIL),
-and deleted once read, in batches (:meth:`Store.discard_many`) in the background.
+plus at most the budget.  Parts are verified in the reading threads (checksums
+release the GIL), and deleted once read, in batches (:meth:`Store.discard_many`)
+in the background.
 """
 
 from __future__ import annotations

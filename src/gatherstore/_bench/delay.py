@@ -27,18 +27,17 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
     async def receive() -> None:
-        while True:
-            data = await reader.read(_CHUNK)
-            await queue.put((time.monotonic() + delay, data))
-            if not data:
-                return
+        try:
+            while data := await reader.read(_CHUNK):
+                await queue.put((time.monotonic() + delay, data))
+        finally:  # at the end, or a reset connection: send() stops too
+            await queue.put((time.monotonic() + delay, b""))
 
     async def send() -> None:
         while True:
             due, data = await queue.get()
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             if not data:
-                writer.close()
                 return
             writer.write(data)
             await writer.drain()
