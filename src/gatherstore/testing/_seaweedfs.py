@@ -125,18 +125,22 @@ class S3Service(Service):
             return False
         return True
 
-    def stop(self) -> None:
-        super().stop()
-        self._client.close()
-        # weed puts unix sockets named by port in /tmp (short paths) and leaves them when killed
+    @property
+    def sockets(self) -> list[Path]:
+        """The unix sockets weed makes in /tmp (short paths), named by role and port."""
         names = [f"filer-{self.ports['filer.port']}", f"s3-{self.ports['s3.port']}"]
         names += [
             f"{flag.split('.')[0]}-grpc-{port}"
             for flag, port in self.ports.items()
             if ".grpc" in flag
         ]
-        for name in names:
-            path = Path(f"/tmp/seaweedfs-{name}.sock")
+        return [Path(f"/tmp/seaweedfs-{name}.sock") for name in names]
+
+    def stop(self) -> None:
+        super().stop()
+        self._client.close()
+        # weed leaves its sockets behind when killed
+        for path in self.sockets:
             with contextlib.suppress(OSError):
                 if stat.S_ISSOCK(path.lstat().st_mode):
                     path.unlink()
