@@ -47,6 +47,15 @@ def shm() -> Iterator[Path]:
 
 
 @pytest.fixture
+def sigint_default() -> Iterator[None]:
+    """Children that SIGINT can interrupt: a shell's background job (``cmd &``) starts
+    with SIGINT ignored, and a child would inherit that and never see Ctrl-C."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def redis_url(gatherstore_redis_url: str) -> Iterator[str]:
     """A Redis database of its own (db 9), empty before and after the test."""
     import redis
@@ -346,7 +355,7 @@ def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_to_every_rank_leaves_nothing_and_a_users_handler_is_kept(
-    shm: Path, redis_url: str, sig: signal.Signals
+    shm: Path, redis_url: str, sig: signal.Signals, sigint_default: None
 ) -> None:
     procs = start_job(3, "own-handler", shm, redis_url)
     try:
@@ -560,7 +569,9 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(180)
-def test_ctrl_c_to_the_launching_process_leaves_nothing(shm: Path, redis_url: str) -> None:
+def test_ctrl_c_to_the_launching_process_leaves_nothing(
+    shm: Path, redis_url: str, sigint_default: None
+) -> None:
     script = shm / "job.py"
     tests = str(Path(__file__).parent)
     urls = urls_for(shm, redis_url)
