@@ -21,11 +21,13 @@ against a frozen store host.
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import functools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
@@ -51,6 +53,11 @@ _HOSTS = "host/"  # a rank's hostname at "host/<rank>"
 
 # one gatherstore collective at a time per process (see serialized)
 _calls = threading.RLock()
+# one event per exchange thread that may still be in a store wait, set as it ends
+# (see _let_waits_end; after a join that Ctrl-C interrupted, is_alive() is unreliable)
+_waiting: set[threading.Event] = set()
+#: Seconds the exit waits for store waits that an interrupted call left behind.
+EXIT_WAIT = 5.0
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -232,14 +239,19 @@ def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: boo
     here makes a frozen host fail the call in time instead of hanging it.
     """
     box: dict[str, Any] = {}
+    ended = threading.Event()
 
     def target() -> None:
         try:
             box["value"] = run()
         except BaseException as exc:  # handed over to the caller's thread
             box["error"] = exc
+        finally:
+            ended.set()
+            _waiting.discard(ended)
 
     thread = threading.Thread(target=target, name="gatherstore-exchange", daemon=True)
+    _waiting.add(ended)
     thread.start()
     thread.join(timeout + HOST_GRACE)
     if thread.is_alive():
@@ -254,6 +266,24 @@ def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: boo
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+@atexit.register
+def _let_waits_end() -> None:
+    """Give store waits that an interrupted call left (Ctrl-C in :func:`_bounded`) up to
+    :data:`EXIT_WAIT` s to end before the interpreter shuts down.
+
+    A wait that returns during shutdown ends its thread inside torch's C++ frames,
+    and the process aborts (SIGABRT, "terminate called without an active
+    exception").  When the whole job is stopping, the store's host leaves within
+    moments and the waits end here, with an error nobody reads.
+    """
+    ends = time.monotonic() + EXIT_WAIT
+    for ended in list(_waiting):
+        ended.wait(max(0.0, ends - time.monotonic()))
+
+
+os.register_at_fork(after_in_child=_waiting.clear)  # the threads did not come along
 
 
 def launcher_hosts_store() -> bool:
