@@ -270,8 +270,9 @@ def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: boo
 
 @atexit.register
 def _let_waits_end() -> None:
-    """Give store waits that an interrupted call left (Ctrl-C in :func:`_bounded`) up to
-    :data:`EXIT_WAIT` s to end before the interpreter shuts down.
+    """Give store waits still under way up to :data:`EXIT_WAIT` s to end before the
+    interpreter shuts down: those of a call that Ctrl-C cut short (in :func:`_bounded`),
+    or that gave up on a frozen store host.
 
     A wait that returns during shutdown ends its thread inside torch's C++ frames,
     and the process aborts (SIGABRT, "terminate called without an active
