@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -221,13 +222,21 @@ import os, sys
 import numpy as np
 from gatherstore import _serialize as serialize
 from gatherstore.stores.file import FileStore
+from gatherstore.stores.tmpdir import TmpdirStore
 
-store, key = FileStore(sys.argv[1]), os.urandom(32)
-value = {"a": np.arange(1 << 21, dtype=np.int64)}  # 16 MiB: memory-mapped before
+kind, base = sys.argv[1], sys.argv[2]
+if kind == "file":
+    store, folder = FileStore(base), base
+else:  # a private job folder: its parts were mapped, not copied, before
+    area = TmpdirStore(base)
+    store = area.join_job(area.prepare_job("job"))
+    folder = str(store.root)
+key = os.urandom(32) if kind == "file" else None
+value = {"a": np.arange(1 << 21, dtype=np.int64)}  # 16 MiB
 for name in ("flipped", "truncated"):
     store.put(name, serialize.encode(value).seal(key, b"bind").segments)
     verified = serialize.verify(store.get(name), key=key, bind=b"bind")
-    path = os.path.join(sys.argv[1], name)
+    path = os.path.join(folder, name)
     if name == "flipped":  # another process rewrites the file after it was verified
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) // 2)
@@ -241,9 +250,12 @@ print("ok")
 
 
 @pytest.mark.timeout(60)
-def test_what_is_verified_is_what_is_unpickled(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["file", "tmpdir"])
+def test_what_is_verified_is_what_is_unpickled(tmp_path: Path, kind: str) -> None:
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
     done = subprocess.run(
-        [sys.executable, "-c", _AFTER_READ, str(tmp_path)],
+        [sys.executable, "-c", _AFTER_READ, kind, str(base)],
         env={**os.environ, "PYTHONPATH": SRC},
         capture_output=True,
         text=True,
@@ -251,6 +263,128 @@ def test_what_is_verified_is_what_is_unpickled(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() == "ok"
+
+
+_FLIP = """
+import sys
+for path in sys.argv[1:]:
+    with open(path, "r+b") as f:  # one byte in the middle of the part, in place
+        f.seek(-(1 << 20), 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+"""
+
+
+def _flip_waiting_parts(base: str, ranks: list[int]) -> None:
+    """Another process of the same user flips a byte in the stored parts of ``ranks``."""
+    paths = sorted(str(p) for p in Path(base).glob("gatherstore-*/call-*/*"))
+    paths = [p for p in paths if int(Path(p).name) in ranks]
+    assert len(paths) == len(ranks), paths
+    subprocess.run([sys.executable, "-c", _FLIP, *paths], check=True, timeout=30)
+
+
+def _changed_while_waiting_job(base: str) -> dict[str, Any]:
+    """dst streams a gather through ``tmpdir:///<base>`` while another process flips a
+    byte in each part still waiting: once before any part is read, once after the
+    reader has read and verified them ahead of the consumer."""
+    rank = gs.get_rank()
+    obj = {"rank": rank, "data": np.full(1 << 20, rank, dtype=np.int64)}  # 8 MiB
+    store, out = f"tmpdir://{base}", {}
+    for case, read_ahead in (("before", 0), ("after", 64 << 20)):
+        parts = gs.gather_iter(obj, store=store, timeout=60, read_ahead=read_ahead)
+        if rank == 0:
+            first = next(parts)
+            if case == "after":  # the reader holds ranks 1 and 2, verified, not yet taken
+                requested = [parts.requested[r][0] for r in (1, 2)]  # type: ignore[attr-defined]
+                futures_wait(requested, timeout=30)
+            _flip_waiting_parts(base, [1, 2])
+            got: list[Any] = [(first["rank"], int(first["data"].sum()))]
+            try:
+                got += [(o["rank"], int(o["data"].sum())) for o in parts]
+            except gs.IntegrityError as exc:
+                got.append(("IntegrityError", exc.rank, str(exc)))
+            out[case] = got
+        gs.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_part_changed_while_it_waits_fails_before_and_is_delivered_as_verified_after(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "shm"
+    base.mkdir(mode=0o700)
+    results = gs.launch(_changed_while_waiting_job, nproc_per_node=3, args=(str(base),))
+    dst = results[0]
+    kind, rank, message = dst["before"][1]
+    assert (kind, rank) == ("IntegrityError", 1), dst["before"]
+    assert "rank 1" in message and "checksum" in message, message
+    assert dst["after"] == [(r, r * (1 << 20)) for r in range(3)]
+    assert list(base.iterdir()) == []  # the job area is gone
+
+
+def _undeletable_job(url: str, prefix: str) -> dict[str, Any]:
+    """Gather through a Redis user that may read and write but not delete; what dst got,
+    and the warnings gatherstore logged."""
+    import logging
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("gatherstore").addHandler(Keep())
+    store = gs.open_store(url, key_prefix=prefix)
+    rank = gs.get_rank()
+    obj = {"rank": rank, "data": np.full(1 << 17, rank, dtype=np.int64)}
+    got: dict[str, Any] = {}
+    for name, call in (("gather_object", gs.gather_object), ("gather_iter", gs.gather_iter)):
+        parts = call(obj, store=store, timeout=30)
+        got[name] = None if parts is None else [(o["rank"], int(o["data"].sum())) for o in parts]
+    return {"got": got, "warnings": warnings}
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_gather_is_delivered_when_its_parts_cannot_be_deleted(
+    gatherstore_redis_url: str,
+) -> None:
+    import urllib.parse
+
+    import redis
+
+    admin = redis.Redis.from_url(gatherstore_redis_url)
+    user, password, prefix = "no-deletes", uuid.uuid4().hex, f"test-{uuid.uuid4().hex}/"
+    admin.acl_setuser(
+        user,
+        enabled=True,
+        passwords=[f"+{password}"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-unlink", "-del"],
+    )
+    parts = urllib.parse.urlsplit(gatherstore_redis_url)
+    url = urllib.parse.urlunsplit(
+        parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}")
+    )
+    try:
+        results = gs.launch(_undeletable_job, nproc_per_node=3, args=(url, prefix))
+    finally:
+        left = list(admin.scan_iter(match=f"{prefix}*"))
+        if left:
+            admin.unlink(*left)
+        admin.acl_deluser(user)
+        admin.close()
+    expected = [(r, r * (1 << 17)) for r in range(3)]
+    dst = results[0]
+    assert dst["got"] == {"gather_object": expected, "gather_iter": expected}
+    for call in (1, 2):  # each call's warning names the parts it left
+        (warning,) = [w for w in dst["warnings"] if f"call-{call}/1" in w]
+        assert f"call-{call}/2" in warning and "not deleted" in warning, warning
+        assert "gatherstore gc" in warning, warning
+    assert left  # the parts really stayed (deletes were refused)
 
 
 # --- 3. too little memory: InsufficientMemoryError everywhere, no OOM kill -----------------

@@ -10,12 +10,15 @@ while the next is read and verified.  A part larger than the budget is read
 when the consumer asks for it, so the destination holds what the consumer keeps
 plus at most the budget.  Parts are verified in the reading threads (checksums
 release the GIL), and deleted once read, in batches (:meth:`Store.discard_many`)
-in the background.
+in the background.  Deleting is best effort: a finished gather is delivered, and
+parts that could not be deleted are named in a warning and left to the job area's
+removal and ``gatherstore gc``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -34,6 +37,7 @@ __all__ = ["IN_FLIGHT", "Parts", "Reading", "binding", "fetch", "fetch_many", "p
 #: Parts a reader requests at once (in two batches of one store request each).
 IN_FLIGHT = 32
 _BATCHES = 2
+_log = logging.getLogger("gatherstore")
 #: A batch ends once it holds this many bytes (see the module's docstring).
 BATCH_BYTES = 4 << 20
 
@@ -149,7 +153,7 @@ class Parts(Iterator[Any]):
         # rank -> (the future of its batch, its place in the batch)
         self.requested: dict[int, tuple[Future[list[Any]], int]] = {}
         self.read: list[str] = []  # keys of parts read, not yet handed to the deleter
-        self.deletes: list[Future[None]] = []
+        self.deletes: list[tuple[Future[None], list[str]]] = []  # (a delete, its keys)
         incoming = sum(self.sizes) - self.sizes[own_rank]
         self.progress = Progress(
             call.what,
@@ -221,7 +225,7 @@ class Parts(Iterator[Any]):
                 try:
                     outcome = future.result()[place]
                 finally:
-                    self._read(part_key(self.prefix, rank))
+                    self._queue_delete(part_key(self.prefix, rank))
                 if isinstance(outcome, BaseException):
                     raise outcome
                 self._read_ahead()  # the window has room again
@@ -235,27 +239,27 @@ class Parts(Iterator[Any]):
                 self._close(wait=False)
                 raise
 
-    def _read(self, key: str, flush: bool = False) -> None:
+    def _queue_delete(self, key: str, flush: bool = False) -> None:
         """Note a part read; with ``delete``, hand the parts read so far to the deleter once
         it is idle (a slow store gets fewer, larger deletes: one request per batch)."""
         if key:
             self.read.append(key)
-        last = self.deletes[-1] if self.deletes else None
+        last = self.deletes[-1][0] if self.deletes else None
         if last is not None and last.done() and last.exception() is not None:
-            return  # the store fails: the rest goes with the job's area (close reports it)
+            return  # the store fails: the rest goes with the job's area (close warns)
         if self.delete and self.read and (flush or last is None or last.done()):
             keys, self.read = self.read, []
-            self.deletes.append(self.deleter.submit(self._discard, keys))
+            self.deletes.append((self.deleter.submit(self._delete_read, keys), keys))
 
-    def _discard(self, keys: list[str]) -> None:
+    def _delete_read(self, keys: list[str]) -> None:
         with self.call.deadline(fresh=self.lazy):
             self.session.store.discard_many(keys)
 
     def close(self) -> None:
         """Stop reading ahead; with ``delete``, delete the parts not read yet.
 
-        Raises:
-            GatherError: a part read could not be deleted (the store failed).
+        Never raises for a part that could not be deleted: what was read is delivered,
+        and a warning names the parts left (see the module's docstring).
         """
         self._close(wait=True)
 
@@ -271,22 +275,39 @@ class Parts(Iterator[Any]):
         self.pool.shutdown(wait=wait)
         self.requested.clear()
         if wait and self.deletes:  # a store that fails a delete gets no more of them
-            futures.wait(self.deletes[-1:])
-        self._read("", flush=True)
+            futures.wait([self.deletes[-1][0]])
+        self._queue_delete("", flush=True)
         if self.delete and self.todo:
             keys = [part_key(self.prefix, rank) for rank in self.todo]
             if wait:
-                _discard(self.session.store, keys)
+                _discard_each(self.session.store, keys)
             else:  # a finaliser runs wherever the garbage collector does: never block there
                 threading.Thread(
-                    target=_discard, args=(self.session.store, keys), daemon=True
+                    target=_discard_each, args=(self.session.store, keys), daemon=True
                 ).start()
         self.deleter.shutdown(wait=wait)
         deletes, self.deletes = self.deletes, []
-        if wait:  # a read part that could not be deleted: the store failed
-            for done in deletes:
-                if not done.cancelled() and done.exception() is not None:
-                    raise done.exception()  # type: ignore[misc]
+        if wait:
+            self._warn_left(deletes)
+
+    def _warn_left(self, deletes: list[tuple[Future[None], list[str]]]) -> None:
+        """Warn of the parts read that could not be deleted: the gather is delivered all
+        the same, and they go with the job's area (or ``gatherstore gc``)."""
+        failed = [(done.exception(), keys) for done, keys in deletes if not done.cancelled()]
+        failed = [(exc, keys) for exc, keys in failed if exc is not None]
+        if not failed:
+            return
+        left = [key for _, keys in failed for key in keys] + self.read
+        self.read = []
+        _log.warning(
+            "gatherstore: %s: %d part(s) read but not deleted from %s (%s): %s; they go "
+            "with the job's area at its end, or run `gatherstore gc`",
+            self.call.what,
+            len(left),
+            self.session.store,
+            failed[0][0],
+            ", ".join(left),
+        )
 
     def __del__(self) -> None:
         try:
@@ -295,7 +316,7 @@ class Parts(Iterator[Any]):
             return
 
 
-def _discard(store: Store, keys: list[str]) -> None:
+def _discard_each(store: Store, keys: list[str]) -> None:
     with deadline(END_JOB_TIMEOUT):
         for key in keys:
             try:

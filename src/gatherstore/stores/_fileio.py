@@ -1,15 +1,16 @@
-"""Bytes to and from an open file: vectored writes, and whole reads that fit the folder.
+"""Bytes to and from an open file: vectored writes, and whole reads into private memory.
 
-A value in a private job folder (``tmpdir``), which only the job's processes can
-change, is mapped copy-on-write: no copy, no zero-fill, pages shared with the file.
-Elsewhere it is read into private memory, so that what was verified is what is
-unpickled and a file truncated under the reader cannot raise SIGBUS; a large one in
-16 MiB ranges, four at once, which a network filesystem serves faster than one stream.
+A value is always read into memory of this process's own, never mapped: any process
+of the same user (root too) can rewrite or truncate a file after it was verified, and
+a mapping, even a private one, would show the rewrite (pages not yet copied are the
+file's) or die of SIGBUS (a truncation removes copied pages too).  What was verified is
+then what is unpickled, whatever happens to the file.  A large value is read in 16 MiB
+ranges, four at once: faster from a network filesystem than one stream, and on
+``/dev/shm`` the page faults of the new memory are taken on several cores.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +21,8 @@ from .layout import writable
 __all__ = ["read_whole", "write_all"]
 
 _READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per call)
-_MAP_MIN = 1 << 20  # values from this size on are mapped in a private job folder
 _RANGE = 16 << 20  # bytes per read of a large value, a few ranges at once
 _RANGES = 4
-_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _IOV_MAX = 1024
 
 
@@ -41,13 +40,10 @@ def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
                 written = 0
 
 
-def read_whole(fd: int, *, mapped: bool) -> Buffer:
-    """The whole file ``fd`` in a writable buffer (``mapped``: its pages, copy-on-write,
-    when large); shorter than its size when it was truncated meanwhile (the layer above
-    then reports the damage)."""
+def read_whole(fd: int) -> Buffer:
+    """The whole file ``fd`` in a new writable buffer of this process's own; shorter than
+    its size when it was truncated meanwhile (the layer above then reports the damage)."""
     size = os.fstat(fd).st_size
-    if mapped and size >= _MAP_MIN:
-        return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=_READ_WRITE))
     buf = writable(size)
     view = memoryview(buf)
     spans = [(start, min(start + _RANGE, size)) for start in range(0, size, _RANGE)]

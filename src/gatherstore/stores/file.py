@@ -4,9 +4,9 @@ Values are files; a write goes to a temp file with vectored writes and is
 published with ``link`` (atomic and create-only, on NFS too).  Every file is
 reached relative to a descriptor of the store's folder (a job area is opened
 with ``O_NOFOLLOW`` inside its base): a folder renamed or replaced after it
-was opened cannot redirect the job (see ``_private``).  How a value is read
-(into private memory, or mapped in a private job folder) is ``_fileio``'s;
-either way arrays decoded from a value stay valid after its file is deleted.
+was opened cannot redirect the job (see ``_private``).  A value is read into
+private memory (see ``_fileio``): arrays decoded from it stay valid, and what was
+verified, after its file is rewritten, truncated or deleted.
 """
 
 from __future__ import annotations
@@ -200,22 +200,14 @@ class FileStore(Store):
             raise
 
     def _read(self, key: str) -> Buffer | None:
-        """The value in private memory; in a private job folder (``tmpdir``) a large one is
-        mapped instead (copy-on-write: no copy, no zero-fill, pages shared with the file)."""
+        """The value in private memory (see ``_fileio``: never a mapping of the file)."""
         fd = self._open(key)
         if fd is None:
             return None
         try:
-            return fileio.read_whole(fd, mapped=self._in_private_area())
+            return fileio.read_whole(fd)
         finally:
             os.close(fd)
-
-    def _in_private_area(self) -> bool:
-        """Whether this is a job folder in a private base, which only the job's own
-        processes can change: there a part can be mapped, since nobody truncates or
-        rewrites it under the reader (elsewhere it is read into private memory, so that
-        what was verified is what is unpickled, and no truncation raises SIGBUS)."""
-        return self._area_of is not None and self._area_of[0].private
 
     def _read_head(self, key: str, size: int) -> Buffer | None:
         fd = self._open(key)
