@@ -126,6 +126,17 @@ def module_signature_differences(original: Any, compat: Any) -> list[str]:
     ]
 
 
+def reused_buffer(gather: Callable[[Any], Any], rank: int, steps: int = 3) -> list[Any]:
+    """What a caller keeps of ``steps`` gathers of views of one buffer it refills every
+    step, as a model's outputs often are (a Trainer keeps every step's outputs)."""
+    buffer = torch.zeros(4)
+    kept = []
+    for step in range(steps):
+        buffer.fill_(10 * step + rank)
+        kept.append(gather({"step": step, "scores": buffer[:2]}))
+    return kept
+
+
 class Unsendable:
     """An object that can be copied (libraries copy states before they sync) but not
     pickled: a gather fails on the rank that holds one."""

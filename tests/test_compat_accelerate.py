@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import failure, outcome, same, same_outcome
+from compat_same import failure, outcome, reused_buffer, same, same_outcome
 
 import gatherstore as gs
 from gatherstore.compat import accelerate as compat
@@ -48,7 +48,9 @@ def cases(rank: int) -> dict[str, Any]:
 
 def script(gather: Any) -> list[tuple[str, Any]]:
     rank = gs.get_rank()
-    return [(label, outcome(lambda o=obj: gather(o))) for label, obj in cases(rank).items()]
+    out = [(label, outcome(lambda o=obj: gather(o))) for label, obj in cases(rank).items()]
+    reused = outcome(lambda: reused_buffer(lambda o: gather([o]), rank))
+    return [*out, ("reused buffer", reused)]
 
 
 def compare() -> tuple[list[str], dict[str, Any]]:

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from compat_same import differences, module_signature_differences, outcome, recorder
+from compat_same import (
+    differences,
+    module_signature_differences,
+    outcome,
+    recorder,
+    reused_buffer,
+)
 from compat_standins import CountingStore, standin_packages  # noqa: F401 (a fixture)
 
 import gatherstore as gs
@@ -48,6 +54,8 @@ def script(d: Any) -> list[tuple[str, Any]]:
     record("all_gather local group", lambda: d.all_gather(obj, d.get_local_process_group()))
     record("gather", lambda: d.gather(obj))
     record("gather last", lambda: d.gather([rank], dst=world - 1))
+    record("all_gather reused buffer", lambda: reused_buffer(d.all_gather, rank))
+    record("gather reused buffer", lambda: reused_buffer(d.gather, rank))
     np.random.seed(rank + 7)
     record("shared_random_seed", d.shared_random_seed)
     values = {"loss_b": torch.tensor(float(rank)), "loss_a": torch.tensor(2.0 * rank + 1)}

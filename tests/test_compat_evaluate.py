@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from compat_same import same
 
@@ -79,6 +80,14 @@ def feed(rank: int, case: str) -> tuple[type, list[tuple[str, dict[str, Any]]]]:
         return Accuracy, [("add_batch", {"predictions": rows, "references": rows})]
     if case == "inputs at compute":
         return Accuracy, [("compute", {"predictions": [rank] * 2, "references": [0, rank]})]
+    if case == "reused buffer":  # every batch is the same array, refilled
+        buffer = np.zeros(2, dtype=np.int64)
+        calls = []
+        for step in range(3):
+            calls.append(("refill", {"buffer": buffer, "value": rank + step}))
+            batch = {"predictions": buffer, "references": np.array([rank + step, 0])}
+            calls.append(("add_batch", batch))
+        return Accuracy, calls
     if case == "strings":
         words = ["é" * rank, "plain", "ü€"]
         return AnyMatch, [
@@ -88,14 +97,24 @@ def feed(rank: int, case: str) -> tuple[type, list[tuple[str, dict[str, Any]]]]:
     return Nested, [("add_batch", {"predictions": [label, label], "references": [rank, 0]})]
 
 
-CASES = ["equal", "uneven", "empty batch", "inputs at compute", "strings", "nested"]
+CASES = [
+    "equal",
+    "uneven",
+    "empty batch",
+    "inputs at compute",
+    "reused buffer",
+    "strings",
+    "nested",
+]
 
 
 def run(module: Any, calls: list[tuple[str, dict[str, Any]]]) -> Any:
     """Make the calls, then compute() (with the inputs of a "compute" call)."""
     inputs: dict[str, Any] = {}
     for name, kwargs in calls:
-        if name == "compute":
+        if name == "refill":
+            kwargs["buffer"][:] = kwargs["value"]
+        elif name == "compute":
             inputs = kwargs
         else:
             getattr(module, name)(**kwargs)
@@ -140,7 +159,10 @@ def alone(case: str) -> Any:
     module = metric(keep_in_memory=True)
     for rank in range(3):
         for name, kwargs in feed(rank, case)[1]:
-            getattr(module, "add_batch" if name == "compute" else name)(**kwargs)
+            if name == "refill":
+                kwargs["buffer"][:] = kwargs["value"]
+            else:
+                getattr(module, "add_batch" if name == "compute" else name)(**kwargs)
     return module.compute()
 
 

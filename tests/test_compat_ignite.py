@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import differences, recorder, signature_differences
+from compat_same import differences, recorder, reused_buffer, signature_differences
 
 import gatherstore as gs
 from gatherstore.compat import ignite as compat
@@ -57,6 +57,7 @@ def script(d: Any) -> list[tuple[str, Any]]:
     record("all_gather float", lambda: d.all_gather(rank / 3))
     record("all_gather str", lambda: d.all_gather("r" * (rank + 1)))
     record("all_gather obj", lambda: d.all_gather({"rank": rank, "l": [None] * rank}))
+    record("all_gather reused buffer", lambda: reused_buffer(d.all_gather, rank))
     record("all_gather tensor", lambda: d.all_gather(torch.full((2, 3), rank, dtype=torch.int16)))
     record("all_gather 0-d", lambda: d.all_gather(torch.tensor(rank * 1.5)))
     for value in (torch.tensor([rank]), rank, rank / 4, f"r{rank}", {"r": rank}):

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from compat_same import failure, outcome, same, same_outcome
+from compat_same import failure, outcome, reused_buffer, same, same_outcome
 
 import gatherstore as gs
 from gatherstore.compat import lm_eval as compat
@@ -141,11 +141,18 @@ def direct_gathers() -> dict[str, Any]:
     rank = gs.get_rank()
 
     def script(lm: Any) -> list[tuple[str, Any]]:
+        reused = [
+            (
+                f"reused buffer dst={dst}",
+                outcome(lambda d=dst: reused_buffer(lambda o: lm.gather_object(o, d), rank)),
+            )
+            for dst in (0, 2)
+        ]
         return [
             (f"{label} dst={dst}", outcome(lambda o=obj, d=dst: lm.gather_object(o, d)))
             for label, obj in cases(rank).items()
             for dst in (0, 2)
-        ]
+        ] + reused
 
     original = script(Dummy())
     inherited = Quiet().gather_object({"rank": rank})

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from compat_same import differences, outcome, recorder, signature_differences
+from compat_same import differences, outcome, recorder, reused_buffer, signature_differences
 
 import gatherstore as gs
 from gatherstore.compat import mmengine as compat
@@ -50,6 +50,15 @@ def script(d: Any, tmp: Path, tag: str) -> list[tuple[str, Any]]:
         )
     record("collect_results cpu size>", lambda: d.collect_results_cpu(part, 100))
     record("collect_results_gpu", lambda: d.collect_results_gpu(part, 5))
+    record("all_gather_object reused buffer", lambda: reused_buffer(d.all_gather_object, rank))
+    record("gather_object reused buffer", lambda: reused_buffer(d.gather_object, rank))
+    for device in ("cpu", "gpu"):
+        record(
+            f"collect_results {device} reused buffer",
+            lambda device=device: reused_buffer(
+                lambda o: d.collect_results([o], world, device), rank
+            ),
+        )
     record("collect_results bad device", lambda: d.collect_results(part, 5, "tpu"))
     record("collect_results gpu+tmpdir", lambda: d.collect_results(part, 5, "gpu", str(tmp)))
     # a user folder: mmengine removes it afterwards, gatherstore leaves it (checked separately)

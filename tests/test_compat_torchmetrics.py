@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import Unsendable, outcome, same
+from compat_same import Unsendable, outcome, reused_buffer, same
 from compat_standins import ROOT
 
 import gatherstore as gs
@@ -273,6 +273,14 @@ def ranks_side_by_side() -> dict[str, Any]:
     parts = compat.dist_sync_fn(own)
     problems += same([torch.arange(r + 1) for r in range(W)], parts, "dist_sync_fn")
     problems += [] if parts[rank] is own else ["dist_sync_fn: own entry is not the input"]
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    # torchmetrics keeps this rank's own tensor (not a copy): so does dist_sync_fn
+    problems += same(
+        reused_buffer(lambda o: gather_all_tensors(o["scores"]), rank),
+        reused_buffer(lambda o: compat.dist_sync_fn(o["scores"]), rank),
+        "dist_sync_fn reused buffer",
+    )
     theirs = run(make["kinds"], "kinds", 2)
     kinds = make["kinds"]
     with_fn = run(lambda: kinds(dist_sync_fn=compat.dist_sync_fn), "kinds", 2)

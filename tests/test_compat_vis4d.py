@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import differences, module_signature_differences, outcome, recorder
+from compat_same import (
+    differences,
+    module_signature_differences,
+    outcome,
+    recorder,
+    reused_buffer,
+)
 from compat_standins import CountingStore, standin_packages  # noqa: F401 (a fixture)
 from torch import nn
 
@@ -50,6 +56,12 @@ def script(d: Any, tmp: Path, tag: str) -> list[tuple[str, Any]]:
     record("all_gather_object_cpu cwd", lambda: d.all_gather_object_cpu({"r": rank}))
     record("all_gather_object_gpu", lambda: d.all_gather_object_gpu({"r": [rank] * rank}))
     record("all_gather_object_gpu all", lambda: d.all_gather_object_gpu(rank, False))
+    for label, gather in (
+        ("cpu", lambda o: d.all_gather_object_cpu(o, None, False, True)),
+        ("gpu", lambda o: d.all_gather_object_gpu(o, False)),
+        ("gpu rank 0", d.all_gather_object_gpu),
+    ):
+        record(f"all_gather_object_{label} reused buffer", lambda g=gather: reused_buffer(g, rank))
     record("obj2tensor", lambda: d.obj2tensor({"x": [1, 2]}, CPU))
     record("tensor2obj", lambda: d.tensor2obj(d.obj2tensor(("s", rank), CPU)))
     record("serialize_to_tensor", lambda: d.serialize_to_tensor({"r": rank}))

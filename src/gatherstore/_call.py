@@ -175,8 +175,11 @@ class Call:
         *,
         send: bool = True,
         full: Sequence[int] | None = None,
+        copy_own: bool = False,
     ) -> list[int]:
         """Build this rank's object (``self.own``), encode it when it is sent, exchange sizes.
+
+        ``copy_own``: ``self.own`` becomes a copy of the object (see ``own_copies``).
 
         ``receivers`` read parts (their memory is checked); ``full`` (default: every
         rank) need every rank's part size: only they get every rank's status, the
@@ -192,6 +195,8 @@ class Call:
             self.own = prepare()
             if send:
                 self.frame = serialize.encode(self.own)
+            if copy_own:
+                self.own = serialize.duplicate(self.frame or serialize.encode(self.own))
             avail = memory.headroom()
             self.budget = config.read_ahead(self.read_ahead, avail)
             mine = status(

@@ -15,7 +15,9 @@ The shape of every call (see DESIGN.md, "How an object gather works"):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from . import _config as config
@@ -35,7 +37,28 @@ __all__ = [
     "broadcast_object",
     "gather_iter",
     "gather_object",
+    "own_copies",
 ]
+
+_own_copies: ContextVar[bool] = ContextVar("gatherstore_own_copies", default=False)
+
+
+@contextlib.contextmanager
+def own_copies(enabled: bool = True) -> Iterator[None]:
+    """Inside, a gather returns a copy of this rank's own object, not the object itself
+    (unless ``enabled`` is False).
+
+    What ``torch.distributed.all_gather_object`` and ``gather_object`` return (they
+    unpickle every entry): the drop-ins and patches that stand in for them, or for
+    libraries built on them, gather inside this.  A caller that reuses one buffer for
+    every step's outputs then keeps each step's values.  Serially, and for the ``src``
+    of a broadcast, the object itself is returned, as there.
+    """
+    token = _own_copies.set(enabled)
+    try:
+        yield
+    finally:
+        _own_copies.reset(token)
 
 
 def _serial_check(dst: int, what: str) -> None:
@@ -54,8 +77,10 @@ def all_gather_object(
 ) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank.
 
-    This rank's own entry is ``obj`` itself; the others are decoded copies
-    (arrays as views into the part they were read from).  ``progress`` shows
+    This rank's own entry is ``obj`` itself, not a copy (unlike
+    ``torch.distributed.all_gather_object``): a caller that reuses ``obj``'s memory
+    afterwards changes it; the others are decoded copies (arrays as views into the
+    part they were read from).  ``progress`` shows
     parts and bytes as they arrive (None: when stderr is a terminal and the
     gather is long, or as ``GATHERSTORE_PROGRESS=0/1`` says); see also the
     ``gatherstore`` logger.
@@ -69,12 +94,13 @@ def all_gather_object(
         return [obj]
     call = Call("all_gather_object", store, timeout, progress)
     everyone = list(range(call.world))
-    sizes = call.agree(lambda: obj, everyone)
+    sizes = call.agree(lambda: obj, everyone, copy_own=_own_copies.get())
     if call.target == "collective":
         slots = call.collective_all(sizes)
         call.finish()
         return [
-            obj if r == call.rank else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)
+            call.own if r == call.rank else call.decode_slot(s, sizes[r], r)
+            for r, s in enumerate(slots)
         ]
     if call.target == "stream":
         everything = stream_route.all_from(call)
@@ -87,7 +113,9 @@ def all_gather_object(
     try:
         try:
             # every part is returned: reading them all at once takes no more memory
-            reader = Parts(call, session, prefix, call.rank, obj, budget=call.total, delete=False)
+            reader = Parts(
+                call, session, prefix, call.rank, call.own, budget=call.total, delete=False
+            )
             out = list(reader)
         except Exception as exc:
             error, mine = exc, failure(exc)
@@ -107,6 +135,8 @@ def gather_object(
     progress: bool | None = None,
 ) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on ``dst``; None on the other ranks.
+
+    ``dst``'s own entry is ``obj`` itself, as in :func:`all_gather_object`.
 
     ``progress``: as in :func:`all_gather_object`, shown on ``dst``.
 
@@ -179,7 +209,8 @@ def gather_prepared(
     and its exceptions are reported to every rank instead of raised alone."""
     call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, streamed=stream)
     others = [r for r in range(call.world) if r != dst]
-    sizes = call.agree(prepare, [dst], send=call.rank != dst, full=[dst])
+    copy_own = _own_copies.get() and call.rank == dst
+    sizes = call.agree(prepare, [dst], send=call.rank != dst, full=[dst], copy_own=copy_own)
     obj = call.own
     if call.target == "collective":
         slots = call.collective_to(dst, sizes)

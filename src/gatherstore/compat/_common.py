@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 import gatherstore as gs
 
+from .._objects import own_copies
+
 __all__ = [
     "NO_PROCESS_GROUP",
     "dir_store",
@@ -17,6 +19,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "is_default_group",
+    "own_copies",
 ]
 
 #: torch's words where a process group is needed and there is none (the originals say them)
@@ -46,23 +49,28 @@ def group_rank(group: Any) -> int:
     return gs.get_rank() if is_default_group(group) else dist.get_rank(group)
 
 
-def gather_all(data: Any, group: Any = None) -> list[Any]:
+def gather_all(data: Any, group: Any = None, *, copies: bool = True) -> list[Any]:
     """Every rank's ``data`` in rank order, through the store for the default group.
 
+    This rank's entry is a copy of ``data``, as torch's ``all_gather_object`` returns
+    (``copies=False``: ``data`` itself, for a caller that puts its own object there).
     gatherstore's routes span every rank; a subgroup takes torch.distributed's
     object path on that group.
     """
     if is_default_group(group):
-        return gs.all_gather_object(data)
+        with own_copies(copies):
+            return gs.all_gather_object(data)
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, data, group=group)
     return out
 
 
 def gather_to(data: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
-    """Every rank's ``data`` on global rank ``dst`` (None elsewhere); subgroups as in gather_all."""
+    """Every rank's ``data`` on global rank ``dst`` (None elsewhere); copies and subgroups as
+    in gather_all."""
     if is_default_group(group):
-        return gs.gather_object(data, dst)
+        with own_copies():
+            return gs.gather_object(data, dst)
     mine = dist.get_rank() == dst
     out: list[Any] | None = [None] * dist.get_world_size(group) if mine else None
     dist.gather_object(data, out, dst=dst, group=group)

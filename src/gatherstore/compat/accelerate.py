@@ -17,6 +17,7 @@ import torch
 
 import gatherstore as gs
 
+from ._common import own_copies
 from ._patching import Patch, _import, patch_module
 
 __all__ = ["gather_object", "patch"]
@@ -30,8 +31,9 @@ def gather_object(object: Any) -> Any:
     """Every process's items, rank after rank, on every process; ``object`` itself serially.
 
     As accelerate's: each process passes a list (any iterable) of picklable
-    items and gets one flat list of all of them; when accelerate's state is not
-    distributed the object comes back unchanged.  Tensors from other ranks
+    items and gets one flat list of all of them, this process's own items as
+    copies (as accelerate's pickle round trip makes them); when accelerate's state
+    is not distributed the object comes back unchanged.  Tensors from other ranks
     arrive on the CPU, and so do this rank's own CUDA tensors, never on another
     rank's GPU.
 
@@ -51,7 +53,8 @@ def gather_object(object: Any) -> Any:
         return object
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         object = _import("accelerate.utils", _PIP).send_to_device(object, "cpu")
-    parts = gs.all_gather_object(object)
+    with own_copies():  # accelerate's pickle round trip copies this rank's items too
+        parts = gs.all_gather_object(object)
     if state.device.type == "neuron":  # accelerate's Neuron path keeps non-list objects whole
         parts = [part if isinstance(part, list) else [part] for part in parts]
     return [item for part in parts for item in part]

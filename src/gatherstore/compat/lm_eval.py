@@ -14,6 +14,7 @@ from typing import Any
 
 import gatherstore as gs
 
+from ._common import own_copies
 from ._patching import Patch, patch_methods
 
 __all__ = ["gather_object", "patch"]
@@ -32,7 +33,8 @@ def gather_object(self: Any, obj: Any, dst: int = 0) -> list[Any] | None:
     """
     if self.world_size <= 1 or not gs.is_distributed():
         return [obj]
-    return gs.gather_object(obj, dst)
+    with own_copies():  # as torch.distributed.gather_object's: dst's entry is a copy
+        return gs.gather_object(obj, dst)
 
 
 def patch() -> Patch:

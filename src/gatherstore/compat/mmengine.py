@@ -19,7 +19,7 @@ from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense
 
 import gatherstore as gs
 
-from ._common import dir_store, gather_all, gather_to, is_default_group
+from ._common import dir_store, gather_all, gather_to, is_default_group, own_copies
 from ._mmengine_utils import (
     barrier,
     cast_data_device,
@@ -262,7 +262,8 @@ def collect_results_gpu(result_part: list[Any], size: int) -> list[Any] | None:
 def _collect(part: list[Any], size: int, store: str | None) -> list[Any] | None:
     if get_world_size() == 1:
         return part[:size]
-    merged = gs.collect_results(part, None, order="interleaved", dst=0, store=store)
+    with own_copies():  # mmengine's results are unpickled on rank 0, its own too
+        merged = gs.collect_results(part, None, order="interleaved", dst=0, store=store)
     if merged is None:
         return None
     return [r for r in merged if r is not None][:size]  # mmengine drops None results

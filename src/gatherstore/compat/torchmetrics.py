@@ -54,7 +54,7 @@ def dist_sync_fn(tensor: Tensor, group: Any = None) -> list[Tensor]:
     Raises:
         RemoteRankError / GatherTimeout: as ``gs.all_gather_object``.
     """
-    parts = gather_all(tensor.detach(), group)
+    parts = gather_all(tensor.detach(), group, copies=False)
     me = group_rank(group)
     return [tensor if r == me else p.to(tensor.device) for r, p in enumerate(parts)]
 
@@ -184,7 +184,7 @@ def _sync_dist_replacing(keep: frozenset[str]) -> Callable[..., Any]:
         group = process_group or self.process_group
         if parts is None:
             own, sent = _prepared(self, type(self)._sync_dist is _sync_dist, keep)
-            parts = gather_all(sent, group)
+            parts = gather_all(sent, group, copies=False)
             parts[group_rank(group)] = own
         _merge(self, parts, group_rank(group))
         return None

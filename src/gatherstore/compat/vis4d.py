@@ -22,7 +22,7 @@ from torch import nn
 
 import gatherstore as gs
 
-from ._common import NO_PROCESS_GROUP, dir_store
+from ._common import NO_PROCESS_GROUP, dir_store, own_copies
 from ._patching import Patch, patch_module
 
 __all__ = [
@@ -185,8 +185,10 @@ def _gather(data: Any, store: str | None, rank_zero_return_only: bool) -> list[A
     if gs.get_world_size() == 1:
         return [data]
     if rank_zero_return_only:
-        return gs.gather_object(data, 0, store=store)
-    return gs.all_gather_object(data, store=store)
+        with own_copies():  # vis4d unpickles every entry, rank 0's own too
+            return gs.gather_object(data, 0, store=store)
+    with own_copies():
+        return gs.all_gather_object(data, store=store)
 
 
 def all_gather_object_cpu(
