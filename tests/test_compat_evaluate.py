@@ -232,7 +232,8 @@ def one_rank_fails(tmp: str) -> dict[str, Any]:
     for patched in (False, True):
         with compat.patch() if patched else contextlib.nullcontext():
             cache = os.path.join(tmp, str(patched))
-            module = Accuracy(num_process=3, process_id=rank, cache_dir=cache, timeout=3)
+            timeout = 30 if patched else 3  # patched, ranks 0 and 2 must not wait for it
+            module = Accuracy(num_process=3, process_id=rank, cache_dir=cache, timeout=timeout)
             references = [0] if rank == 1 else [0, 0]
             try:
                 module.compute(predictions=[0, 1], references=references)
@@ -253,9 +254,10 @@ def test_a_rank_that_fails_makes_every_rank_raise(tmp_path: Path) -> None:
     own = [r[False] for r in results]
     assert own[0] in (("ValueError", None), ("ArrowInvalid", None)), own
     assert own[1:] == [("ValueError", None), None]
-    # patched: ranks 0 and 2 raise GatherTimeout naming rank 1, and nothing is left behind
-    timeout = ("GatherTimeout", [1])
-    assert [r[True] for r in results] == [timeout, ("ValueError", None), timeout]
+    # patched: ranks 0 and 2 raise RemoteRankError naming rank 1 at once (it reported its
+    # failure: a timeout would be GatherTimeout), and nothing is left behind
+    remote = ("RemoteRankError", [1])
+    assert [r[True] for r in results] == [remote, ("ValueError", None), remote]
     assert all(r["left", True] == [] for r in results)
 
 

@@ -7,22 +7,29 @@ process sees, and shared filesystems break the locks ("Couldn't acquire lock",
 "Expected to find locked file").  Patched, inside a torch.distributed job whose
 world size is ``num_process`` and rank ``process_id``, each process buffers its
 rows in memory and ``compute()`` gathers them to process 0 through gatherstore:
-no lock, no file, any ``cache_dir``.  Every other module behaves as before.
+no lock, no file, any ``cache_dir``.  A process whose ``compute()`` fails before
+the gather (say, its inputs do not match) makes the others raise ``RemoteRankError``
+naming it at once, instead of waiting ``timeout`` for it.  Every other module behaves
+as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import gatherstore as gs
 
 from ._patching import Patch, _import, patch_methods
+from ._raising import Raising
 
 __all__ = ["patch"]
 
-#: evaluate's own ``_init_writer`` and ``_finalize``, for the modules left to them.
+#: evaluate's own ``_init_writer``, ``_finalize`` and ``compute``.
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
+#: ids of the modules whose running ``compute()`` reached the gather.
+_gathering: set[int] = set()
 
 
 def _gathers(module: Any) -> bool:
@@ -77,6 +84,7 @@ def _finalize(self: Any) -> None:
         self.writer.finalize()
         part = self.buf_writer.getvalue()
     self.writer = None
+    _gathering.add(id(self))
     parts = gs.gather_object(part, 0, timeout=self.timeout)
     if parts is None:
         self.buf_writer = None
@@ -92,11 +100,30 @@ def _finalize(self: Any) -> None:
         self.buf_writer = _buffer()
 
 
+def _compute(self: Any, **kwargs: Any) -> Any:
+    """evaluate's ``compute()``; when it fails on this process before the gather, the
+    failure goes into the gather the others wait in: they raise ``RemoteRankError``
+    naming this process, and this process raises its own error."""
+    original = _ORIGINAL["compute"]
+    if not _gathers(self):
+        return original(self, **kwargs)
+    _gathering.discard(id(self))
+    try:
+        return original(self, **kwargs)
+    except Exception as exc:
+        if id(self) not in _gathering:
+            with contextlib.suppress(Exception):  # raises exc here: re-raised below
+                gs.gather_object(Raising(exc), 0, timeout=self.timeout)
+        raise
+    finally:
+        _gathering.discard(id(self))
+
+
 def patch() -> Patch:
     """Make evaluate's distributed modules gather through gatherstore.
 
-    Replaces ``EvaluationModule._init_writer`` and ``_finalize`` (class methods,
-    so modules created before ``patch()`` change too, unless they already
+    Replaces ``EvaluationModule._init_writer``, ``_finalize`` and ``compute`` (class
+    methods, so modules created before ``patch()`` change too, unless they already
     wrote to their cache file).  ``compute()`` returns the same dict on process
     0 and None on the others, as evaluate's own.
 
@@ -104,11 +131,7 @@ def patch() -> Patch:
         ImportError: evaluate is not installed.
     """
     base = _import("evaluate.module", "evaluate").EvaluationModule
-    for name in ("_init_writer", "_finalize"):
+    replacements = {"_init_writer": _init_writer, "_finalize": _finalize, "compute": _compute}
+    for name in replacements:
         _ORIGINAL.setdefault(name, vars(base)[name])
-    return patch_methods(
-        "evaluate.module",
-        "evaluate",
-        "EvaluationModule",
-        {"_init_writer": _init_writer, "_finalize": _finalize},
-    )
+    return patch_methods("evaluate.module", "evaluate", "EvaluationModule", replacements)
