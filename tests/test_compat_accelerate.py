@@ -165,6 +165,35 @@ def test_a_rank_that_cannot_pickle_makes_every_rank_raise() -> None:
         assert out["after"] == [0, 1, 2]
 
 
+def uneven_steps() -> dict[str, Any]:
+    """``even_batches=False`` and a gather every step: rank 2 has one batch fewer, so it
+    reaches ``wait_for_everyone`` while ranks 0 and 1 gather their last batch."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(even_batches=False)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(9)), batch_size=2))
+    with compat.patch():
+        try:
+            for batch in loader:
+                accelerator.gather_for_metrics([int(x) for x in batch], use_gather_object=True)
+            accelerator.wait_for_everyone()
+        except gs.GatherError as exc:
+            return {"raised": type(exc).__name__, "details": getattr(exc, "details", None)}
+        accelerator.wait_for_everyone()  # the patched barrier, in step
+    return {"raised": None}
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_gather_a_different_number_of_times_all_raise_naming_each_other() -> None:
+    # unpatched: ranks 0 and 1 wait in all_gather_object, rank 2 in the barrier, until
+    # gloo's timeout; patched: all three meet on the control plane and raise at once
+    results = gs.launch(uneven_steps, nproc_per_node=3, backend="gloo", timeout=60)
+    calls = {0: "all_gather_object", 1: "all_gather_object", 2: "barrier"}
+    assert results == [{"raised": "MismatchError", "details": calls}] * 3
+
+
 def test_patch_swaps_every_site_and_undoes(monkeypatch: pytest.MonkeyPatch) -> None:
     import accelerate.accelerator as accelerator
     import accelerate.utils as utils
@@ -175,13 +204,18 @@ def test_patch_swaps_every_site_and_undoes(monkeypatch: pytest.MonkeyPatch) -> N
     trainer.gather_object = original  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, trainer.__name__, trainer)
     sites = (operations, utils, accelerator, trainer)
+    from accelerate.state import PartialState
+
+    barrier = PartialState.wait_for_everyone
     with compat.patch() as handle:
         assert compat.patch() is handle  # twice is harmless
         for module in sites:
             assert module.gather_object is compat.gather_object
         assert operations.gather is not compat.gather_object  # tensors stay accelerate's
+        assert PartialState.wait_for_everyone is compat._wait_for_everyone
     for module in sites:
         assert module.gather_object is original
+    assert PartialState.wait_for_everyone is barrier
     handle.undo()  # again: nothing
     assert not handle.active
 

@@ -6,7 +6,11 @@ every rank receives (on the GPU under NCCL).  :func:`gather_object` keeps its
 answers and moves the objects through gatherstore's routes and stores;
 :func:`patch` puts it wherever accelerate calls the original, so
 ``Accelerator.gather_for_metrics`` (and with it transformers'
-``eval_use_gather_object``) gathers through the store too.
+``eval_use_gather_object``) gathers through the store too, and accelerate's
+barrier (``wait_for_everyone``) meets on gatherstore's control plane, so that
+ranks that made a different number of gathers (``even_batches=False`` with a
+gather every step) all raise ``MismatchError`` where they meet, naming who called
+what, instead of timing out in gloo.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 import gatherstore as gs
 
+from .._config import DEFAULT_TIMEOUT
 from ._common import own_copies
 from ._patching import Patch, _import, patch_module
 
@@ -60,6 +65,24 @@ def gather_object(object: Any) -> Any:
     return [item for part in parts for item in part]
 
 
+def _wait_for_everyone(self: Any) -> None:
+    """``PartialState.wait_for_everyone``: a barrier on gatherstore's control plane (within
+    ``GATHERSTORE_TIMEOUT``) in a torch.distributed job, accelerate's own elsewhere.
+
+    Raises:
+        MismatchError: the other ranks are in a gather (this rank made fewer); names them.
+        GatherTimeout: ranks that did not arrive in time (named).
+    """
+    constants = _import("accelerate.utils.constants", _PIP)
+    if self.distributed_type in constants.TORCH_DISTRIBUTED_OPERATION_TYPES and gs.is_distributed():
+        gs.barrier(timeout=DEFAULT_TIMEOUT)
+    else:
+        _ORIGINAL_WAIT[0](self)
+
+
+_ORIGINAL_WAIT: list[Any] = []
+
+
 def patch() -> Patch:
     """Make the installed accelerate gather objects through gatherstore.
 
@@ -67,11 +90,17 @@ def patch() -> Patch:
     accelerate imported it by name (``accelerate.utils``,
     ``accelerate.accelerator``, so ``Accelerator.gather_for_metrics``), and in
     the already imported modules of TRL and transformers that imported it by
-    name (TRL's trainers do); tensor gathers stay accelerate's.
+    name (TRL's trainers do); tensor gathers stay accelerate's.  Also replaces
+    ``PartialState.wait_for_everyone`` (see :func:`_wait_for_everyone`).
 
     Raises:
         ImportError: accelerate is not installed.
     """
     _import("accelerate.accelerator", _PIP)  # load every site that binds the original
     replacements = {"gather_object": gather_object}
-    return patch_module("accelerate.utils.operations", _PIP, replacements, also=_USERS)
+    handle = patch_module("accelerate.utils.operations", _PIP, replacements, also=_USERS)
+    state = _import("accelerate.state", _PIP).PartialState
+    if vars(state)["wait_for_everyone"] is not _wait_for_everyone:
+        _ORIGINAL_WAIT[:] = [vars(state)["wait_for_everyone"]]
+        handle.swap(state, "wait_for_everyone", _wait_for_everyone)
+    return handle
