@@ -160,6 +160,7 @@ def barrier(timeout: Timeout = None) -> None:
     Raises:
         GatherTimeout: with a timeout, naming the ranks that did not arrive.
     """
+    valid_timeout(timeout)
     if not topology.is_distributed():
         return
     if timeout is None:

@@ -19,6 +19,7 @@ each time they are used.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import re
 
@@ -81,10 +82,10 @@ def _seconds_setting(name: str, default: float) -> float:
         seconds = float(text)
     except ValueError:
         seconds = 0.0
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:
         raise ValueError(
-            f"{name}={text!r} is not a positive number of seconds: set it to e.g. 600, "
-            f"or unset it for the default {default:g}"
+            f"{name}={text!r} is not a positive, finite number of seconds: set it to e.g. "
+            f"600, or unset it for the default {default:g}"
         )
     return seconds
 
@@ -161,7 +162,8 @@ def to_seconds(timeout: Timeout) -> float:
     """Seconds of a user timeout: a number, a timedelta, or None for the library default.
 
     Raises:
-        ValueError: the timeout is not positive or has the wrong type.
+        ValueError: the timeout is not a positive, finite number of seconds (NaN and
+            infinity included) or has the wrong type.
     """
     if timeout is None:
         return DEFAULT_TIMEOUT
@@ -174,6 +176,12 @@ def to_seconds(timeout: Timeout) -> float:
             f"timeout={timeout!r} is not valid: give seconds (a number), a "
             "datetime.timedelta, or None for the default"
         )
-    if seconds <= 0:
-        raise ValueError(f"timeout={timeout!r} must be positive (seconds)")
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if math.isinf(seconds):
+        raise ValueError(
+            f"timeout={timeout!r}: every gatherstore call has a deadline, so that a lost rank "
+            "cannot hang the job; give a finite number of seconds (e.g. 86400 for a day), "
+            "or None for the default (GATHERSTORE_TIMEOUT)"
+        )
     return seconds

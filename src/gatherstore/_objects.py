@@ -26,14 +26,15 @@ from . import _gloo as gloo
 from . import _serialize as serialize
 from . import _stream as stream_route
 from . import _topology as topology
-from ._call import AUTO_THRESHOLD, Call, confirm, failure, status
-from ._config import Timeout
+from ._call import AUTO_THRESHOLD, Call, confirm, failure, resolve, status
+from ._config import Timeout, to_seconds
 from ._parts import Parts, fetch, part_key
 from .stores.base import Store
 
 __all__ = [
     "AUTO_THRESHOLD",
     "all_gather_object",
+    "check_arguments",
     "broadcast_object",
     "gather_iter",
     "gather_object",
@@ -61,10 +62,36 @@ def own_copies(enabled: bool = True) -> Iterator[None]:
         _own_copies.reset(token)
 
 
-def _serial_check(dst: int, what: str) -> None:
-    world = topology.get_world_size()
-    if not 0 <= dst < world:
-        raise ValueError(f"{what}: dst={dst} is not a rank of this job (world size {world})")
+def check_arguments(
+    what: str,
+    store: str | Store | None,
+    timeout: Timeout,
+    *,
+    rank: tuple[str, int] | None = None,
+    progress: bool | None = None,
+    read_ahead: int | None = None,
+) -> None:
+    """Check a call's arguments the same way in one process as in many, before anything
+    is sent: a typo fails in the first run on a laptop, not hours later on a cluster.
+
+    The store spec is opened (its scheme and syntax checked; nothing is connected).
+
+    Raises:
+        ValueError: the argument named, with what it must be.
+        ImportError: the store needs a package that is not installed.
+    """
+    to_seconds(timeout)
+    resolve(store)
+    if rank is not None:
+        name, value = rank
+        world = topology.get_world_size()
+        if type(value) is not int or not 0 <= value < world:
+            raise ValueError(
+                f"{what}: {name}={value!r} is not a rank of this job (world size {world})"
+            )
+    if progress not in (None, True, False):
+        raise ValueError(f"{what}: progress={progress!r}: give True, False or None (automatic)")
+    config.read_ahead(read_ahead, 0)
 
 
 @control.serialized
@@ -86,10 +113,14 @@ def all_gather_object(
     ``gatherstore`` logger.
 
     Raises:
+        ValueError: a bad argument (an unknown store scheme or malformed URL, a timeout
+            that is not a positive, finite number of seconds, a ``dst`` outside the job),
+            raised in one process as in many, before anything is sent.
         RemoteRankError: another rank failed (e.g. its object cannot be pickled).
         GatherTimeout: ranks that did not arrive in time (named).
         StoreNotSharedError / StoreUnavailableError / IntegrityError: store problems.
     """
+    check_arguments("all_gather_object", store, timeout, progress=progress)
     if not topology.is_distributed():
         return [obj]
     call = Call("all_gather_object", store, timeout, progress)
@@ -145,7 +176,7 @@ def gather_object(
             memory (raised on every rank before any data moves).
         and the errors of :func:`all_gather_object`.
     """
-    _serial_check(dst, "gather_object")
+    check_arguments("gather_object", store, timeout, rank=("dst", dst), progress=progress)
     if not topology.is_distributed():
         return [obj]
     parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_object", progress=progress)
@@ -175,11 +206,13 @@ def gather_iter(
     of the free memory); a part larger than that is read when it is asked for.
 
     Raises:
-        ValueError: a ``dst`` outside the job or a negative ``read_ahead``.
+        ValueError: a negative ``read_ahead``, and the bad arguments of
+            :func:`all_gather_object`.
         and the errors of :func:`gather_object`.
     """
-    _serial_check(dst, "gather_iter")
-    config.read_ahead(read_ahead, 0)  # a bad value fails here, before anything is sent
+    check_arguments(
+        "gather_iter", store, timeout, rank=("dst", dst), progress=progress, read_ahead=read_ahead
+    )
     if not topology.is_distributed():
         return iter([obj])
     parts = gather_prepared(
@@ -248,7 +281,7 @@ def broadcast_object(
             available memory (raised on every rank before any data moves).
         and the errors of :func:`all_gather_object`.
     """
-    _serial_check(src, "broadcast_object")
+    check_arguments("broadcast_object", store, timeout, rank=("src", src))
     if not topology.is_distributed():
         return obj
     call = Call("broadcast_object", store, timeout, root=src)

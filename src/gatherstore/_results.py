@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from . import _control as control
 from ._config import Timeout
-from ._objects import gather_prepared
+from ._objects import check_arguments, gather_prepared
 from ._topology import is_distributed
 from .stores.base import Store
 
@@ -84,6 +84,7 @@ def collect_results(
         _check(results, indices, order)
         return (list(results), [int(i) for i in indices] if indices is not None else None)
 
+    check_arguments("collect_results", store, timeout, rank=("dst", dst), progress=progress)
     if not is_distributed():
         parts = [payload()]
     else:
