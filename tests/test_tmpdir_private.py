@@ -8,6 +8,7 @@ job's folder; the job is a real ``gs.launch`` job or the store's own job hooks.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -112,3 +113,28 @@ def test_a_swapped_job_folder_is_detected_and_never_used(shm: Path, other_user: 
         store.end_job(locator)
     assert sorted(p.name for p in base.iterdir()) == [Path(locator).name]  # theirs, alone
     assert Path(locator).stat().st_uid == other_user.uid
+
+
+def test_a_pickled_job_area_keeps_its_checks(shm: Path, other_user: OtherUser) -> None:
+    base = shm / "base"
+    base.mkdir(mode=0o755)
+    store = TmpdirStore(base)
+    locator = store.prepare_job("0123456789abcdef")
+    area = store.join_job(locator)
+    area.put("call-1/0", b"mine")
+    clone = pickle.loads(pickle.dumps(area))  # as a store travels to a worker process
+    assert bytes(clone.get("call-1/0") or b"") == b"mine"
+    assert clone.sign_parts == area.sign_parts
+    # the folder is replaced by another user's: an area unpickled now refuses it, as a rank
+    # that joins it does (a plain folder store would follow it)
+    base.chmod(0o777)
+    other_user.run("mv", locator, f"{base}/moved-away")
+    other_user.run("mkdir", "-m", "0777", locator)
+    base.chmod(0o755)
+    with pytest.raises(gs.StoreUnavailableError, match="is not the one this job created"):
+        pickle.loads(pickle.dumps(area))
+    # ... and so does one that a symlink points elsewhere
+    os.rmdir(locator)
+    os.symlink(f"{base}/moved-away", locator)
+    with pytest.raises(gs.StoreUnavailableError):
+        pickle.loads(pickle.dumps(area))

@@ -314,6 +314,14 @@ class FileStore(Store):
             store._dir()
         return store
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A job area pickles as its base and name: unpickled, it is joined again (see
+        :meth:`join_job`), with the no-symlink and ownership checks of its first opening."""
+        if self._area_of is None:
+            return super().__reduce__()
+        base, name = self._area_of
+        return (_rejoin, (base, name, self.sign_parts))
+
     def end_job(self, locator: str) -> None:
         """Remove the job folder ``locator`` (only a folder of this user's, named like a job
         folder, directly in this base; in the creating process only the very folder it
@@ -344,3 +352,10 @@ class FileStore(Store):
         )
         _logger.warning("%s", message)
         raise StoreUnavailableError(message, store=str(self))
+
+
+def _rejoin(base: FileStore, name: str, sign: bool) -> Store:
+    """The job area ``name`` of ``base``, opened as ``join_job`` opens it."""
+    area = base.join_job(str(base.root / name))
+    area.sign_parts = sign
+    return area
