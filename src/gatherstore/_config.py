@@ -25,6 +25,7 @@ import re
 
 __all__ = [
     "AUTO_THRESHOLD",
+    "SHM",
     "DEFAULT_READ_AHEAD",
     "DEFAULT_TIMEOUT",
     "STREAM_CHUNK",
@@ -89,6 +90,9 @@ def _seconds_setting(name: str, default: float) -> float:
         )
     return seconds
 
+
+#: The node's shared memory (RAM), where ``tmpdir`` keeps its job folders when it can.
+SHM = "/dev/shm"
 
 #: Seconds a collective waits by default (``GATHERSTORE_TIMEOUT`` overrides it).
 DEFAULT_TIMEOUT = _seconds_setting("GATHERSTORE_TIMEOUT", 1800.0)

@@ -27,6 +27,7 @@ from . import _control as control
 from . import _world as world
 from ._config import DEFAULT_TIMEOUT
 from ._errors import GatherError, GatherTimeout, RemoteRankError
+from .stores.deadline import Deadline
 
 __all__ = [
     "GRACE",
@@ -123,7 +124,7 @@ def broadcast_op(tensor: torch.Tensor, src: int) -> Start:
     return start
 
 
-def transfer(start: Start, *, what: str, deadline: float, timeout: float) -> None:
+def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
     """Run one gloo op (:func:`all_gather_op`, ...) until it ends, by ``deadline`` at the latest.
 
     Raises:
@@ -134,31 +135,31 @@ def transfer(start: Start, *, what: str, deadline: float, timeout: float) -> Non
     """
     error = ""
     try:
-        left = max(deadline - time.monotonic(), 0.001)
+        left = max(deadline.ends - time.monotonic(), 0.001)
         work = start(group(), _dt.timedelta(seconds=left))
         pause = 0.0002
-        while not work.is_completed() and time.monotonic() < deadline + GRACE:
+        while not work.is_completed() and time.monotonic() < deadline.ends + GRACE:
             time.sleep(pause)  # in Python, not in C++: signals are handled meanwhile
             pause = min(pause * 2, _POLL_MAX)
         if not work.is_completed():
-            error = f"the transfer did not finish within {timeout:g} s"
+            error = f"the transfer did not finish within {deadline.timeout:g} s"
         else:
             work.wait()
     except RuntimeError as exc:  # gloo: e.g. "Connection closed by peer", "Timed out"
-        late = time.monotonic() >= deadline
+        late = deadline.passed()
         error = (
-            f"the transfer did not finish within {timeout:g} s"
+            f"the transfer did not finish within {deadline.timeout:g} s"
             if late
             else f"the transfer failed: {str(exc).splitlines()[0]}"
         )
     if error:
         mark_broken(what, error)
-    remaining = max(deadline - time.monotonic(), 0.0) + GRACE
+    remaining = max(deadline.ends - time.monotonic(), 0.0) + GRACE
     try:
         reports = control.exchange(error.encode(), timeout=remaining, what=f"{what} (transfer)")
     except GatherTimeout as exc:
         note = f"; {_HOW_ON}" if error else ""
-        raise GatherTimeout(f"{exc}{note}", ranks=exc.ranks, timeout=timeout) from None
+        raise GatherTimeout(f"{exc}{note}", ranks=exc.ranks, timeout=deadline.timeout) from None
     failed = [r for r, report in enumerate(reports) if report]
     if failed and not error:
         raise RemoteRankError(failed[0], reports[failed[0]].decode(), ranks=failed, context=what)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _control as control
+from .stores.deadline import Deadline
 
 __all__ = ["RELEASE_GRACE", "Halt"]
 
@@ -36,12 +37,12 @@ class Halt:
     waits fail at once, and they read the reason instead.
     """
 
-    def __init__(self, call_id: int, *, deadline: float, what: str) -> None:
+    def __init__(self, call_id: int, *, deadline: Deadline, what: str) -> None:
         self.prefix = f"stream/{call_id}/"
         self.store, self.deadline, self.what = control.store(), deadline, what
 
     def _run(self, fn: Callable[[], Any]) -> Any:
-        left = max(self.deadline - time.monotonic(), 0.0) + RELEASE_GRACE
+        left = max(self.deadline.ends - time.monotonic(), 0.0) + RELEASE_GRACE
         return control.bounded(fn, left, self.what)
 
     def claim(self, rank: int) -> bool:

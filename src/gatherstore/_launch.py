@@ -25,9 +25,9 @@ from . import _signals as signals
 from . import _slurm as slurm
 from . import _topology as topology
 from . import _world as world
-from ._call import resolve
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
+from ._specs import resolve
 from .stores.base import Store
 from .stores.registry import default_store
 

@@ -1,42 +1,23 @@
-"""How much memory a gather may use on this node, and how much a route needs.
+"""How much memory this process may still use: the node's, capped by its memory cgroups.
 
-The kernel kills a process that outgrows its memory cgroup, and /dev/shm
-holds its files in the same RAM, so before any data moves every rank reports
-its node's headroom (``MemAvailable``, capped by every enclosing cgroup's
-limit minus its usage, v1 and v2) and the free space of /dev/shm; one rank
-computes each route's per-node shortfalls (:func:`shortfalls`) for all, and
-every rank raises :class:`~gatherstore.InsufficientMemoryError` together
-(:func:`check`) when the chosen route does not fit.
+The kernel kills a process that outgrows its memory cgroup, and /dev/shm holds
+its files in the same RAM.  The headroom is ``MemAvailable``, capped by every
+enclosing cgroup's limit minus its usage (v1 and v2, less the page cache the
+kernel drops first); the free space of /dev/shm is reported beside it.  What a
+route needs of it is :mod:`gatherstore._fit`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from ._errors import InsufficientMemoryError
-from .stores.base import Store
-from .stores.tmpdir import SHM, TmpdirStore
+from ._config import SHM
 
-__all__ = [
-    "NEEDS",
-    "NodeNeed",
-    "check",
-    "headroom",
-    "in_ram",
-    "route_need",
-    "route_of",
-    "shm_free",
-    "shortfalls",
-]
+__all__ = ["cgroup_headroom", "headroom", "mem_available", "shm_free"]
 
-#: The kinds of memory need a route has (see :func:`route_need`): not the routes a
-#: user picks (``stores.registry.ROUTES``), but how each moves parts.
-NEEDS = ("collective", "shm", "store")
 _UNLIMITED = 1 << 62
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -124,132 +105,3 @@ def shm_free() -> int:
             stat = os.statvfs(SHM)
             return stat.f_bavail * stat.f_frsize
     return 0
-
-
-@dataclass(frozen=True)
-class NodeNeed:
-    """What one route needs on one node: RAM (``shm`` included) and /dev/shm space."""
-
-    ram: int
-    shm: int
-
-
-def route_need(
-    route: str,
-    sizes: Sequence[int],
-    receivers: Sequence[int],
-    ranks: Sequence[int],
-    *,
-    all_receive: bool,
-    rebuilt: Sequence[int] = (),
-    windows: Sequence[int] = (),
-    streamed: bool = False,
-) -> NodeNeed:
-    """Bytes the ``ranks`` of one node allocate for a gather of parts ``sizes``.
-
-    ``route`` is ``"collective"``, ``"shm"`` (a store whose files live in this
-    node's RAM) or ``"store"`` (any other store).  ``receivers`` read parts;
-    ``all_receive`` marks an all-gather (parts stay until every rank has read
-    them); ``streamed`` a ``gather_iter``, whose receiver holds one part at a time.
-    ``rebuilt`` is what unpickling each rank's part allocates besides the part
-    (see :mod:`gatherstore._sizing`): every receiver rebuilds every other part.
-    ``windows`` is each rank's read-ahead budget in bytes.
-
-    The collective route gives every receiver ``W`` slots of the largest part
-    (plus a send buffer in an all-gather) and every sender one padded part.  A
-    store route gives each receiver a private copy of what it reads (streamed: one
-    part at a time, plus its read-ahead budget); on /dev/shm the written parts
-    take RAM too, which a gather frees as it reads (the copies replace them) and an
-    all-gather does not.
-    """
-    world, largest, total = len(sizes), max(sizes, default=0), sum(sizes)
-    built = list(rebuilt) or [0] * world
-    window = list(windows) or [0] * world
-    receiving = set(receivers)
-    mine = [r for r in ranks if r in receiving]
-    objects = sum(sum(built) - built[r] for r in mine)
-    if route == "collective":
-        ram = sum(largest * (world + all_receive) for _ in mine) + objects
-        ram += sum(largest for r in ranks if r not in receiving and sizes[r])
-        return NodeNeed(ram, 0)
-    if streamed:  # the consumer's part, rebuilt, and the read-ahead budget
-        reads = sum(largest + max(built) + window[r] for r in mine)
-    else:  # every part is returned: what is read ahead is part of that
-        reads = sum(total - sizes[r] for r in mine) + objects
-    if route != "shm":
-        return NodeNeed(reads, 0)
-    written = sum(sizes[r] for r in ranks)
-    return NodeNeed(written + reads if all_receive else max(written, reads), written)
-
-
-def route_of(target: Store | str) -> str:
-    """The kind of route (one of :data:`NEEDS`) ``target`` is, for its memory need."""
-    return "collective" if target == "collective" else "shm" if in_ram(target) else "store"
-
-
-def in_ram(store: Store | str) -> bool:
-    """Whether ``store`` keeps its values in this node's RAM (a tmpdir on /dev/shm)."""
-    shm = Path(SHM)
-    return isinstance(store, TmpdirStore) and (store.root == shm or shm in store.root.parents)
-
-
-def shortfalls(
-    route: str,
-    statuses: Sequence[Any],
-    sizes: Sequence[int],
-    receivers: Sequence[int],
-    *,
-    streamed: bool = False,
-) -> list[str]:
-    """Per node that lacks room for ``route``: what it needs there and what it has.
-
-    ``statuses`` are every rank's reports (``avail``, ``shm``, ``node``, ``rebuilt``,
-    ``window``); the ranks of one node share its memory, so their needs add up.
-    """
-    nodes: dict[str, list[int]] = {}
-    for rank, status in enumerate(statuses):
-        nodes.setdefault(status["node"], []).append(rank)
-    rebuilt = [int(status.get("rebuilt", 0)) for status in statuses]
-    windows = [int(status.get("window", 0)) for status in statuses]
-    out = []
-    for node, ranks in nodes.items():
-        need = route_need(
-            route,
-            sizes,
-            receivers,
-            ranks,
-            all_receive=len(receivers) > 1,
-            rebuilt=rebuilt,
-            windows=windows,
-            streamed=streamed,
-        )
-        room = min(int(statuses[r]["avail"]) for r in ranks)
-        shm = min(int(statuses[r]["shm"]) for r in ranks)
-        if need.ram > room or need.shm > shm:
-            out.append(
-                f"ranks {ranks} on {node} need {need.ram / 2**30:.2f} GiB of memory"
-                + (f" ({need.shm / 2**30:.2f} GiB in {SHM})" if need.shm else "")
-                + f" and have {room / 2**30:.2f} GiB"
-                + (f" ({shm / 2**30:.2f} GiB free in {SHM})" if need.shm else "")
-            )
-    return out
-
-
-def check(what: str, target: Store | str, total: int, short: dict[str, list[str]]) -> None:
-    """Raise on every rank alike when ``target`` would outgrow a node's memory.
-
-    ``short`` maps each of :data:`NEEDS` to its :func:`shortfalls` (computed once,
-    on one rank, and the same everywhere); ``total`` is the bytes gathered.
-
-    Raises:
-        InsufficientMemoryError: names the nodes, what they need and what they have.
-    """
-    found = short[route_of(target)]
-    if found:
-        raise InsufficientMemoryError(
-            f"{what} of {total / 2**30:.2f} GiB over {target} would not fit: "
-            f"{'; '.join(found)} (free memory, capped by the memory cgroup; the need counts "
-            "what unpickling the parts allocates, not only their bytes). Use "
-            "gs.gather_iter (one part in memory at a time), gather less per call, or raise "
-            "the job's memory limit"
-        )

@@ -1,16 +1,10 @@
-"""Object collectives, routed over the process group or through a store.
+"""The object collectives: every rank's object, routed over the process group or a store.
 
-The shape of every call (see DESIGN.md, "How an object gather works"):
-
-1. each rank serialises its object; a failure is recorded, not raised;
-2. one control exchange shares (status, size, free memory) of every rank: if
-   any rank failed, every rank raises — nobody hangs;
-3. the route: "collective" sends pickled bytes over gatherstore's gloo group,
-   a store takes the parts as files/keys; "auto" picks by total size;
-4. each rank writes its part under a key unique to (job, call, rank), and a
-   second exchange confirms every write;
-5. readers read parts in rank order, verify them, and delete them; cleanup
-   runs on error paths too.
+Each public call checks its arguments (the same way in one process as in many),
+agrees on a plan with every rank (:meth:`gatherstore._call.Call.agree`: each rank's
+object is built and encoded, a failure on any rank raises on every rank, sizes and
+free memory are exchanged, the route is settled and checked to fit), then hands the
+plan to its route (:mod:`gatherstore._routes`), which moves the parts.
 """
 
 from __future__ import annotations
@@ -22,13 +16,10 @@ from typing import Any
 
 from . import _config as config
 from . import _control as control
-from . import _gloo as gloo
-from . import _serialize as serialize
-from . import _stream as stream_route
 from . import _topology as topology
-from ._call import AUTO_THRESHOLD, Call, confirm, failure, resolve, status
-from ._config import Timeout, to_seconds
-from ._parts import Parts, fetch, part_key
+from ._call import Call
+from ._config import AUTO_THRESHOLD, Timeout, to_seconds
+from ._specs import resolve
 from .stores.base import Store
 
 __all__ = [
@@ -124,36 +115,8 @@ def all_gather_object(
     if not topology.is_distributed():
         return [obj]
     call = Call("all_gather_object", store, timeout, progress)
-    everyone = list(range(call.world))
-    sizes = call.agree(lambda: obj, everyone, copy_own=_own_copies.get())
-    if call.target == "collective":
-        slots = call.collective_all(sizes)
-        call.finish()
-        return [
-            call.own if r == call.rank else call.decode_slot(s, sizes[r], r)
-            for r, s in enumerate(slots)
-        ]
-    if call.target == "stream":
-        everything = stream_route.all_from(call)
-        call.finish()
-        return everything
-    session, prefix = call.write(everyone)
-    error: BaseException | None = None
-    out: list[Any] = []
-    mine = status(True)
-    try:
-        try:
-            # every part is returned: reading them all at once takes no more memory
-            reader = Parts(
-                call, session, prefix, call.rank, call.own, budget=call.total, delete=False
-            )
-            out = list(reader)
-        except Exception as exc:
-            error, mine = exc, failure(exc)
-        confirm(mine, timeout=call.left(), what="all_gather_object (read)", error=error)
-    finally:
-        call.tidy(session, part_key(prefix, call.rank))
-    return out
+    plan = call.agree(lambda: obj, range(call.world), copy_own=_own_copies.get())
+    return plan.route.all_gather(call, plan)
 
 
 @control.serialized
@@ -241,30 +204,9 @@ def gather_prepared(
     """The gather behind the public calls: ``prepare()`` builds each rank's object,
     and its exceptions are reported to every rank instead of raised alone."""
     call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, streamed=stream)
-    others = [r for r in range(call.world) if r != dst]
     copy_own = _own_copies.get() and call.rank == dst
-    sizes = call.agree(prepare, [dst], send=call.rank != dst, full=[dst], copy_own=copy_own)
-    obj = call.own
-    if call.target == "collective":
-        slots = call.collective_to(dst, sizes)
-        call.finish()
-        if slots is None:
-            return None
-        return iter(
-            [obj if r == dst else call.decode_slot(s, sizes[r], r) for r, s in enumerate(slots)]
-        )
-    if call.target == "stream":
-        streamed = stream_route.gather_to(call, dst)
-        return streamed if stream or streamed is None else iter(list(streamed))
-    session, prefix = call.write(others)
-    if call.rank != dst:
-        call.finish()
-        return None
-    # a gather_object returns every part: it may read them all at once; a gather_iter keeps
-    # what its consumer holds plus the read-ahead budget
-    budget = call.budget if stream else call.total
-    parts = Parts(call, session, prefix, dst, obj, budget=budget, lazy=stream)
-    return parts if stream else iter(list(parts))
+    plan = call.agree(prepare, [dst], send=call.rank != dst, full=[dst], copy_own=copy_own)
+    return plan.route.gather(call, plan, dst, stream=stream)
 
 
 @control.serialized
@@ -286,29 +228,5 @@ def broadcast_object(
         return obj
     call = Call("broadcast_object", store, timeout, root=src)
     receivers = [r for r in range(call.world) if r != src]
-    sizes = call.agree(lambda: obj, receivers, send=call.rank == src, full=())
-    if call.target == "collective":
-        buf = call.packed(sizes[src])
-        call.transfer(gloo.broadcast_op(buf, src))
-        call.finish()
-        return obj if call.rank == src else call.decode_slot(buf, sizes[src], src)
-    if call.target == "stream":
-        out = stream_route.part_from(call, src)
-        call.finish()
-        return out
-    session, prefix = call.write([src])
-    error: BaseException | None = None
-    mine = status(True)
-    out = obj
-    try:
-        if call.rank != src:
-            out = serialize.load(fetch(call, session, prefix, src))
-    except Exception as exc:
-        error, mine = exc, failure(exc)
-    try:
-        confirm(mine, timeout=call.left(), what="broadcast_object (read)", error=error)
-    finally:
-        if call.rank == src:
-            call.tidy(session, part_key(prefix, src))
-    call.finish()
-    return out
+    plan = call.agree(lambda: obj, receivers, send=call.rank == src, full=())
+    return plan.route.broadcast(call, plan, src)

@@ -17,7 +17,6 @@ removal and ``gatherstore gc``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from ._errors import GatherError, IntegrityError
 from ._progress import Progress, wanted
 from ._session import JobSession
 from .stores.base import Store
-from .stores.deadline import END_JOB_TIMEOUT, deadline
+from .stores.deadline import END_JOB_TIMEOUT, Deadline, deadline
 
 __all__ = ["IN_FLIGHT", "Parts", "Reading", "binding", "fetch", "fetch_many", "part_key"]
 
@@ -47,12 +46,20 @@ class Reading(Protocol):
 
     what: str
     rank: int
-    sizes: list[int]
     progress: bool | None
-
-    def deadline(self, *, fresh: bool = False) -> contextlib.AbstractContextManager[None]: ...
+    deadline: Deadline
 
     def finish(self) -> None: ...
+
+
+class Planned(Protocol):
+    """What a reader needs of its call's plan (:class:`gatherstore._plan.Plan` is one)."""
+
+    @property
+    def sizes(self) -> tuple[int, ...]: ...
+
+    @property
+    def own(self) -> Any: ...
 
 
 def part_key(prefix: str, rank: int) -> str:
@@ -68,7 +75,8 @@ def binding(session: JobSession, prefix: str, rank: int) -> bytes:
 def fetch(
     call: Reading, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
 ) -> serialize.Verified:
-    """Read and verify one part; ``fresh`` as in the call's ``deadline``.
+    """Read and verify one part; ``fresh``: within the call's whole timeout (see
+    :meth:`Deadline.for_store`).
 
     Raises:
         IntegrityError: the part is damaged, planted or replayed; names ``rank``.
@@ -91,7 +99,7 @@ def fetch_many(
     """
     keys = [part_key(prefix, rank) for rank in ranks]
     try:
-        with call.deadline(fresh=fresh):
+        with call.deadline.for_store(whole=fresh):
             raws = session.store.get_many(keys)
     except IntegrityError as exc:
         if len(ranks) > 1:  # which one: read them one at a time
@@ -118,7 +126,8 @@ def fetch_many(
 
 
 class Parts(Iterator[Any]):
-    """A reader's view of a stored gather, in rank order, ``own`` in place of its own part.
+    """A reader's view of a stored gather, in rank order, the plan's ``own`` object in
+    place of its own part.
 
     ``budget`` bounds the bytes of the parts read ahead of the one the consumer
     asks for, ``in_flight`` how many parts are requested at once (in two batches,
@@ -131,10 +140,10 @@ class Parts(Iterator[Any]):
     def __init__(
         self,
         call: Reading,
+        plan: Planned,
         session: JobSession,
         prefix: str,
         own_rank: int,
-        own: Any,
         *,
         budget: int,
         delete: bool = True,
@@ -142,8 +151,8 @@ class Parts(Iterator[Any]):
         in_flight: int = IN_FLIGHT,
     ) -> None:
         self.call, self.session, self.prefix = call, session, prefix
-        self.own_rank, self.own, self.delete, self.lazy = own_rank, own, delete, lazy
-        self.budget, self.sizes, self.in_flight = budget, call.sizes, in_flight
+        self.own_rank, self.own, self.delete, self.lazy = own_rank, plan.own, delete, lazy
+        self.budget, self.sizes, self.in_flight = budget, plan.sizes, in_flight
         self.batch = max(in_flight // _BATCHES, 1)
         self.todo = [r for r in range(len(self.sizes)) if r != own_rank]
         self.next_rank = 0
@@ -217,7 +226,7 @@ class Parts(Iterator[Any]):
         self.next_rank += 1
         if rank == self.own_rank:
             return self.own
-        with self.call.deadline(fresh=self.lazy):  # the clean-up after a failure too
+        with self.call.deadline.for_store(whole=self.lazy):  # the clean-up after a failure too
             try:
                 self._read_ahead(asked=rank)
                 future, place = self.requested.pop(rank)
@@ -252,7 +261,7 @@ class Parts(Iterator[Any]):
             self.deletes.append((self.deleter.submit(self._delete_read, keys), keys))
 
     def _delete_read(self, keys: list[str]) -> None:
-        with self.call.deadline(fresh=self.lazy):
+        with self.call.deadline.for_store(whole=self.lazy):
             self.session.store.discard_many(keys)
 
     def close(self) -> None:

@@ -33,15 +33,10 @@ from . import _gloo as gloo
 from . import _heartbeat as heartbeat
 from . import _published as publication
 from . import _signals as signals
-from ._errors import (
-    GatherError,
-    GatherTimeout,
-    RemoteRankError,
-    StoreNotSharedError,
-    StoreUnavailableError,
-)
+from ._errors import GatherError, GatherTimeout, RemoteRankError, StoreNotSharedError
+from ._report import failure, raise_failures, status
 from .stores.base import Store
-from .stores.deadline import deadline
+from .stores.deadline import Deadline
 
 __all__ = [
     "MARKER",
@@ -61,8 +56,6 @@ MARKER = "marker"
 # filesystem may lag by seconds, but a store that is not shared must fail fast
 _VISIBILITY_WAIT = (2.0, 10.0)
 _RETRY_PAUSE = 0.1  # between lookups that failed with a store error
-_REPORT_TIME = 2.0  # seconds of the set-up kept for telling the others that rank 0 failed
-_MIN_WAIT = 0.05  # the shortest wait an exchange gets (a c10d wait of 0 means "forever")
 
 
 @dataclass
@@ -105,33 +98,22 @@ def session_for(store: Store, timeout: float) -> JobSession:
         heartbeat.on_call(cached.locator)  # rank 0 shows gc the job is alive
         return cached
     rank = dist.get_rank()
-    ends = time.monotonic() + timeout
-
-    def left() -> float:
-        return max(ends - time.monotonic(), _MIN_WAIT)
-
-    answer: dict[str, str] = {}
+    limit = Deadline.start(timeout)
+    answer, error = status(True), None
     if rank == 0:
         try:
-            with deadline(timeout - min(timeout / 4, _REPORT_TIME)):
-                job_id, answer["locator"] = create_area(store)
-                heartbeat.start(answer["locator"], store.join_job(answer["locator"]), job_id)
+            with limit.for_store():
+                job_id, locator = create_area(store)
+                heartbeat.start(locator, store.join_job(locator), job_id)
+            answer = status(True, locator=locator)
         except Exception as exc:
-            answer["error"] = f"{type(exc).__name__}: {exc}"
-            answer["kind"] = type(exc).__name__
-    reply = json.loads(
-        control.exchange(json.dumps(answer).encode(), timeout=left(), what="store setup")[0]
-    )
-    if reply.get("kind") == "StoreUnavailableError":
-        raise StoreUnavailableError(
-            f"setting up store {store}: rank 0 cannot use it: {reply['error']}", store=str(store)
-        )
-    if "error" in reply:
-        raise RemoteRankError(0, reply["error"], context=f"setting up store {store}")
+            answer, error = failure(exc), exc
+    reply = json.loads(control.exchange(answer, timeout=limit.left(), what="store setup")[0])
+    raise_failures([reply], f"setting up store {store}", error)
     job = store.join_job(reply["locator"])
     session = JobSession(store, reply["locator"], job, None)
     missed = "" if rank == 0 else _misses_marker(job, timeout)
-    flags = control.exchange(missed.encode(), timeout=left(), what="store check")
+    flags = control.exchange(missed.encode(), timeout=limit.left(), what="store check")
     blind = [r for r, flag in enumerate(flags) if flag]
     if blind:
         if rank == 0:
@@ -146,7 +128,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
             store=str(store),
         )
     if job.sign_parts:
-        session.key = _shared_key(ends, timeout)
+        session.key = _shared_key(limit)
     _sessions["by_store"][store] = session
     # a stopped job removes its areas (where the program has no handler); gs.launch and
     # init_from_env installed this already, here it covers groups the program created
@@ -180,28 +162,23 @@ def _misses_marker(job: Store, timeout: float) -> str:
     """
     shortest, longest = _VISIBILITY_WAIT
     wait = min(max(shortest, timeout / 6), longest, timeout)
-    deadline = time.monotonic() + wait
+    looking = Deadline.start(wait)
     while True:
         try:
-            job.wait([MARKER], max(0.0, deadline - time.monotonic()))
+            job.wait([MARKER], max(0.0, looking.ends - time.monotonic()))
             return ""
         except GatherTimeout:
             return f"no job marker within {wait:g} s"
         except Exception as exc:
-            if time.monotonic() >= deadline:
+            if looking.passed():
                 return f"{type(exc).__name__}: {exc}"[:200]
             time.sleep(_RETRY_PAUSE)
 
 
-def _shared_key(ends: float, timeout: float) -> bytes:
-    """32 random bytes from rank 0, broadcast over the gloo control group by ``ends``."""
+def _shared_key(limit: Deadline) -> bytes:
+    """32 random bytes from rank 0, broadcast over the gloo control group within ``limit``."""
     buf = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
-    gloo.transfer(
-        gloo.broadcast_op(buf, 0),
-        what="store setup (signing key)",
-        deadline=ends,
-        timeout=timeout,
-    )
+    gloo.transfer(gloo.broadcast_op(buf, 0), what="store setup (signing key)", deadline=limit)
     return bytes(buf.numpy())
 
 

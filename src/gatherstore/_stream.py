@@ -42,16 +42,17 @@ from . import _serialize as serialize
 from ._errors import GatherError, GatherTimeout, RemoteRankError
 from ._halt import RELEASE_GRACE, Halt
 from ._progress import Progress, wanted
+from ._routes import Route
+from .stores.deadline import Deadline
 
 if TYPE_CHECKING:
     from ._call import Call
+    from ._plan import Plan
 
 __all__ = [
     "CHUNK",
-    "all_from",
+    "StreamRoute",
     "broadcast_chunked",
-    "part_from",
-    "gather_to",
     "receive",
     "send",
 ]
@@ -65,9 +66,7 @@ def chunk_count(size: int) -> int:
     return -(-size // CHUNK)
 
 
-def _wait(
-    post: Callable[[], Any], peer: int, deadline: float, what: str, timeout: float, late: str
-) -> None:
+def _wait(post: Callable[[], Any], peer: int, deadline: Deadline, what: str, late: str) -> None:
     """Post one point-to-point op and wait for it until ``deadline``.
 
     Raises:
@@ -77,18 +76,19 @@ def _wait(
     error = "timed out"
     try:
         work = post()
-        left = deadline - time.monotonic()
+        left = deadline.ends - time.monotonic()
         if left > 0 and work.wait(timeout=_dt.timedelta(seconds=left)):
             return
     except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out ..."
-        if time.monotonic() < deadline and "timed out" not in str(exc).lower():
+        if not deadline.passed() and "timed out" not in str(exc).lower():
             error = str(exc).splitlines()[0]
     how_on = gloo.mark_broken(what, f"rank {peer} {late}")
     if error == "timed out":
         raise GatherTimeout(
-            f"{what}: rank {peer} {late} within {timeout:g} s; it is busy, stuck or gone; {how_on}",
+            f"{what}: rank {peer} {late} within {deadline.timeout:g} s; it is busy, stuck or "
+            f"gone; {how_on}",
             ranks=[peer],
-            timeout=timeout,
+            timeout=deadline.timeout,
         ) from None
     raise RemoteRankError(
         peer, f"its connection closed mid-transfer ({error}); {how_on}", context=what
@@ -129,9 +129,8 @@ def send(
     group: Any,
     halt: Halt,
     *,
-    deadline: float,
+    deadline: Deadline,
     what: str,
-    timeout: float,
 ) -> dict[str, Any] | None:
     """Send the ``size`` bytes of ``segments`` to ``dst``, chunk by chunk.
 
@@ -150,7 +149,7 @@ def send(
         late = f"did not take the part of rank {rank}"
         post = functools.partial(dist.isend, chunk, dst, group=group)
         try:
-            _wait(post, dst, deadline + RELEASE_GRACE, what, timeout, late)
+            _wait(post, dst, deadline.later(RELEASE_GRACE), what, late)
         except GatherError:
             reason = halt.reason(rank, wait=RELEASE_GRACE)
             if reason is None:
@@ -161,7 +160,9 @@ def send(
     return None
 
 
-def receive(size: int, rank: int, group: Any, taken: dict[int, int], **limits: Any) -> bytearray:
+def receive(
+    size: int, rank: int, group: Any, taken: dict[int, int], *, deadline: Deadline, what: str
+) -> bytearray:
     """``rank``'s part of ``size`` bytes, received chunk by chunk in place (``taken``
     counts the chunks in).
 
@@ -172,7 +173,8 @@ def receive(size: int, rank: int, group: Any, taken: dict[int, int], **limits: A
     part = bytearray(size)
     late = "did not stream its part of the call"
     for piece in _into(part):
-        _wait(functools.partial(dist.irecv, piece, rank, group=group), rank, **limits, late=late)
+        post = functools.partial(dist.irecv, piece, rank, group=group)
+        _wait(post, rank, deadline, what, late)
         taken[rank] += 1
     return part
 
@@ -183,9 +185,8 @@ def broadcast_chunked(
     src: int,
     group: Any,
     *,
-    deadline: float,
+    deadline: Deadline,
     what: str,
-    timeout: float,
 ) -> bytearray | None:
     """``src``'s part on every rank, chunk by chunk: ``src`` passes its ``segments`` and
     gets None; the others get the ``size`` bytes, received in place.
@@ -198,37 +199,73 @@ def broadcast_chunked(
     late = "did not stream its part of the call"
     for piece in pieces:
         post = functools.partial(dist.broadcast, piece, src, group=group, async_op=True)
-        _wait(post, src, deadline, what, timeout, late)
+        _wait(post, src, deadline, what, late)
     return part
 
 
-# --- one object collective's use of the route ------------------------------------------
+# --- the route ------------------------------------------------------------------------------
 def _limits(call: Call) -> dict[str, Any]:
-    return {"deadline": call.ends_at, "what": call.what, "timeout": call.timeout}
+    return {"deadline": call.deadline, "what": call.what}
 
 
 def _segments(call: Call) -> list[memoryview]:
-    return [] if call.frame is None else call.frame.seal(None).segments
+    frame = call.take_frame()
+    return [] if frame is None else frame.seal(None).segments
 
 
-def gather_to(call: Call, dst: int) -> Iterator[Any] | None:
-    """Send this rank's part to ``dst``; on ``dst``, every part in rank order as it
-    arrives (its own object in place).
+class StreamRoute(Route):
+    """Parts point to point in chunks over gatherstore's gloo group (see the module)."""
 
-    Raises:
-        GatherTimeout / RemoteRankError: a rank that stalled or died, named; on a
-            sender also the destination's reason for stopping early.
-    """
-    group = gloo.group()
-    halt = Halt(control.step(), deadline=call.ends_at, what=call.what)
-    if call.rank == dst:
-        return _gathered(call, dst, group, halt)
-    reason = send(_segments(call), call.sizes[call.rank], dst, group, halt, **_limits(call))
-    call.frame = None
-    call.finish()
-    if reason is not None and reason["kind"] != "closed":
-        raise _halted(reason, dst, call)
-    return None
+    need = "store"  # the destination holds what it returns; a sender its part and a chunk
+
+    def __str__(self) -> str:
+        return "stream"
+
+    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+        """Send this rank's part to ``dst``; on ``dst``, every part in rank order as it
+        arrives (its own object in place).
+
+        Raises:
+            GatherTimeout / RemoteRankError: a rank that stalled or died, named; on a
+                sender also the destination's reason for stopping early.
+        """
+        group = gloo.group()
+        halt = Halt(control.step(), deadline=call.deadline, what=call.what)
+        if call.rank == dst:
+            parts = _gathered(call, plan, dst, group, halt)
+            return parts if stream else iter(list(parts))
+        reason = send(_segments(call), plan.sizes[call.rank], dst, group, halt, **_limits(call))
+        call.finish()
+        if reason is not None and reason["kind"] != "closed":
+            raise _halted(reason, dst, call)
+        return None
+
+    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
+        out = _part_from(call, plan, src)
+        call.finish()
+        return out
+
+    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
+        """Every rank's part on every rank, one broadcast per rank.
+
+        A part that cannot be rebuilt here does not stop this rank from taking part in
+        the broadcasts after it (the others would wait for it): its error is raised
+        once they are done.
+        """
+        out: list[Any] = []
+        failed: GatherError | None = None
+        segments = _segments(call)
+        for src in range(call.world):
+            try:
+                out.append(_part_from(call, plan, src, segments))
+            except GatherError as exc:
+                if isinstance(exc, (GatherTimeout, RemoteRankError)):  # the transfer failed
+                    raise
+                failed = failed or exc
+        call.finish()
+        if failed is not None:
+            raise failed
+        return out
 
 
 def _halted(reason: dict[str, Any], dst: int, call: Call) -> GatherError:
@@ -237,13 +274,13 @@ def _halted(reason: dict[str, Any], dst: int, call: Call) -> GatherError:
         return GatherTimeout(
             f"{call.what}: rank {dst} stopped the gather: {reason['message']}",
             ranks=reason["ranks"],
-            timeout=call.timeout,
+            timeout=call.deadline.timeout,
         )
     return RemoteRankError(reason["rank"], reason["message"], context=call.what)
 
 
-def _gathered(call: Call, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
-    incoming = call.total - call.sizes[dst]
+def _gathered(call: Call, plan: Plan, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
+    incoming = plan.total - plan.sizes[dst]
     progress = Progress(
         call.what, call.world - 1, incoming, enabled=wanted(call.progress, incoming)
     )
@@ -252,9 +289,9 @@ def _gathered(call: Call, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
     try:
         for rank in range(call.world):
             if rank == dst:
-                yield call.own
+                yield plan.own
                 continue
-            part = receive(call.sizes[rank], rank, group, taken, **_limits(call))
+            part = receive(plan.sizes[rank], rank, group, taken, **_limits(call))
             progress.update(len(part))
             yield serialize.decode(memoryview(part), rank=rank, where=call.what)
     except GeneratorExit:
@@ -273,12 +310,12 @@ def _gathered(call: Call, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
     finally:
         progress.close()
         if reason is not None:
-            _release(call, group, halt, reason, taken)
+            _release(call, plan, group, halt, reason, taken)
         call.finish()
 
 
 def _release(
-    call: Call, group: Any, halt: Halt, reason: dict[str, Any], taken: dict[int, int]
+    call: Call, plan: Plan, group: Any, halt: Halt, reason: dict[str, Any], taken: dict[int, int]
 ) -> None:
     """Stop the senders whose parts were not taken whole, and take the chunk each has
     in flight, so that they return at once and the group stays in step.
@@ -286,61 +323,45 @@ def _release(
     A sender that stalled or died (named in ``reason``) is told too, should it wake,
     but its chunk is not taken: the group is broken already.
     """
+    sizes = plan.sizes
     named = set(reason.get("ranks", ()))
     unfinished = {
-        r: chunk_count(call.sizes[r])
+        r: chunk_count(sizes[r])
         for r in range(call.world)
-        if r != call.rank and taken[r] < chunk_count(call.sizes[r])
+        if r != call.rank and taken[r] < chunk_count(sizes[r])
     }
     try:
         posted = halt.stop(reason, unfinished)
         if reason["kind"] == "timeout":  # gloo closed every connection of this rank
             return
-        scratch = torch.empty(min(CHUNK, max(call.sizes, default=0)), dtype=torch.uint8)
-        deadline = max(call.ends_at, time.monotonic() + RELEASE_GRACE)
+        scratch = torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
+        ends = max(call.deadline.ends, time.monotonic() + RELEASE_GRACE)
+        deadline = Deadline(call.deadline.timeout, ends)
         for rank, count in posted.items():
             if rank in named:  # it died, or its chunk is awaited already: the group is broken
                 continue
             for _ in range(count - taken[rank]):
-                size = min(CHUNK, call.sizes[rank] - taken[rank] * CHUNK)
+                size = min(CHUNK, sizes[rank] - taken[rank] * CHUNK)
                 post = functools.partial(dist.irecv, scratch[:size], rank, group=group)
                 late = "did not finish the chunk it had in flight"
-                _wait(post, rank, deadline, call.what, call.timeout, late)
+                _wait(post, rank, deadline, call.what, late)
                 taken[rank] += 1
     except GatherError:  # the senders left end at their deadline; the group is marked broken
         return
 
 
-def part_from(call: Call, src: int) -> Any:
-    """``src``'s part on this rank, broadcast chunk by chunk (``src``: its own object)."""
+def _part_from(call: Call, plan: Plan, src: int, segments: list[memoryview] | None = None) -> Any:
+    """``src``'s part on this rank, broadcast chunk by chunk (``src``: its own object;
+    ``segments``: its encoded part, when taken already)."""
+    if call.rank == src and segments is None:
+        segments = _segments(call)
     part = broadcast_chunked(
-        _segments(call) if call.rank == src else None,
-        call.sizes[src],
+        segments if call.rank == src else None,
+        plan.sizes[src],
         src,
         gloo.group(),
         **_limits(call),
     )
     if part is None:
-        return call.own
+        return plan.own
     return serialize.decode(memoryview(part), rank=src, where=call.what)
-
-
-def all_from(call: Call) -> list[Any]:
-    """Every rank's part on every rank, one broadcast per rank.
-
-    A part that cannot be rebuilt here does not stop this rank from taking part in
-    the broadcasts after it (the others would wait for it): its error is raised
-    once they are done.
-    """
-    out: list[Any] = []
-    failed: GatherError | None = None
-    for src in range(call.world):
-        try:
-            out.append(part_from(call, src))
-        except GatherError as exc:
-            if isinstance(exc, (GatherTimeout, RemoteRankError)):  # the transfer failed
-                raise
-            failed = failed or exc
-    if failed is not None:
-        raise failed
-    return out

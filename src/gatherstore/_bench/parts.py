@@ -25,8 +25,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TextIO
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from .._config import DEFAULT_READ_AHEAD
 from .._parts import IN_FLIGHT, Parts, binding, part_key
 from .._session import JobSession
 from ..stores.base import Store
-from ..stores.deadline import deadline
+from ..stores.deadline import Deadline
 from ..stores.registry import open_store
 from .cases import Case, reachable
 from .delay import DelayProxy
@@ -52,16 +52,15 @@ _S3_GETS, _S3_DELETES = 5_500, 3_500
 
 @dataclass
 class _Call:
-    """What :class:`Parts` needs of a call, for a destination without a process group."""
+    """What :class:`Parts` needs of a call and its plan, for a destination without a
+    process group."""
 
-    sizes: list[int]
-    timeout: float = 600.0
+    sizes: tuple[int, ...]
+    deadline: Deadline = field(default_factory=lambda: Deadline.start(600.0))
     what: str = "bench parts"
     rank: int = 0
     progress: bool | None = False
-
-    def deadline(self, *, fresh: bool = False) -> contextlib.AbstractContextManager[None]:
-        return deadline(self.timeout)
+    own: Any = None
 
     def finish(self) -> None:
         return None
@@ -100,7 +99,8 @@ def read_back(
         sizes = _write(session, "call-1", world, part_bytes)
         budget = DEFAULT_READ_AHEAD if parts_ahead is None else parts_ahead * max(sizes)
         started = time.perf_counter()
-        reader = Parts(_Call(sizes), session, "call-1", 0, None, budget=budget, in_flight=in_flight)
+        call = _Call(tuple(sizes))
+        reader = Parts(call, call, session, "call-1", 0, budget=budget, in_flight=in_flight)
         got = [part["rank"] for part in list(reader)[1:]]
         seconds = time.perf_counter() - started
         left = [key for key in session.store.list("") if key]  # SeaweedFS lists its folder

@@ -8,6 +8,10 @@ does them faster (many writes or reads in flight, a ranged read, a prefix
 delete).  It names its exceptions that mean "unreachable", which the store
 maps to StoreUnavailableError at this boundary, and the URL and options that
 reopen it, which make two stores equal, hash alike and pickle.
+
+It declares what it can do (as zarr's ``supports_*``): whether others can write
+there, whether only the job's own user can, whether values outlive the job,
+whether they live in this node's RAM.  The core asks these, never a store's class.
 """
 
 from __future__ import annotations
@@ -15,16 +19,33 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from .._errors import StoreUnavailableError
 from . import failures
 from ._secrets import hide_password
+from .deadline import expired
 from .layout import Buffer, nbytes
 
-__all__ = ["Backend"]
+__all__ = ["PRIMITIVES", "Backend"]
 
 _B = TypeVar("_B", bound="Backend")
+
+#: Every primitive, by how it names keys: one ``key``, a list of ``keys``, a list of
+#: (key, value) ``pairs``, or a ``prefix`` (a view under a prefix forwards each by it).
+PRIMITIVES = {
+    "_write": "key",
+    "_read": "key",
+    "_exists": "key",
+    "_list": "prefix",
+    "_delete": "keys",
+    "_delete_prefix": "prefix",
+    "_replace": "key",
+    "_write_many": "pairs",
+    "_read_many": "keys",
+    "_read_many_into": "pairs",
+    "_read_head": "key",
+}
 
 
 class Backend(ABC):
@@ -36,13 +57,29 @@ class Backend(ABC):
     """
 
     #: Largest value written in one piece; larger values are chunked.
-    max_value_size: ClassVar[int] = 1 << 62
+    max_value_size: int = 1 << 62
     #: Backend exceptions that mean "cannot reach or write the store".
-    unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
-    #: Whether processes outside the job can write here (then parts are signed).
-    reachable_by_others: ClassVar[bool] = True
+    unavailable_errors: tuple[type[BaseException], ...] = (OSError,)
     #: Seconds between checks for keys (``wait`` starts at an eighth of it and backs off).
-    poll_interval: ClassVar[float] = 0.005
+    poll_interval: float = 0.005
+
+    # --- what it can do (per class; an instance may refine it in ``__init__``) ------
+    #: Whether processes outside the job can write here (then parts are signed).
+    reachable_by_others: bool = True
+    #: Whether only the job's own user can write its area (a private ``tmpdir``).
+    is_private: bool = False
+    #: Whether values outlive the job's processes (not ``tmpdir`` nor ``memory://``).
+    persistent: bool = True
+
+    def __init__(self) -> None:
+        #: Whether parts are signed: None follows ``reachable_by_others``.
+        self._sign: bool | None = None
+
+    @property
+    def shares_memory_with_host(self) -> bool:
+        """Whether values live in this node's RAM (files under /dev/shm): a gather's
+        memory check counts them."""
+        return False
 
     # --- primitives -------------------------------------------------------------
     @abstractmethod
@@ -81,14 +118,14 @@ class Backend(ABC):
         self._write(key, buffers)
 
     def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        """``_write`` of each (key, buffers), in order; backends that can keep a bounded
-        number of writes in flight override it."""
-        return [self._write(key, buffers) for key, buffers in items]
+        """``_write`` of each (key, buffers), in order, each while the deadline allows;
+        backends that can keep a bounded number of writes in flight override it."""
+        return [self._in_time(key) and self._write(key, buffers) for key, buffers in items]
 
     def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
-        """Each key's whole value, or None when absent; backends that can keep many reads
-        in flight at once override it."""
-        return [self._read(key) for key in keys]
+        """Each key's whole value, or None when absent, one after another while the
+        deadline allows; backends that can keep many reads in flight at once override it."""
+        return [self._read(key) if self._in_time(key) else None for key in keys]
 
     def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
         """Read each key's value into its view when the sizes match; per item the value's
@@ -96,6 +133,7 @@ class Backend(ABC):
         in flight, straight into the views."""
         sizes: list[int | None] = []
         for key, view in items:
+            self._in_time(key)
             raw = self._read(key)
             sizes.append(None if raw is None else nbytes(raw))
             if raw is not None and nbytes(raw) == len(view):
@@ -128,6 +166,17 @@ class Backend(ABC):
     def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
         return failures.unavailable(self, action, why)
 
+    def _in_time(self, key: str) -> bool:
+        """True while the deadline in force allows more work on ``key``: one request of
+        many must not outlive the call that made it (each request starts only in time).
+
+        Raises:
+            StoreUnavailableError: the deadline has passed.
+        """
+        if expired():
+            raise self._unavailable(f"reach {key!r}", "no time left in the call's timeout")
+        return True
+
     # --- identity ----------------------------------------------------------------------
     @property
     @abstractmethod
@@ -141,11 +190,11 @@ class Backend(ABC):
     @property
     def sign_parts(self) -> bool:
         """Whether object parts written here are signed and verified."""
-        return bool(self.__dict__.get("_sign", self.reachable_by_others))
+        return self.reachable_by_others if self._sign is None else self._sign
 
     @sign_parts.setter
     def sign_parts(self, value: bool) -> None:
-        self.__dict__["_sign"] = value
+        self._sign = value
 
     def _identity(self) -> tuple[Any, ...]:
         """What makes two stores the same place: class, URL, options, signing."""

@@ -11,14 +11,14 @@ pickling are written here, once; every call maps the backend's errors (see
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .._errors import GatherError
 from . import failures, layout
 from ._secrets import describe_failure, hide_password, hide_secrets
 from .areas import JOB_AREA, job_directory, job_keys
-from .backend import Backend
+from .backend import PRIMITIVES, Backend
 from .deadline import END_JOB_TIMEOUT, deadline
 from .failures import KeyExistsError
 from .layout import CHUNKS, HEADER_SIZE, Buffer, ChunksRead, Damaged, Layout, nbytes
@@ -44,8 +44,14 @@ class Store(Backend):
     """A key-value place for bytes that every rank of a job can reach.
 
     Keys are ``/``-separated paths.  A backend implements the primitives of
-    :class:`~.backend.Backend`; everything a caller uses is written here, once.
+    :class:`~.backend.Backend` (and calls ``super().__init__()`` first in its own
+    ``__init__``); everything a caller uses is written here, once.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Chunk keys of the values ``get`` read, until ``discard`` deletes them.
+        self._chunks = ChunksRead()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Store:
@@ -182,7 +188,7 @@ class Store(Backend):
                     continue
                 value = self._layout_of(key, raw)
                 # discard need not read the manifest again
-                self._chunks_read().remember(key, [chunk for chunk, _ in value.chunks])
+                self._chunks.remember(key, [chunk for chunk, _ in value.chunks])
                 if value.inline is not None:
                     out.append(value.inline)
                     continue
@@ -208,11 +214,6 @@ class Store(Backend):
         if got != size:
             why = f"truncated: chunk {chunk!r} has {got} of {size} bytes"
             raise failures.damaged(self, key, why)
-
-    def _chunks_read(self) -> ChunksRead:
-        """Chunk keys of the values ``get`` read, until ``discard`` deletes them."""
-        chunks: ChunksRead = self.__dict__.setdefault("_chunks_memo", ChunksRead())
-        return chunks
 
     def iter_chunks(self, key: str) -> Iterator[memoryview]:
         """Stream the value at ``key`` chunk by chunk (one chunk in memory at a time).
@@ -266,7 +267,7 @@ class Store(Backend):
         """
         self._check_key(key)
         with self._mapped(f"delete {key!r}"):
-            known = self._chunks_read().pop(key)
+            known = self._chunks.pop(key)
             if known is not None:  # read by get: its chunks are known
                 self._delete([key, *known])
                 return
@@ -288,7 +289,7 @@ class Store(Backend):
         :meth:`get_many` (their chunks are known) go in one backend delete."""
         for key in keys:
             self._check_key(key)
-        read = self._chunks_read()
+        read = self._chunks
         known = [key for key in keys if key in read]
         with self._mapped(f"delete {len(known)} values"):
             names = [n for key in known for n in (key, *(read.pop(key) or []))]
@@ -315,58 +316,68 @@ class Store(Backend):
         return ScopedStore(self, prefix)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reopen, (type(self), self.url, self._options(), self.__dict__.get("_sign")))
+        return (_reopen, (type(self), self.url, self._options(), self._sign))
 
 
 def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | None) -> Store:
     return cls.from_url(url, **options, **({} if sign is None else {"sign": sign}))
 
 
+def _forward(name: str) -> Any:
+    """Primitive ``name`` of a view under a prefix: the parent's, with the prefix added to
+    every key it names (see :data:`~.backend.PRIMITIVES`), and removed from those it lists."""
+    shape = PRIMITIVES[name]
+
+    def forwarded(self: ScopedStore, keys: Any, *rest: Any) -> Any:
+        p = self.prefix
+        if shape in ("key", "prefix"):
+            keys = p + keys
+        elif shape == "keys":
+            keys = [p + key for key in keys]
+        else:
+            keys = [(p + key, value) for key, value in keys]
+        out = getattr(self.parent, name)(keys, *rest)
+        return (key[len(p) :] for key in out) if name == "_list" else out
+
+    forwarded.__name__ = forwarded.__qualname__ = name
+    return forwarded
+
+
+def _parents(name: str) -> Any:
+    """An attribute of a view under a prefix that is its parent's."""
+    return property(lambda self: getattr(self.parent, name))
+
+
 class ScopedStore(Store):
-    """A view of a parent store whose keys all live under a prefix."""
+    """A view of a parent store whose keys all live under a prefix: every primitive is
+    the parent's (by :data:`~.backend.PRIMITIVES`, so none can be missed), and so is what
+    the parent can do; only whether parts are signed is the view's own."""
 
     def __init__(self, parent: Store, prefix: str) -> None:
+        super().__init__()
         self.parent = parent
         self.prefix = prefix.strip("/") + "/"
-        self.max_value_size = parent.max_value_size  # type: ignore[misc]
-        self.unavailable_errors = parent.unavailable_errors  # type: ignore[misc]
-        self.reachable_by_others = parent.reachable_by_others  # type: ignore[misc]
-        self.poll_interval = parent.poll_interval  # type: ignore[misc]
         self.sign_parts = parent.sign_parts
 
-    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        return self.parent._write(self.prefix + key, buffers)
+    _write = _forward("_write")
+    _read = _forward("_read")
+    _exists = _forward("_exists")
+    _list = _forward("_list")
+    _delete = _forward("_delete")
+    _delete_prefix = _forward("_delete_prefix")
+    _replace = _forward("_replace")
+    _write_many = _forward("_write_many")
+    _read_many = _forward("_read_many")
+    _read_many_into = _forward("_read_many_into")
+    _read_head = _forward("_read_head")
 
-    def _read(self, key: str) -> Buffer | None:
-        return self.parent._read(self.prefix + key)
-
-    def _exists(self, key: str) -> bool:
-        return self.parent._exists(self.prefix + key)
-
-    def _list(self, prefix: str) -> Iterable[str]:
-        n = len(self.prefix)
-        return (k[n:] for k in self.parent._list(self.prefix + prefix))
-
-    def _delete(self, keys: Sequence[str]) -> None:
-        self.parent._delete([self.prefix + k for k in keys])
-
-    def _delete_prefix(self, prefix: str) -> None:
-        self.parent._delete_prefix(self.prefix + prefix)
-
-    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
-        self.parent._replace(self.prefix + key, buffers)
-
-    def _read_head(self, key: str, size: int) -> Buffer | None:
-        return self.parent._read_head(self.prefix + key, size)
-
-    def _write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        return self.parent._write_many([(self.prefix + k, b) for k, b in items])
-
-    def _read_many(self, keys: Sequence[str]) -> list[Buffer | None]:
-        return self.parent._read_many([self.prefix + k for k in keys])
-
-    def _read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[int | None]:
-        return self.parent._read_many_into([(self.prefix + k, v) for k, v in items])
+    max_value_size = _parents("max_value_size")
+    unavailable_errors = _parents("unavailable_errors")
+    poll_interval = _parents("poll_interval")
+    reachable_by_others = _parents("reachable_by_others")
+    is_private = _parents("is_private")
+    persistent = _parents("persistent")
+    shares_memory_with_host = _parents("shares_memory_with_host")
 
     @property
     def url(self) -> str:
@@ -383,3 +394,8 @@ class ScopedStore(Store):
 
     def _identity(self) -> tuple[Any, ...]:
         return (*self.parent._identity(), self.prefix)
+
+
+_unforwarded = sorted(set(PRIMITIVES) - set(vars(ScopedStore)))
+if _unforwarded:  # pragma: no cover - a primitive added to the table but not here
+    raise TypeError(f"ScopedStore does not forward {_unforwarded}")

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .._config import SHM
 from .._errors import StoreUnavailableError
 from . import _fileio as fileio
 from . import _private as private
@@ -46,12 +47,8 @@ class FileStore(Store):
     The directory the user passed is never removed.
     """
 
-    unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
-    reachable_by_others: ClassVar[bool] = True
-    #: Whether the base must be a folder only the user (or root) can change.
-    private: ClassVar[bool] = False
-
     def __init__(self, root: str | os.PathLike[str]) -> None:
+        super().__init__()
         self.root = Path(root).absolute()
         self._fd: int | None = None
         self._area_of: tuple[FileStore, str] | None = None  # a job area: (its base, its name)
@@ -82,6 +79,12 @@ class FileStore(Store):
     def url(self) -> str:
         return f"file://{urllib.parse.quote(str(self.root))}"
 
+    @property
+    def shares_memory_with_host(self) -> bool:
+        """Whether the folder is in this node's RAM (under /dev/shm)."""
+        shm = Path(SHM)
+        return self.root == shm or shm in self.root.parents
+
     # --- the folder's descriptor ---------------------------------------------------------
     def _dir(self, create: bool = False) -> int:
         """The descriptor of the store's folder, opened at first use (and created then when
@@ -98,13 +101,13 @@ class FileStore(Store):
             fd = private.open_directory(name, base._dir())
             try:
                 private.check_area(
-                    base, base.root, str(self.root), os.fstat(fd), private=base.private
+                    base, base.root, str(self.root), os.fstat(fd), private=base.is_private
                 )
             except BaseException:
                 os.close(fd)
                 raise
             return fd
-        if self.private:
+        if self.is_private:
             private.refuse_untrusted(self, self.root, private.untrusted(self.root))
         flags = private.DIRECTORY & ~getattr(os, "O_NOFOLLOW", 0)  # the user's own folder
         try:
@@ -112,9 +115,9 @@ class FileStore(Store):
         except FileNotFoundError:
             if not create:
                 raise
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700 if self.private else 0o777)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700 if self.is_private else 0o777)
             fd = os.open(self.root, flags)
-        if self.private:
+        if self.is_private:
             try:
                 private.refuse_untrusted(self, self.root, private.check_opened(self.root, fd))
             except BaseException:
@@ -339,7 +342,7 @@ class FileStore(Store):
             fd = self._dir()
         except (OSError, StoreUnavailableError):
             return
-        owner = os.geteuid() if self.private else None
+        owner = os.geteuid() if self.is_private else None
         if private.remove_tree(path.name, fd, created, owner) or created is None:
             return
         for entry in os.scandir(fd):  # the job's folder was moved aside: remove it there

@@ -95,12 +95,13 @@ class FsspecStore(Store):
     """
 
     def __init__(self, url: str, **storage_options: Any) -> None:
+        super().__init__()
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
         self._is_s3 = self.protocol in _S3
         options = (
             {"config_kwargs": _s3.S3_CONFIG, **storage_options} if self._is_s3 else storage_options
         )
-        self.unavailable_errors = _backend_errors()  # type: ignore[misc]
+        self.unavailable_errors = _backend_errors()
         try:
             self.fs, root = fsspec.core.url_to_fs(
                 url, **(fast_s3_options(options) if self._is_s3 else options)
@@ -129,10 +130,11 @@ class FsspecStore(Store):
                 f"store URL {hide_password(url)!r} names no bucket; use e.g. s3://bucket/prefix"
             )
         self.storage_options = storage_options
-        self.reachable_by_others = self.protocol != "memory"  # type: ignore[misc]
+        # memory:// lives inside one process: nobody else writes there, nothing outlives it
+        self.reachable_by_others = self.persistent = self.protocol != "memory"
         self._object_store = self.protocol in _OBJECT_STORES
         if self._object_store:
-            self.max_value_size = S3_CHUNK_SIZE  # type: ignore[misc]
+            self.max_value_size = S3_CHUNK_SIZE
 
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:

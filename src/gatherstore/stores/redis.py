@@ -32,7 +32,7 @@ but survives pickling, so ranks can reopen the store.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -70,14 +70,14 @@ class RedisStore(Store):
             unknown option, or ``ttl`` / ``chunk_size`` out of range.
     """
 
-    unavailable_errors: ClassVar[tuple[type[BaseException], ...]] = (redis.RedisError, OSError)
-    reachable_by_others: ClassVar[bool] = True
+    unavailable_errors = (redis.RedisError, OSError)
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
+        super().__init__()
         given = settings(url, options)
         self._url, self._given = given.url, given.given
         self.ttl, self.chunk_size, self.key_prefix = given.ttl, given.chunk_size, given.key_prefix
-        self.max_value_size = self.chunk_size  # type: ignore[misc]
+        self.max_value_size = self.chunk_size
         if given.sign is not None:
             self.sign_parts = given.sign
         self._pool = redis.ConnectionPool.from_url(

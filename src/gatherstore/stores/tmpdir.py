@@ -3,7 +3,7 @@
 The base is ``$GATHERSTORE_TMPDIR``, else ``/dev/shm`` (RAM: the fastest
 route between the ranks of one machine) when this process can write there,
 else the temp dir.  Whether one gather fits in ``/dev/shm`` is decided per
-call, from every rank's sizes (see ``gatherstore._memory``).
+call, from every rank's sizes (see ``gatherstore._fit``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from .file import FileStore
 
 __all__ = ["SHM", "TmpdirStore", "default_tmpdir_base"]
 
-#: The node's shared memory, where ``tmpdir`` keeps its job folders when it can.
-SHM = "/dev/shm"
+SHM = config.SHM
 
 
 def default_tmpdir_base() -> str:
@@ -50,8 +49,9 @@ class TmpdirStore(FileStore):
     other base is refused with StoreUnavailableError at the job's first use.
     """
 
-    reachable_by_others: ClassVar[bool] = False
-    private: ClassVar[bool] = True
+    reachable_by_others = False
+    is_private = True
+    persistent = False  # the job's area goes with the job
 
     def __init__(self, base: str | os.PathLike[str] | None = None) -> None:
         self.explicit_base = base is not None

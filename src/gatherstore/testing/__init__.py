@@ -87,7 +87,7 @@ class StoreTests:
     @pytest.fixture
     def chunked(self, store: Store) -> Store:
         """``store`` with a small maximum value size, so values are chunked."""
-        store.max_value_size = self.chunk_size  # type: ignore[misc]
+        store.max_value_size = self.chunk_size
         return store
 
     def _chunks_of(self, store: Store, key: str) -> list[str]:

@@ -1,0 +1,129 @@
+"""A call's plan: what every rank agreed on before any data moves, and the route it picks.
+
+Every rank reports (status, part size, free memory, node) in one exchange; one rank
+summarises the reports into :class:`Facts` for all, and every rank turns them into
+the same frozen :class:`Plan`: the part sizes, the route (``"auto"`` settled by total
+size and node count, the default ``tmpdir`` moved off ``/dev/shm`` when the gather
+does not fit there), checked to fit in every node's memory.  :func:`pick` is the
+route decision alone, pure, so that it can be tested without processes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import _config as config
+from . import _fit as fit
+from . import _gloo as gloo
+from ._routes import CollectiveRoute, Route, StoreRoute
+from ._specs import resolve
+from ._stream import StreamRoute
+from .stores.base import Store
+
+__all__ = ["Facts", "Plan", "facts", "pick", "settle"]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What every rank decides a call's route and memory check from: the ``total`` and
+    ``longest`` part, the ``root``'s part size, why gatherstore's gloo group is
+    ``broken`` (or ""), and each kind of route's per-node memory ``short``-falls."""
+
+    total: int
+    longest: int
+    root: int
+    broken: str
+    short: dict[str, list[str]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One call, as every rank agreed on it, and this rank's object.
+
+    ``sizes``: each rank's part size (0 for ranks that send nothing; a rank outside
+    the call's ``full`` ranks knows only its own and the root's, the others read as
+    0); ``budget``: this rank's read-ahead budget in bytes; ``own``: this rank's
+    object (or a copy of it, see ``gatherstore._objects.own_copies``).
+    """
+
+    route: Route
+    sizes: tuple[int, ...]
+    total: int
+    longest: int
+    budget: int
+    own: Any
+
+
+def facts(
+    statuses: list[Any], receivers: Sequence[int], root: int | None, streamed: bool = False
+) -> Facts | None:
+    """The :class:`Facts` of every rank's status (``streamed``: the receivers read with
+    ``gather_iter``); None when a rank failed or ranks are in different calls (every
+    rank then needs every status, to raise the same error)."""
+    if not all(s["ok"] for s in statuses) or any(
+        s["call"] != statuses[0]["call"] for s in statuses
+    ):
+        return None
+    sizes = [int(s["size"]) for s in statuses]
+    return Facts(
+        total=sum(sizes),
+        longest=max(sizes),
+        root=0 if root is None else sizes[root],
+        broken=next((s["broken"] for s in statuses if s["broken"]), ""),
+        short={
+            need: fit.shortfalls(need, statuses, sizes, receivers, streamed=streamed)
+            for need in fit.NEEDS
+        },
+    )
+
+
+def pick(
+    spec: str | Store, *, total: int, broken: str, nodes: int, tmpdir_short: bool
+) -> str | Store:
+    """The spec a call takes: ``"auto"`` is ``"collective"`` up to the auto threshold
+    (while gatherstore's gloo group works), else ``"stream"`` across nodes (``tmpdir``
+    is node-local) or ``"tmpdir"`` on one; the default ``tmpdir`` is the temp dir
+    instead when ``tmpdir_short`` (its base is gatherstore's choice, /dev/shm, and the
+    gather does not fit there)."""
+    if spec == "auto":
+        small = total <= config.AUTO_THRESHOLD and not broken
+        spec = "collective" if small else "stream" if nodes > 1 else "tmpdir"
+    is_default_tmpdir = spec == "tmpdir" or (isinstance(spec, Store) and spec.url == "tmpdir")
+    if is_default_tmpdir and tmpdir_short:
+        return f"tmpdir://{tempfile.gettempdir()}"
+    return spec
+
+
+def settle(spec: str | Store, found: Facts, *, what: str, nodes: int) -> Route:
+    """The route for ``spec`` (see :func:`pick`), the same on every rank.
+
+    Raises:
+        GatherError: the route needs gatherstore's gloo group, which an earlier call broke.
+        InsufficientMemoryError: the route would outgrow a node's memory (on every rank).
+    """
+    tmpdir = resolve("tmpdir")
+    tmpdir_short = (
+        not config.tmpdir_base()
+        and isinstance(tmpdir, Store)
+        and tmpdir.shares_memory_with_host
+        and bool(found.short["shm"])
+    )
+    chosen = pick(
+        spec, total=found.total, broken=found.broken, nodes=nodes, tmpdir_short=tmpdir_short
+    )
+    if chosen in ("collective", "stream") and found.broken:
+        raise gloo.refuse(what, found.broken)
+    target = resolve(chosen)
+    route: Route
+    if target == "collective":
+        route = CollectiveRoute()
+    elif target == "stream":
+        route = StreamRoute()
+    else:
+        assert isinstance(target, Store)
+        route = StoreRoute(target)
+    fit.check(what, route, found.total, found.short)
+    return route

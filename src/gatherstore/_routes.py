@@ -1,0 +1,224 @@
+"""How an object collective moves parts: a route implements every collective.
+
+A route receives the call (this rank's side: its deadline, its encoded part) and
+the :class:`~gatherstore._plan.Plan` every rank agreed on, and implements
+:meth:`~Route.all_gather`, :meth:`~Route.gather` (whole or streamed) and
+:meth:`~Route.broadcast`:
+
+- :class:`CollectiveRoute` sends the pickled parts over gatherstore's gloo group,
+  padded to the largest;
+- :class:`StoreRoute` writes each part under a key of the job's area in a store, and
+  the readers read them back (see :mod:`gatherstore._parts`);
+- ``StreamRoute`` (:mod:`gatherstore._stream`) sends parts point to point in chunks.
+
+A new route is one class here: :func:`gatherstore._plan.settle` picks it.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _gloo as gloo
+from . import _serialize as serialize
+from ._errors import GatherError
+from ._parts import Parts, binding, fetch, part_key
+from ._report import failure, status
+from ._session import JobSession, after_failure, session_for
+from .stores.base import Store
+from .stores.deadline import deadline
+
+if TYPE_CHECKING:
+    from ._call import Call
+    from ._plan import Plan
+
+__all__ = ["CollectiveRoute", "Route", "StoreRoute"]
+
+#: Seconds a part's deletion may take once the call no longer needs it (see StoreRoute.tidy).
+_TIDY_TIME = 5.0
+_log = logging.getLogger("gatherstore")
+
+
+class Route(ABC):
+    """A way to move one call's parts; every object collective, on every rank."""
+
+    #: Its kind of memory need (one of ``gatherstore._fit.NEEDS``).
+    need: str = "store"
+
+    @abstractmethod
+    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
+        """Every rank's object in rank order (this rank's own: ``plan.own``)."""
+
+    @abstractmethod
+    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+        """On ``dst`` every rank's object in rank order, as an iterator that reads them as it
+        goes when ``stream``; None on the other ranks."""
+
+    @abstractmethod
+    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
+        """``src``'s object on every rank (``src``: its own)."""
+
+    def __str__(self) -> str:
+        return type(self).__name__
+
+
+class CollectiveRoute(Route):
+    """Pickled parts over gatherstore's gloo group, padded to the largest part."""
+
+    need = "collective"
+
+    def __str__(self) -> str:
+        return "collective"
+
+    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
+        slots = [torch.empty(plan.longest, dtype=torch.uint8) for _ in plan.sizes]
+        _transfer(call, gloo.all_gather_op(slots, _packed(call, plan.longest)))
+        call.finish()
+        return _decoded(call, plan, slots)
+
+    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+        if call.rank != dst:
+            _transfer(call, gloo.gather_op(None, _packed(call, plan.longest), dst))
+            call.finish()
+            return None
+        slots = [torch.empty(plan.longest, dtype=torch.uint8) for _ in plan.sizes]
+        _transfer(call, gloo.gather_op(slots, slots[dst], dst))
+        call.finish()
+        return iter(_decoded(call, plan, slots))
+
+    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
+        buf = _packed(call, plan.sizes[src])
+        _transfer(call, gloo.broadcast_op(buf, src))
+        call.finish()
+        if call.rank == src:
+            return plan.own
+        return serialize.decode(buf.numpy().data[: plan.sizes[src]], rank=src, where=call.what)
+
+
+def _transfer(call: Call, start: gloo.Start) -> None:
+    """Run one gloo op on gatherstore's group within the call's deadline."""
+    try:
+        gloo.transfer(start, what=call.what, deadline=call.deadline)
+    except GatherError as exc:
+        after_failure(exc)
+        raise
+
+
+def _packed(call: Call, size: int) -> torch.Tensor:
+    """This rank's sealed frame in a ``size``-byte tensor (the padding is never read)."""
+    out = torch.empty(size, dtype=torch.uint8)
+    frame = call.take_frame()
+    if frame is not None:
+        frame.seal(None).copy_into(out.numpy().data)
+    return out
+
+
+def _decoded(call: Call, plan: Plan, slots: list[torch.Tensor]) -> list[Any]:
+    """Every slot's object, this rank's own in place."""
+    return [
+        plan.own
+        if r == call.rank
+        else serialize.decode(slot.numpy().data[: plan.sizes[r]], rank=r, where=call.what)
+        for r, slot in enumerate(slots)
+    ]
+
+
+class StoreRoute(Route):
+    """Parts as keys of the job's area in ``store``: written by each sender, read back
+    (verified, and deleted once read) by the readers."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.need = "shm" if store.shares_memory_with_host else "store"
+
+    def __str__(self) -> str:
+        return str(self.store)
+
+    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
+        everyone = list(range(call.world))
+        session, prefix = self._write(call, everyone)
+        error: BaseException | None = None
+        out: list[Any] = []
+        mine = status(True)
+        try:
+            try:
+                # every part is returned: reading them all at once takes no more memory
+                reader = Parts(
+                    call, plan, session, prefix, call.rank, budget=plan.total, delete=False
+                )
+                out = list(reader)
+            except Exception as exc:
+                error, mine = exc, failure(exc)
+            call.confirm(mine, what="all_gather_object (read)", error=error)
+        finally:
+            self._tidy(call, session, part_key(prefix, call.rank))
+        return out
+
+    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+        session, prefix = self._write(call, [r for r in range(call.world) if r != dst])
+        if call.rank != dst:
+            call.finish()
+            return None
+        # a gather_object returns every part: it may read them all at once; a gather_iter
+        # keeps what its consumer holds plus the read-ahead budget
+        budget = plan.budget if stream else plan.total
+        parts = Parts(call, plan, session, prefix, dst, budget=budget, lazy=stream)
+        return parts if stream else iter(list(parts))
+
+    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
+        session, prefix = self._write(call, [src])
+        error: BaseException | None = None
+        mine = status(True)
+        out = plan.own
+        try:
+            if call.rank != src:
+                out = serialize.load(fetch(call, session, prefix, src))
+        except Exception as exc:
+            error, mine = exc, failure(exc)
+        try:
+            call.confirm(mine, what="broadcast_object (read)", error=error)
+        finally:
+            if call.rank == src:
+                self._tidy(call, session, part_key(prefix, src))
+        call.finish()
+        return out
+
+    def _write(self, call: Call, writers: Sequence[int]) -> tuple[JobSession, str]:
+        """Write this rank's part (if it is a writer); confirm every write."""
+        error: BaseException | None = None
+        mine = status(True)
+        session = call.absorbing(lambda: session_for(self.store, call.deadline.timeout))
+        prefix = session.next_call()
+        frame = call.take_frame()
+        wrote = False
+        try:
+            if call.rank in writers and frame is not None:
+                with call.deadline.for_store():
+                    sealed = frame.seal(session.key, binding(session, prefix, call.rank))
+                    session.store.put(part_key(prefix, call.rank), sealed.segments)
+                wrote = True
+        except Exception as exc:
+            error, mine = exc, failure(exc)
+        del frame
+        try:
+            call.confirm(mine, what=call.what, error=error)
+        except BaseException:
+            if wrote:
+                self._tidy(call, session, part_key(prefix, call.rank))
+            raise
+        return session, prefix
+
+    @staticmethod
+    def _tidy(call: Call, session: JobSession, key: str) -> None:
+        """Delete this rank's part ``key`` once nobody needs it, best effort: within a few
+        seconds of its own (the call's time may be over, and the call's own outcome is
+        what to report); what is left goes with the job's area."""
+        try:
+            with deadline(min(call.deadline.timeout, _TIDY_TIME)):
+                session.store.discard(key)
+        except GatherError as exc:
+            _log.debug("gatherstore: %s: part %s left for the job's end: %s", call.what, key, exc)
