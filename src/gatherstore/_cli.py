@@ -26,6 +26,7 @@ from ._bench.payloads import KINDS
 from ._cleanup import collect, parse_duration
 from ._errors import first_line
 from ._launch import joined_from_env
+from ._version import version
 from .stores.base import hide_password
 from .stores.registry import ROUTES, default_store, known_schemes, open_store
 from .stores.tmpdir import default_tmpdir_base
@@ -222,6 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gatherstore", description="Gather large Python objects across PyTorch ranks."
     )
+    parser.add_argument("--version", action="version", version=f"gatherstore {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     store = _argtype(_store_spec)
 
