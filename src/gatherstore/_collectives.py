@@ -1,6 +1,6 @@
 """Tensor collectives, the fast path: NCCL on GPU, gloo on CPU; numbers accepted too.
 
-Also the helpers the other tensor-path modules share (:mod:`gatherstore._dicts`):
+Also the helpers the other tensor-path modules share (``gatherstore._dicts``):
 running one op with or without a timeout, the reduce ops, the device of the
 default group.
 """
@@ -183,7 +183,7 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
     reduced in float64 (exact for integers up to 2**53), so ranks may mix ints
     and floats; an int comes back as an int when the result is whole and
     ``op`` is not "mean".  ``timeout`` (seconds or a timedelta) bounds the call:
-    see :func:`all_gather_tensor`.
+    see [`all_gather_tensor`][gatherstore.all_gather_tensor].
 
     Raises:
         ValueError: unknown ``op`` or a bad ``timeout``.
@@ -286,11 +286,12 @@ def broadcast_tensor(
 ) -> torch.Tensor:
     """``src``'s tensor on every rank; other ranks may pass None (shape travels too).
 
-    ``timeout``: as in :func:`all_gather_tensor`.
+    ``timeout``: as in [`all_gather_tensor`][gatherstore.all_gather_tensor].
 
     Raises:
         ValueError: the source rank passed None, or a bad ``timeout``.
-        GatherTimeout / ProcessGroupError: as in :func:`all_gather_tensor`.
+        GatherTimeout / ProcessGroupError: as in
+            [`all_gather_tensor`][gatherstore.all_gather_tensor].
     """
     seconds = valid_timeout(timeout)
     ends = time.monotonic() + (seconds or 0.0)

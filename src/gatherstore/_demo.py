@@ -2,10 +2,10 @@
 
 Each of N local processes holds the detector-like predictions of a
 DistributedSampler split (rank r: images r, r+N, ...; see
-:mod:`gatherstore._bench.payloads`) and sends a CRC-32 per prediction ahead
+``gatherstore._bench.payloads``) and sends a CRC-32 per prediction ahead
 over the process group.  Rank 0 gathers everything in dataset order with
-:func:`gatherstore.collect_results` (or, with ``stream``, part by part with
-:func:`gatherstore.gather_iter` behind a progress bar) and verifies the count,
+``gatherstore.collect_results`` (or, with ``stream``, part by part with
+``gatherstore.gather_iter`` behind a progress bar) and verifies the count,
 the order and every checksum.
 """
 

@@ -7,7 +7,7 @@ with its own timeout.  Equal values are sent once.  On a timeout one rank judges
 which keys are missing and publishes that verdict instead, so every rank, and a
 late rank once it arrives, raises the same error naming the same ranks.  The
 job-level use of it (steps, labels, bounds against a frozen store host) is
-:mod:`gatherstore._control`.
+``gatherstore._control``.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _pack(values: list[bytes]) -> bytes:
 
 
 def _unpack(packed: bytes) -> list[bytes]:
-    """What :func:`_pack` packed."""
+    """What ``_pack`` packed."""
     body = memoryview(packed)[len(_VALUES) :]
     count, kinds = struct.unpack_from("<II", body)
     runs = struct.unpack_from(f"<{2 * count}I", body, 8)

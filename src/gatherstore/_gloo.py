@@ -124,11 +124,11 @@ def broadcast_op(tensor: torch.Tensor, src: int) -> Start:
 
 
 def transfer(start: Start, *, what: str, deadline: float, timeout: float) -> None:
-    """Run one gloo op (:func:`all_gather_op`, ...) until it ends, by ``deadline`` at the latest.
+    """Run one gloo op (``all_gather_op``, ...) until it ends, by ``deadline`` at the latest.
 
     Raises:
         GatherTimeout: ranks that did not report within the deadline plus
-            :data:`GRACE` (killed, frozen, or in another call), named.
+            ``GRACE`` (killed, frozen, or in another call), named.
         RemoteRankError: a rank's op failed; or rank 0's rendezvous store is gone.
         GatherError: every rank reported, but the op failed or timed out here.
     """

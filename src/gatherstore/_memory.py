@@ -4,9 +4,9 @@ The kernel kills a process that outgrows its memory cgroup, and /dev/shm
 holds its files in the same RAM, so before any data moves every rank reports
 its node's headroom (``MemAvailable``, capped by every enclosing cgroup's
 limit minus its usage, v1 and v2) and the free space of /dev/shm; one rank
-computes each route's per-node shortfalls (:func:`shortfalls`) for all, and
-every rank raises :class:`~gatherstore.InsufficientMemoryError` together
-(:func:`check`) when the chosen route does not fit.
+computes each route's per-node shortfalls (``shortfalls``) for all, and
+every rank raises ``InsufficientMemoryError`` together
+(``check``) when the chosen route does not fit.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = [
     "shortfalls",
 ]
 
-#: The kinds of memory need a route has (see :func:`route_need`): not the routes a
+#: The kinds of memory need a route has (see ``route_need``): not the routes a
 #: user picks (``stores.registry.ROUTES``), but how each moves parts.
 NEEDS = ("collective", "shm", "store")
 _UNLIMITED = 1 << 62
@@ -152,7 +152,7 @@ def route_need(
     ``all_receive`` marks an all-gather (parts stay until every rank has read
     them); ``streamed`` a ``gather_iter``, whose receiver holds one part at a time.
     ``rebuilt`` is what unpickling each rank's part allocates besides the part
-    (see :mod:`gatherstore._sizing`): every receiver rebuilds every other part.
+    (see ``gatherstore._sizing``): every receiver rebuilds every other part.
     ``windows`` is each rank's read-ahead budget in bytes.
 
     The collective route gives every receiver ``W`` slots of the largest part
@@ -183,7 +183,7 @@ def route_need(
 
 
 def route_of(target: Store | str) -> str:
-    """The kind of route (one of :data:`NEEDS`) ``target`` is, for its memory need."""
+    """The kind of route (one of ``NEEDS``) ``target`` is, for its memory need."""
     return "collective" if target == "collective" else "shm" if in_ram(target) else "store"
 
 
@@ -238,7 +238,7 @@ def shortfalls(
 def check(what: str, target: Store | str, total: int, short: dict[str, list[str]]) -> None:
     """Raise on every rank alike when ``target`` would outgrow a node's memory.
 
-    ``short`` maps each of :data:`NEEDS` to its :func:`shortfalls` (computed once,
+    ``short`` maps each of ``NEEDS`` to its ``shortfalls`` (computed once,
     on one rank, and the same everywhere); ``total`` is the bytes gathered.
 
     Raises:

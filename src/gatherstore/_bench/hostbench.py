@@ -1,6 +1,6 @@
 """``gatherstore bench --hosts 2``: gathers across two simulated hosts (root only).
 
-Builds the hosts of :mod:`gatherstore._bench.hosts` (a share over sshfs mounted on
+Builds the hosts of ``gatherstore._bench.hosts`` (a share over sshfs mounted on
 both hosts, or on host 2 alone with ``share_local``; Redis and S3 on host 1).  Each
 round first measures the share's own ceiling: the bytes a gather moves through it,
 (W - 1) parts of ``size``, written on host 2 and read back on host 1 with plain

@@ -1,7 +1,7 @@
 """What a backend implements: the primitives of a store, and the URL and options naming it.
 
 A backend (``FileStore``, ``RedisStore``, ``FsspecStore``, a third party's)
-subclasses :class:`~.base.Store` and implements five primitives: an
+subclasses ``Store`` and implements five primitives: an
 all-or-nothing create-only write, a read that returns None when the key is
 absent, exists, list and delete by name; it may override the others where it
 does them faster (many writes or reads in flight, a ranged read, a prefix
@@ -122,7 +122,7 @@ class Backend(ABC):
 
     # --- errors at the boundary ------------------------------------------------------
     def _mapped(self, action: str) -> contextlib.AbstractContextManager[None]:
-        """Backend errors of ``action`` mapped to gatherstore's (see :func:`failures.mapped`)."""
+        """Backend errors of ``action`` mapped to gatherstore's (see ``failures.mapped``)."""
         return failures.mapped(self, self.unavailable_errors, action)
 
     def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
@@ -132,7 +132,7 @@ class Backend(ABC):
     @property
     @abstractmethod
     def url(self) -> str:
-        """The URL that reopens this store with :func:`gatherstore.open_store`."""
+        """The URL that reopens this store with ``gatherstore.open_store``."""
 
     def _options(self) -> dict[str, Any]:
         """Keyword options that, with ``url``, reopen an equal store."""

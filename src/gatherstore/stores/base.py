@@ -1,11 +1,11 @@
 """The Store: a place for bytes, with everything but a backend's primitives written once.
 
-A backend implements the primitives of :class:`~.backend.Backend`.  Chunking
-(in the layout of :mod:`.layout`, checked on every read), ``wait``, exact
+A backend implements the primitives of ``Backend``.  Chunking
+(in the layout of ``layout``, checked on every read), ``wait``, exact
 prefix deletes, deletes by name, scoped views, a job area's default life and
 pickling are written here, once; every call maps the backend's errors (see
-:mod:`.failures`) and is refused once the deadline in force has passed (see
-:mod:`.deadline`: no store call outlives the collective that makes it).
+``failures``) and is refused once the deadline in force has passed (see
+``deadline``: no store call outlives the collective that makes it).
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ class Store(Backend):
     """A key-value place for bytes that every rank of a job can reach.
 
     Keys are ``/``-separated paths.  A backend implements the primitives of
-    :class:`~.backend.Backend`; everything a caller uses is written here, once.
+    ``Backend``; everything a caller uses is written here, once.
     """
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Store:
-        """Open the store a URL names (see :func:`gatherstore.open_store`).
+        """Open the store a URL names (see [`gatherstore.open_store`][gatherstore.open_store]).
 
         ``sign=True/False`` overrides whether parts are signed
         (default: when processes outside the job can reach the store).
@@ -259,8 +259,8 @@ class Store(Backend):
     def discard(self, key: str) -> None:
         """Delete the value at ``key`` and its chunks, by name.
 
-        Unlike :meth:`delete` it lists nothing, so it costs the same in a store
-        that holds millions of other keys (a Redis ``SCAN`` walks them all).
+        Unlike [`delete`][gatherstore.stores.Store.delete] it lists nothing, so it costs the
+        same in a store that holds millions of other keys (a Redis ``SCAN`` walks them all).
         Keys under ``key/`` are left alone.  An absent key is not an error, and a damaged
         one goes with everything under ``<key>.chunks/``.
         """
@@ -284,8 +284,10 @@ class Store(Backend):
             self._delete([key, *(chunk for chunk, _ in chunks)])
 
     def discard_many(self, keys: Sequence[str]) -> None:
-        """:meth:`discard` of every key; values this store read with :meth:`get` or
-        :meth:`get_many` (their chunks are known) go in one backend delete."""
+        """[`discard`][gatherstore.stores.Store.discard] of every key; values this store
+        read with [`get`][gatherstore.stores.Store.get] or
+        [`get_many`][gatherstore.stores.Store.get_many] (their chunks are known) go in one
+        backend delete."""
         for key in keys:
             self._check_key(key)
         read = self._chunks_read()

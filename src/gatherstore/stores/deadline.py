@@ -1,7 +1,7 @@
 """The deadline of store work: no store call outlives the collective that makes it.
 
-Object collectives run their store work inside :func:`deadline`; each backend
-bounds its socket and request timeouts by :func:`time_left`, and the base
+Object collectives run their store work inside ``deadline``; each backend
+bounds its socket and request timeouts by ``time_left``, and the base
 class refuses calls once the deadline has passed, so that a frozen server ends
 in StoreUnavailableError within the call's timeout, not in a 60 s socket
 timeout.
@@ -19,7 +19,7 @@ __all__ = ["END_JOB_TIMEOUT", "MIN_TIMEOUT", "deadline", "expired", "time_left"]
 #: Shortest timeout handed to a backend once the deadline is (nearly) over: a
 #: socket timeout of 0 would mean "non-blocking", not "fail now".
 MIN_TIMEOUT = 0.05
-#: Seconds :meth:`Store.end_job` may take when no deadline is in force.
+#: Seconds ``Store.end_job`` may take when no deadline is in force.
 END_JOB_TIMEOUT = 10.0
 
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(

@@ -36,7 +36,7 @@ def unavailable(store: object, action: str, why: str) -> StoreUnavailableError:
 def mapped(store: object, errors: tuple[type[BaseException], ...], action: str) -> Iterator[None]:
     """Run ``action`` on ``store``: ``errors`` (its backend's) become StoreUnavailableError,
     whose message keeps the cause and whose traceback drops the backend's own frames (see
-    :func:`~._secrets.describe_failure`); past the deadline, nothing runs.
+    ``describe_failure``); past the deadline, nothing runs.
 
     Raises:
         StoreUnavailableError: the deadline in force has passed, or the backend failed.

@@ -1,7 +1,7 @@
 """Stores by URL scheme: lazy ``"module:Class"`` targets, entry points, fsspec fallback.
 
 Precedence of the default store: the call's argument, then
-:func:`set_default_store`, then ``GATHERSTORE_STORE``, then ``"auto"``.
+``set_default_store``, then ``GATHERSTORE_STORE``, then ``"auto"``.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def default_tmpdir_base() -> str:
 class TmpdirStore(FileStore):
     """A private job directory under a node-local base (``tmpdir`` or ``tmpdir:///base``).
 
-    The base defaults to :func:`default_tmpdir_base` (/dev/shm when it has
+    The base defaults to ``default_tmpdir_base`` (/dev/shm when it has
     room).  Fine on one machine; across machines use ``file:///<shared dir>``.
     Parts are not signed by default: the job directory is mode 0700 on a
     local filesystem, reachable only by the job's own user, so the base must
