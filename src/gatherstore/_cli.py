@@ -11,7 +11,6 @@ import json
 import platform
 import sys
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
@@ -28,7 +27,7 @@ from ._errors import first_line
 from ._launch import joined_from_env
 from ._version import version
 from .stores.base import hide_password
-from .stores.registry import ROUTES, default_store, known_schemes, open_store
+from .stores.registry import ROUTES, _entry, _scheme, default_store, open_store
 from .stores.tmpdir import default_tmpdir_base
 
 __all__ = ["main"]
@@ -52,13 +51,10 @@ def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _store_spec(spec: str) -> str:
-    scheme = urllib.parse.urlsplit(spec).scheme or spec.split(":", 1)[0]
-    if scheme not in known_schemes():
-        raise ValueError(
-            f"unknown store scheme {scheme!r} in {hide_password(spec)!r}; use tmpdir, "
-            "tmpdir:///base, file:///dir, redis://host:port/db, s3://bucket/prefix "
-            "(any fsspec protocol), collective or auto"
-        )
+    """A spec whose scheme gatherstore knows; the registry's error names its stores and
+    the closest scheme.  Nothing is opened."""
+    if spec not in ROUTES:
+        _entry(_scheme(spec))
     return spec
 
 
@@ -196,6 +192,18 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
+def _store_problem(spec: object) -> str | None:
+    """Why the default store cannot be opened (its scheme, syntax, options or package), or
+    None; nothing is connected to."""
+    if not isinstance(spec, str) or spec in ROUTES:
+        return None
+    try:
+        open_store(spec).close()
+    except (ValueError, TypeError, ImportError) as exc:
+        return f"the default store GATHERSTORE_STORE={hide_password(spec)} is unusable: {exc}"
+    return None
+
+
 def _check(args: argparse.Namespace) -> int:
     return check.run(args.store, args.nproc, args.timeout)
 
@@ -206,8 +214,13 @@ def _describe(args: argparse.Namespace) -> int:
         ranks = objects.gather_object(topology.describe(), store="collective")
     if ranks is None:
         return 0
+    spec = default_store()
+    problem = _store_problem(spec)
+    if problem:
+        print(f"gatherstore describe: warning: {problem}", file=sys.stderr)
+        info["warnings"] = [problem]
     info.update(
-        default_store=hide_password(str(default_store())),
+        default_store=hide_password(str(spec)),
         auto_threshold=objects.AUTO_THRESHOLD,
         tmpdir_base=default_tmpdir_base(),
         versions=_versions(),

@@ -123,7 +123,12 @@ class Backend(ABC):
     # --- errors at the boundary ------------------------------------------------------
     def _mapped(self, action: str) -> contextlib.AbstractContextManager[None]:
         """Backend errors of ``action`` mapped to gatherstore's (see ``failures.mapped``)."""
-        return failures.mapped(self, self.unavailable_errors, action)
+        return failures.mapped(self, self.unavailable_errors, action, self._advice)
+
+    def _advice(self, exc: BaseException) -> tuple[str, str] | None:
+        """What a backend error means for this store and what fixes it, where the
+        backend's own message would not say (e.g. a Redis that needs a password)."""
+        return None
 
     def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
         return failures.unavailable(self, action, why)

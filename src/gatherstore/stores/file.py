@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from .._errors import StoreUnavailableError
 from . import _fileio as fileio
 from . import _private as private
+from ._secrets import describe_failure
 from .base import Buffer, Store, hide_password, job_directory
 
 __all__ = ["FileStore"]
@@ -81,6 +82,12 @@ class FileStore(Store):
     @property
     def url(self) -> str:
         return f"file://{urllib.parse.quote(str(self.root))}"
+
+    def _advice(self, exc: BaseException) -> tuple[str, str] | None:
+        """A folder's failure, with a folder's fix."""
+        base = self._area_of[0].root if self._area_of is not None else self.root
+        fix = f"check that {base} exists, is a folder this user can write to, and has room"
+        return describe_failure(exc), fix
 
     # --- the folder's descriptor ---------------------------------------------------------
     def _dir(self, create: bool = False) -> int:
