@@ -141,6 +141,9 @@ def _bench(args: argparse.Namespace) -> int:
     plan = bench.Plan(
         args.sizes, args.world, args.payloads, args.repeats, args.timeout, args.map_images
     )
+    if args.quick:  # the preset's sizes; --cases still chooses
+        plan, args.ceiling_size = bench.QUICK, bench.QUICK_CEILING
+        args.cases = args.cases or bench.QUICK_CASES
     failed = bench.run(
         plan,
         patterns=args.cases,
@@ -150,8 +153,10 @@ def _bench(args: argparse.Namespace) -> int:
         ceiling_bytes=args.ceiling_size,
         json_path=args.json,
         plot_path=args.plot,
-        progress=sys.stdout.isatty(),
+        progress=sys.stderr.isatty(),
     )
+    if args.quick:
+        print(f"bench: {bench.FULL_RUN}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -258,6 +263,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--world", type=_argtype(_ints), default=[2, 4], help="world sizes (2,4)")
     p.add_argument("--repeats", type=_argtype(_positive_int), default=3, help="median of (3)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first look in under 30 s: 32MB, W=2, 4 cases, 1 repeat (sizes flags ignored)",
+    )
     p.add_argument(
         "--cases",
         type=_names,
