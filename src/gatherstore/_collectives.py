@@ -24,6 +24,7 @@ from . import _control as control
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, MismatchError, ProcessGroupError
+from ._errors import seconds as format_seconds
 
 __all__ = [
     "Number",
@@ -96,8 +97,8 @@ def run_op(what: str, start: Callable[[], Any], seconds: float | None, ends: flo
         if not done:
             raise ProcessGroupError(
                 f"{what}: every rank arrived but the collective did not finish within "
-                f"{seconds:g} s; a rank died or stalled in it (the process group may be "
-                "unusable now)"
+                f"{format_seconds(seconds)} s; a rank died or stalled in it (the process group "
+                "may be unusable now)"
             )
 
 

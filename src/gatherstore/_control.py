@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from . import _world as world
-from ._errors import GatherTimeout, MismatchError, RemoteRankError
+from ._errors import GatherTimeout, MismatchError, RemoteRankError, seconds
 from ._exchange import HOST_GRACE, Outcome, Summarize, exchange_on, late_error, summary_of
 
 __all__ = [
@@ -258,7 +258,7 @@ def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: boo
         host = "rank 0, which hosts" if rank0_hosts else "the launcher, which hosts"
         raise GatherTimeout(
             f"{what}: {host} the job's rendezvous store, did not answer within "
-            f"{timeout + HOST_GRACE:g} s; it is frozen or unreachable (end the job: its "
+            f"{seconds(timeout + HOST_GRACE)} s; it is frozen or unreachable (end the job: its "
             "process group cannot go on without that store)",
             ranks=[0] if rank0_hosts else [],
             timeout=timeout,

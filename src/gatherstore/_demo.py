@@ -150,7 +150,7 @@ def run(cfg: DemoConfig, out: TextIO = sys.stdout) -> None:
         f"gatherstore demo: {cfg.nproc} ranks (gloo), store {where}\n"
         f"gathered {n_images:,} predictions ({format_bytes(nbytes)} of arrays, "
         f"{cfg.nproc} parts) on rank 0 with {how} in {seconds:.3f} s: "
-        f"{nbytes / seconds / 1e9:.3f} GB/s\n"
+        f"{nbytes / seconds / 2**20:,.1f} MiB/s\n"
         "verified: count, order (image_id == position), CRC-32 of every prediction\n"
         f"peak memory growth: {peaks}\n"
     )

@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import GatherTimeout
+from ._errors import GatherTimeout, seconds
 
 __all__ = ["HOST_GRACE", "Outcome", "Summarize", "exchange_on", "late_error", "summary_of"]
 
@@ -215,7 +215,7 @@ def _outlive_readers(store: Any, done: str, timeout: float) -> None:
 
 def late_error(what: str, late: list[int], timeout: float) -> GatherTimeout:
     return GatherTimeout(
-        f"{what}: ranks {late} did not arrive within {timeout:g} s; they are still busy, "
+        f"{what}: ranks {late} did not arrive within {seconds(timeout)} s; they are still busy, "
         "stuck, or have stopped (raise the timeout if they legitimately work longer)",
         ranks=late,
         timeout=timeout,

@@ -26,7 +26,7 @@ from torch._C import _distributed_c10d as c10d
 from . import _control as control
 from . import _world as world
 from ._config import DEFAULT_TIMEOUT
-from ._errors import GatherError, GatherTimeout, RemoteRankError
+from ._errors import GatherError, GatherTimeout, RemoteRankError, seconds
 
 __all__ = [
     "GRACE",
@@ -141,13 +141,13 @@ def transfer(start: Start, *, what: str, deadline: float, timeout: float) -> Non
             time.sleep(pause)  # in Python, not in C++: signals are handled meanwhile
             pause = min(pause * 2, _POLL_MAX)
         if not work.is_completed():
-            error = f"the transfer did not finish within {timeout:g} s"
+            error = f"the transfer did not finish within {seconds(timeout)} s"
         else:
             work.wait()
     except RuntimeError as exc:  # gloo: e.g. "Connection closed by peer", "Timed out"
         late = time.monotonic() >= deadline
         error = (
-            f"the transfer did not finish within {timeout:g} s"
+            f"the transfer did not finish within {seconds(timeout)} s"
             if late
             else f"the transfer failed: {str(exc).splitlines()[0]}"
         )

@@ -184,7 +184,7 @@ def _table(
     read = statistics.median(c[1] for c in ceilings)
     both = [sum(c) for c in ceilings]
     out.write(
-        f"share ceiling, plain file I/O of {format_bytes(moved)} (written on host 2, read on "
+        f"share ceiling, plain file I/O of {moved / 1e9:.2f} GB (written on host 2, read on "
         f"host 1): write {_gbps(moved, write)}, read {_gbps(moved, read)}, write+read "
         f"{_gbps(moved, statistics.median(both))}; runs {_each(both)}\n"
     )

@@ -22,6 +22,7 @@ import gatherstore as gs
 
 from .. import _slurm as slurm
 from .._config import to_seconds
+from .._errors import seconds as format_seconds
 from ._ignite_model import available_backends, get_local_rank, get_world_size, rank_zero_logger
 
 __all__ = ["Parallel", "finalize", "initialize", "spawn"]
@@ -78,7 +79,8 @@ def _address_through_file(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # the file this node made, waiting in vain
         raise TimeoutError(
-            f"node {node_rank}: node 0 wrote no address into {path} within {seconds:g} s; "
+            f"node {node_rank}: node 0 wrote no address into {path} within "
+            f"{format_seconds(seconds)} s; "
             "init_method='file://...' must name a file on a filesystem every node shares, "
             "and node 0 must run spawn() too"
         ) from exc
