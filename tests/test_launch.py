@@ -190,6 +190,13 @@ def test_system_exit_in_a_child_is_reported() -> None:
         gs.launch(_exit_cleanly_with_system_exit, backend="gloo")
 
 
+def run_script(path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Write ``text`` to ``path`` and run it as a main script, in its folder."""
+    path.write_text(text)
+    command = [sys.executable, str(path), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=path.parent)
+
+
 def _rank_one_cannot_ship_and_reports_late() -> Any:
     mine: Any = threading.Lock() if gs.get_rank() == 1 else gs.get_rank()
     try:
@@ -240,14 +247,7 @@ def test_a_script_s_traceback_names_its_file_line_and_failing_rank_once(
     tmp_path: Path, what: str, line: int, said: str
 ) -> None:
     script = tmp_path / "evaluate.py"
-    script.write_text(SCRIPT_FAILING_ON_RANK_1)
-    done = subprocess.run(
-        [sys.executable, str(script), what],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        cwd=tmp_path,
-    )
+    done = run_script(script, SCRIPT_FAILING_ON_RANK_1, what)
     assert done.returncode == 1
     assert f"gatherstore.RemoteRankError: rank 1 failed in launch: {said}\n" in done.stderr
     assert done.stderr.count("--- traceback of rank") == 1
@@ -268,11 +268,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 def test_a_function_the_ranks_cannot_import_goes_by_value(tmp_path: Path) -> None:
-    script = tmp_path / "guarded.py"
-    script.write_text(SCRIPT_DEFINING_UNDER_THE_GUARD)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
-    )
+    done = run_script(tmp_path / "guarded.py", SCRIPT_DEFINING_UNDER_THE_GUARD)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[0, 10]"
     code = "import gatherstore as gs\ndef f(): return gs.get_rank()\n"
@@ -292,11 +288,7 @@ print(gs.launch(lambda: 1, nproc_per_node=2, backend="gloo"))
 
 @pytest.mark.timeout(120)
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
-    script = tmp_path / "unguarded.py"
-    script.write_text(UNGUARDED_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
-    )
+    done = run_script(tmp_path / "unguarded.py", UNGUARDED_SCRIPT)
     assert done.returncode == 1
     assert "RemoteRankError" in done.stderr and "its stderr says why" in done.stderr
     assert 'call launch() under `if __name__ == "__main__":`' in done.stderr  # from the ranks
