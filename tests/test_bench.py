@@ -316,6 +316,30 @@ def test_bench_torchmetrics_map_unpatched_patched_and_on_rank_0() -> None:
     assert calls[1:] == [(0, 1), (0, 2)] and calls[0][0] > 3 * 7 and calls[0][1] == 0
 
 
+@pytest.mark.timeout(300)
+def test_bench_quick_without_tqdm_says_what_it_skips_first_and_how_to_run_all() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATHERSTORE_")}
+    code = (  # tqdm cannot be imported, as without the bench extra
+        "import sys; sys.modules['tqdm'] = None; from gatherstore._cli import main; "
+        "sys.exit(main(['bench', '--quick', '--json']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=290, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    said = result.stderr.strip().splitlines()
+    assert said[0].startswith("bench: gs.redis skipped: no Redis given (--redis URL")
+    assert said[1].startswith("bench: gs.s3 skipped: no S3 endpoint given (--s3 ENDPOINT")
+    assert said[-1].startswith("bench: a quick run (32MB, W=2, detections, 4 cases, 1 repeat)")
+    assert said[-1].endswith("gatherstore bench --services --plot bench.png")
+    cases = [json.loads(line) for line in result.stdout.splitlines()][1:]
+    assert [c["case"] for c in cases][:2] == [BASELINE, "gs.collective"]
+    assert {c["case"] for c in cases[2:]} <= {"gs.tmpdir-shm", "gs.tmpdir-disk"}
+    for case in cases:
+        assert case["error"] is None and case["size"] == "32MB" and case["world"] == 2, case
+        assert case["repeats"] == 1 and case["payload"] == "detections"
+
+
 @pytest.mark.timeout(120)
 def test_bench_unknown_case_pattern() -> None:
     result = run_bench("--cases", "nope", timeout=50)

@@ -94,6 +94,15 @@ def test_python_m_gatherstore_help() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.timeout(120)
+def test_version() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gatherstore", "--version"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert result.stdout == f"gatherstore {gs.__version__}\n"
+
+
 # --- demo -------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_demo_small() -> None:

@@ -3,6 +3,7 @@ happens at init (the default store) or is absorbed by the first call."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 import gatherstore as gs
+from gatherstore._errors import seconds as gs_seconds
 from gatherstore.stores.base import Buffer
 from gatherstore.stores.file import FileStore
 
@@ -114,3 +116,28 @@ def test_the_default_store_is_set_up_at_init(
         assert len(before) == 1 and before[0].startswith("gatherstore-"), before
         assert after == before
     assert list(tmp_path.iterdir()) == []
+
+
+def _late_rank_one() -> str:
+    if gs.get_rank() == 1:
+        time.sleep(3.0)  # arrives after rank 0's timeout, with time already spent
+    try:
+        gs.gather_object(gs.get_rank(), store="tmpdir", timeout=1.7)
+    except gs.GatherTimeout as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_is_printed_rounded() -> None:
+    said = gs.launch(_late_rank_one, nproc_per_node=2, backend="gloo")[0]
+    assert "did not arrive within" in said
+    numbers = re.findall(r"within ([0-9.e+-]+) s", said)
+    assert numbers and all(re.fullmatch(r"\d+(\.\d\d?)?", n) for n in numbers), said
+    assert [gs_seconds(x) for x in (9.99904, 1800.0, 2.54, 0.25, 59.6)] == [
+        "10",
+        "1800",
+        "2.5",
+        "0.25",
+        "60",
+    ]

@@ -238,7 +238,7 @@ def test_gatherstore_commands_in_the_docs_parse() -> None:
         for block in blocks(page):
             if block.lang in ("bash", "sh", "console"):
                 for command in _gatherstore_commands(block.body):
-                    if command and not command.startswith(("--help", "-h")):
+                    if command and not command.startswith(("--help", "-h", "--version")):
                         problems += _check_parses(str(block), command)
                         problems += _check_flags(str(block), f"gatherstore {command}")
                         checked += 1

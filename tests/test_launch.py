@@ -1,4 +1,4 @@
-"""gs.launch: results in rank order, cloudpickled callables, failures and clean-up."""
+"""gs.launch: results in rank order, shipped callables, failures and clean-up."""
 
 from __future__ import annotations
 
@@ -190,6 +190,96 @@ def test_system_exit_in_a_child_is_reported() -> None:
         gs.launch(_exit_cleanly_with_system_exit, backend="gloo")
 
 
+def run_script(path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Write ``text`` to ``path`` and run it as a main script, in its folder."""
+    path.write_text(text)
+    command = [sys.executable, str(path), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=path.parent)
+
+
+def _rank_one_cannot_ship_and_reports_late() -> Any:
+    mine: Any = threading.Lock() if gs.get_rank() == 1 else gs.get_rank()
+    try:
+        return gs.gather_object(mine, store="tmpdir", timeout=60)
+    except TypeError:
+        time.sleep(2)  # rank 0's RemoteRankError, which relays this one, reaches launch first
+        raise
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_relayed_by_rank_0_is_reported_as_the_failing_rank_s() -> None:
+    with pytest.raises(gs.RemoteRankError) as caught:
+        gs.launch(_rank_one_cannot_ship_and_reports_late, nproc_per_node=2, backend="gloo")
+    error = caught.value
+    assert error.rank == 1
+    assert str(error).startswith("rank 1 failed in launch: TypeError: cannot pickle")
+    assert str(error).count("--- traceback of rank") == 1
+    assert error.remote_traceback.count("Traceback (most recent call last)") == 1
+    assert "_rank_one_cannot_ship_and_reports_late" in error.remote_traceback
+
+
+SCRIPT_FAILING_ON_RANK_1 = """
+import threading
+import gatherstore as gs
+
+def evaluate(what):
+    if gs.get_rank() == 1:
+        if what == "raise":
+            raise ValueError("bad sample")
+        return gs.gather_object(threading.Lock(), store="tmpdir", timeout=60)
+    return gs.gather_object(0, store="tmpdir", timeout=60)
+
+if __name__ == "__main__":
+    import sys
+    gs.launch(evaluate, nproc_per_node=2, backend="gloo", args=(sys.argv[1],))
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("what", "line", "said"),
+    [
+        ("raise", 8, "ValueError: bad sample"),
+        ("unpicklable", 9, "TypeError: cannot pickle '_thread.lock' object"),
+    ],
+)
+def test_a_script_s_traceback_names_its_file_line_and_failing_rank_once(
+    tmp_path: Path, what: str, line: int, said: str
+) -> None:
+    script = tmp_path / "evaluate.py"
+    done = run_script(script, SCRIPT_FAILING_ON_RANK_1, what)
+    assert done.returncode == 1
+    assert f"gatherstore.RemoteRankError: rank 1 failed in launch: {said}\n" in done.stderr
+    assert done.stderr.count("--- traceback of rank") == 1
+    assert f'File "{script}", line {line}, in evaluate' in done.stderr
+    assert "<dynamic-code>" not in done.stderr
+
+
+SCRIPT_DEFINING_UNDER_THE_GUARD = """
+import gatherstore as gs
+
+if __name__ == "__main__":
+    def evaluate():
+        return gs.get_rank() * 10
+
+    print(gs.launch(evaluate, nproc_per_node=2, backend="gloo"))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_function_the_ranks_cannot_import_goes_by_value(tmp_path: Path) -> None:
+    done = run_script(tmp_path / "guarded.py", SCRIPT_DEFINING_UNDER_THE_GUARD)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 10]"
+    code = "import gatherstore as gs\ndef f(): return gs.get_rank()\n"
+    code += "print(gs.launch(f, nproc_per_node=2))"  # python -c: the ranks run no main script
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1]"
+
+
 UNGUARDED_SCRIPT = """
 import gatherstore as gs
 print(gs.launch(lambda: 1, nproc_per_node=2, backend="gloo"))
@@ -198,11 +288,7 @@ print(gs.launch(lambda: 1, nproc_per_node=2, backend="gloo"))
 
 @pytest.mark.timeout(120)
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
-    script = tmp_path / "unguarded.py"
-    script.write_text(UNGUARDED_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
-    )
+    done = run_script(tmp_path / "unguarded.py", UNGUARDED_SCRIPT)
     assert done.returncode == 1
     assert "RemoteRankError" in done.stderr and "its stderr says why" in done.stderr
     assert 'call launch() under `if __name__ == "__main__":`' in done.stderr  # from the ranks

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +69,13 @@ PUBLIC = {
 def test_all_is_pinned() -> None:
     assert set(gs.__all__) == PUBLIC
     assert len(gs.__all__) == len(set(gs.__all__))
+
+
+def test_the_version_is_pyproject_s() -> None:
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)
+    assert declared is not None
+    assert gs.__version__ == metadata.version("gatherstore") == declared.group(1)
 
 
 def test_every_name_resolves() -> None:

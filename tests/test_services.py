@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -208,23 +209,41 @@ def _compose(compose_file: Path, *args: str) -> subprocess.CompletedProcess[str]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
+def _services(*args: str) -> dict[str, Any]:
+    result = _compose(ROOT / "docker-compose.yml", "config", "--format", "json", *args)
+    assert result.returncode == 0, result.stderr
+    services: dict[str, Any] = json.loads(result.stdout)["services"]
+    return services
+
+
 @pytest.mark.timeout(120)
 def test_docker_compose_file_is_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GATHERSTORE_S3_KEY", raising=False)
     monkeypatch.delenv("GATHERSTORE_S3_SECRET", raising=False)
-    monkeypatch.setenv("GATHERSTORE_S3_KEY", "me")
-    unset = _compose(ROOT / "docker-compose.yml", "config", "-q")
-    assert unset.returncode != 0 and "GATHERSTORE_S3_SECRET" in unset.stderr
-    monkeypatch.setenv("GATHERSTORE_S3_SECRET", "a-secret-of-mine")
-    assert _compose(ROOT / "docker-compose.yml", "config", "-q").returncode == 0
-    result = _compose(ROOT / "docker-compose.yml", "config", "--format", "json")
-    assert result.returncode == 0, result.stderr
-    compose = json.loads(result.stdout)["services"]
+    # each service alone needs none of the other's settings: `docker compose up -d redis`
+    assert list(_services("redis")) == ["redis"]
+    compose = _services()
     assert {s: [p["target"] for p in compose[s]["ports"]] for s in compose} == {
         "redis": [6379],
         "s3": [8333],
     }
     assert all(compose[s]["healthcheck"]["test"] for s in compose)
-    environment = compose["s3"]["environment"]
+    # the S3 server refuses to start without credentials, and says which to export
+    (command,) = compose["s3"]["command"]
+    started = subprocess.run(
+        ["/bin/sh", "-c", command.replace("$$", "$")],
+        env={"S3_KEY": "", "S3_SECRET": "", "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert started.returncode == 64
+    assert (
+        "export GATHERSTORE_S3_KEY" in started.stderr and "GATHERSTORE_S3_SECRET" in started.stderr
+    )
+    monkeypatch.setenv("GATHERSTORE_S3_KEY", "me")
+    monkeypatch.setenv("GATHERSTORE_S3_SECRET", "a-secret-of-mine")
+    environment = _services()["s3"]["environment"]
     assert (environment["S3_KEY"], environment["S3_SECRET"]) == ("me", "a-secret-of-mine")
 
 

@@ -55,8 +55,6 @@ if _TYPE_CHECKING:
     )
     from .stores.registry import open_store, register_store, set_default_store
 
-__version__ = "0.1.0"
-
 #: Where each lazily loaded public name is defined.
 _LAZY = {
     **dict.fromkeys(
@@ -153,6 +151,11 @@ del _cls
 
 
 def __getattr__(name: str) -> _Any:
+    if name == "__version__":  # pyproject.toml's, from the installed metadata
+        from ._version import version
+
+        globals()[name] = version()
+        return globals()[name]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gatherstore' has no attribute {name!r}")

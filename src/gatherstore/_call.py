@@ -1,11 +1,11 @@
 """One object collective on one rank: its deadline, its part, and the plan every rank agrees on.
 
-:class:`Call` carries this rank's side of a call: the one :class:`Deadline` every
+``Call`` carries this rank's side of a call: the one ``Deadline`` every
 phase shares, this rank's encoded part until a route sends it, and the exchanges
-that make every rank raise together.  :meth:`Call.agree` builds and encodes this
+that make every rank raise together.  ``Call.agree`` builds and encodes this
 rank's object, exchanges (status, size, free memory) with every rank, and returns
-the frozen :class:`~gatherstore._plan.Plan` whose route then moves the parts (see
-:mod:`gatherstore._routes`).
+the frozen ``gatherstore._plan.Plan`` whose route then moves the parts (see
+``gatherstore._routes``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Call:
         note_timeout(self.deadline.timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.spec = resolve(store)
-        #: This rank's encoded part, until a route takes it (see :meth:`take_frame`).
+        #: This rank's encoded part, until a route takes it (see ``take_frame``).
         self.frame: serialize.Frame | None = None
         self.route = str(self.spec)  # named in the log line; the plan's route once agreed
         self.total = 0
@@ -86,7 +86,7 @@ class Call:
                 its object (that rank raises its own error).
             MismatchError: ranks disagree on the store or the dst/src.
             GatherTimeout: ranks that did not arrive in time.
-            InsufficientMemoryError / GatherError: see :func:`gatherstore._plan.settle`.
+            InsufficientMemoryError / GatherError: see ``gatherstore._plan.settle``.
         """
         own: Any = None
         error: BaseException | None = None

@@ -42,11 +42,9 @@ def _roundtrip(spec: str) -> dict[str, Any]:
         start = time.perf_counter()
         try:
             _, locator = create_area(store)
-        except OSError as exc:
+        except OSError as exc:  # the store's message says what to check
             raise StoreUnavailableError(
-                f"store {store} cannot create a job area: {exc}; check that the base "
-                "directory exists and is writable by this user",
-                store=str(store),
+                f"store {store} cannot create a job area: {exc}", store=str(store)
             ) from exc
         facts: dict[str, Any] = {"store": demo.describe_store(spec)}
         try:

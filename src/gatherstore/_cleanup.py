@@ -1,10 +1,10 @@
 """``gatherstore gc``: remove the job areas of jobs that are gone.
 
-A job area is what :mod:`gatherstore._session` creates at a store's first use:
+A job area is what ``gatherstore._session`` creates at a store's first use:
 on tmpdir/file stores a directory ``gatherstore-<job>-*`` under the base
 directory, on key stores the prefix ``gatherstore/<job>/``; each holds a
 ``marker`` (JSON: job id, creation time) and a ``heartbeat`` that the job's
-rank 0 rewrites while it runs (see :mod:`gatherstore._heartbeat`).  An area is
+rank 0 rewrites while it runs (see ``gatherstore._heartbeat``).  An area is
 removed only when its job shows no sign of life: its last beat (else its
 creation) is older than ``--older-than`` and than ``MISSED`` beat intervals,
 and, seen from the host that beat, the beating process no longer runs.  Age

@@ -11,7 +11,6 @@ import json
 import platform
 import sys
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
@@ -26,8 +25,9 @@ from ._bench.payloads import KINDS
 from ._cleanup import collect, parse_duration
 from ._errors import first_line
 from ._launch import joined_from_env
+from ._version import version
 from .stores.base import hide_password
-from .stores.registry import ROUTES, default_store, known_schemes, open_store
+from .stores.registry import ROUTES, _entry, _scheme, default_store, open_store
 from .stores.tmpdir import default_tmpdir_base
 
 __all__ = ["main"]
@@ -51,13 +51,10 @@ def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _store_spec(spec: str) -> str:
-    scheme = urllib.parse.urlsplit(spec).scheme or spec.split(":", 1)[0]
-    if scheme not in known_schemes():
-        raise ValueError(
-            f"unknown store scheme {scheme!r} in {hide_password(spec)!r}; use tmpdir, "
-            "tmpdir:///base, file:///dir, redis://host:port/db, s3://bucket/prefix "
-            "(any fsspec protocol), collective or auto"
-        )
+    """A spec whose scheme gatherstore knows; the registry's error names its stores and
+    the closest scheme.  Nothing is opened."""
+    if spec not in ROUTES:
+        _entry(_scheme(spec))
     return spec
 
 
@@ -144,6 +141,9 @@ def _bench(args: argparse.Namespace) -> int:
     plan = bench.Plan(
         args.sizes, args.world, args.payloads, args.repeats, args.timeout, args.map_images
     )
+    if args.quick:  # the preset's sizes; --cases still chooses
+        plan, args.ceiling_size = bench.QUICK, bench.QUICK_CEILING
+        args.cases = args.cases or bench.QUICK_CASES
     failed = bench.run(
         plan,
         patterns=args.cases,
@@ -153,8 +153,10 @@ def _bench(args: argparse.Namespace) -> int:
         ceiling_bytes=args.ceiling_size,
         json_path=args.json,
         plot_path=args.plot,
-        progress=sys.stdout.isatty(),
+        progress=sys.stderr.isatty(),
     )
+    if args.quick:
+        print(f"bench: {bench.FULL_RUN}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -195,6 +197,18 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
+def _store_problem(spec: object) -> str | None:
+    """Why the default store cannot be opened (its scheme, syntax, options or package), or
+    None; nothing is connected to."""
+    if not isinstance(spec, str) or spec in ROUTES:
+        return None
+    try:
+        open_store(spec).close()
+    except (ValueError, TypeError, ImportError) as exc:
+        return f"the default store GATHERSTORE_STORE={hide_password(spec)} is unusable: {exc}"
+    return None
+
+
 def _check(args: argparse.Namespace) -> int:
     return check.run(args.store, args.nproc, args.timeout)
 
@@ -205,8 +219,13 @@ def _describe(args: argparse.Namespace) -> int:
         ranks = objects.gather_object(topology.describe(), store="collective")
     if ranks is None:
         return 0
+    spec = default_store()
+    problem = _store_problem(spec)
+    if problem:
+        print(f"gatherstore describe: warning: {problem}", file=sys.stderr)
+        info["warnings"] = [problem]
     info.update(
-        default_store=hide_password(str(default_store())),
+        default_store=hide_password(str(spec)),
         auto_threshold=objects.AUTO_THRESHOLD,
         tmpdir_base=default_tmpdir_base(),
         versions=_versions(),
@@ -222,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gatherstore", description="Gather large Python objects across PyTorch ranks."
     )
+    parser.add_argument("--version", action="version", version=f"gatherstore {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     store = _argtype(_store_spec)
 
@@ -243,6 +263,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--world", type=_argtype(_ints), default=[2, 4], help="world sizes (2,4)")
     p.add_argument("--repeats", type=_argtype(_positive_int), default=3, help="median of (3)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first look in under 30 s: 32MB, W=2, 4 cases, 1 repeat (sizes flags ignored)",
+    )
     p.add_argument(
         "--cases",
         type=_names,

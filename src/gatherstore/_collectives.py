@@ -1,6 +1,6 @@
 """Tensor collectives, the fast path: NCCL on GPU, gloo on CPU; numbers accepted too.
 
-Also the helpers the other tensor-path modules share (:mod:`gatherstore._dicts`):
+Also the helpers the other tensor-path modules share (``gatherstore._dicts``):
 running one op with or without a timeout, the reduce ops, the device of the
 default group.
 """
@@ -24,6 +24,7 @@ from . import _control as control
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, MismatchError, ProcessGroupError
+from ._errors import seconds as format_seconds
 
 __all__ = [
     "Number",
@@ -96,8 +97,8 @@ def run_op(what: str, start: Callable[[], Any], seconds: float | None, ends: flo
         if not done:
             raise ProcessGroupError(
                 f"{what}: every rank arrived but the collective did not finish within "
-                f"{seconds:g} s; a rank died or stalled in it (the process group may be "
-                "unusable now)"
+                f"{format_seconds(seconds)} s; a rank died or stalled in it (the process group "
+                "may be unusable now)"
             )
 
 
@@ -184,7 +185,7 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
     reduced in float64 (exact for integers up to 2**53), so ranks may mix ints
     and floats; an int comes back as an int when the result is whole and
     ``op`` is not "mean".  ``timeout`` (seconds or a timedelta) bounds the call:
-    see :func:`all_gather_tensor`.
+    see [`all_gather_tensor`][gatherstore.all_gather_tensor].
 
     Raises:
         ValueError: unknown ``op`` or a bad ``timeout``.
@@ -287,11 +288,12 @@ def broadcast_tensor(
 ) -> torch.Tensor:
     """``src``'s tensor on every rank; other ranks may pass None (shape travels too).
 
-    ``timeout``: as in :func:`all_gather_tensor`.
+    ``timeout``: as in [`all_gather_tensor`][gatherstore.all_gather_tensor].
 
     Raises:
         ValueError: the source rank passed None, or a bad ``timeout``.
-        GatherTimeout / ProcessGroupError: as in :func:`all_gather_tensor`.
+        GatherTimeout / ProcessGroupError: as in
+            [`all_gather_tensor`][gatherstore.all_gather_tensor].
     """
     seconds = valid_timeout(timeout)
     ends = time.monotonic() + (seconds or 0.0)

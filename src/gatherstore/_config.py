@@ -99,7 +99,7 @@ DEFAULT_TIMEOUT = _seconds_setting("GATHERSTORE_TIMEOUT", 1800.0)
 
 #: Bytes a reader of stored parts reads ahead of its consumer by default
 #: (``GATHERSTORE_READ_AHEAD`` overrides it, e.g. ``256MB``); never more than
-#: :data:`READ_AHEAD_SHARE` of the memory the check found free.  32 MiB keeps
+#: ``READ_AHEAD_SHARE`` of the memory the check found free.  32 MiB keeps
 #: 32 requests of small parts in flight and several chunks of big ones, and
 #: stays a small share of what a gather returns.
 DEFAULT_READ_AHEAD = _size_setting("GATHERSTORE_READ_AHEAD", "32MiB")
@@ -144,7 +144,7 @@ def heartbeat_interval() -> float:
 
 def read_ahead(explicit: int | None, headroom: int) -> int:
     """The read-ahead budget in bytes: ``explicit`` (a call's ``read_ahead=``), else the
-    default capped at 1/:data:`READ_AHEAD_SHARE` of ``headroom``; at least 1 byte
+    default capped at 1/``READ_AHEAD_SHARE`` of ``headroom``; at least 1 byte
     (then parts are read one at a time, on demand).
 
     Raises:

@@ -1,20 +1,20 @@
 """The control plane: small byte exchanges through the job's rendezvous store.
 
 Every coordination step (status/size exchange, barriers with a timeout, the
-shared tmpdir path, the signing key) rides on :func:`exchange`: each rank
+shared tmpdir path, the signing key) rides on ``exchange``: each rank
 publishes a few bytes under a key of the job's c10d store (the TCPStore that
 ``init_process_group`` already runs); the last rank to arrive gathers all keys
 once into one value, and every rank waits, with its own timeout, for that value
 (O(W) requests per exchange, not W reads by each of W ranks).  Equal values are
 sent once, so an exchange where every rank says the same (a barrier, "written")
-costs O(W) bytes, and :func:`exchange_summary` sends every rank only a summary
+costs O(W) bytes, and ``exchange_summary`` sends every rank only a summary
 computed once, and all values only to the ranks that need them (a gather's
 destination): O(W) bytes where an all-gather of statuses costs W².  A timeout names
 exactly the ranks whose keys are missing, on every rank, and breaks nothing:
 unlike a gloo recv that times out (which closes the connection for good), a
 store wait can simply be given up.  Nothing
 here touches GPU memory or the NCCL watchdog.
-The protocol itself is :mod:`gatherstore._exchange`; here is the job's use of it:
+The protocol itself is ``gatherstore._exchange``; here is the job's use of it:
 its numbered steps, call labels, one call at a time per process, and bounds
 against a frozen store host.
 """
@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from . import _world as world
-from ._errors import GatherTimeout, MismatchError, RemoteRankError
+from ._errors import GatherTimeout, MismatchError, RemoteRankError, seconds
 from ._exchange import HOST_GRACE, Outcome, Summarize, exchange_on, late_error, summary_of
 
 __all__ = [
@@ -93,7 +93,7 @@ def is_initialized() -> bool:
 
 
 def _current() -> dict[str, Any]:
-    """The job's control store and step counter (see :mod:`._world`)."""
+    """The job's control store and step counter (see ``_world``)."""
     state = world.state("control")
     if not state:
         base = dist.distributed_c10d._get_default_store()
@@ -135,7 +135,7 @@ def hosts(timeout: float) -> list[str]:
 
 def step() -> int:
     """The number of exchanges this job has run: the same on every rank between two
-    exchanges, so it names the current call (e.g. keys of its own on :func:`store`)."""
+    exchanges, so it names the current call (e.g. keys of its own on ``store``)."""
     return int(_current()["step"])
 
 
@@ -146,7 +146,7 @@ def store() -> Any:
 
 def bounded(run: Callable[[], Any], timeout: float, what: str) -> Any:
     """``run()`` (requests to the rendezvous store), given up on after ``timeout`` plus
-    :data:`HOST_GRACE` s where a rank other than this one hosts the store (a frozen
+    ``HOST_GRACE`` s where a rank other than this one hosts the store (a frozen
     host would otherwise block the request for the store's own timeout).
 
     Raises:
@@ -185,12 +185,12 @@ def exchange_summary(
     summarize: Summarize | None = None,
     full: Collection[int] | None = None,
 ) -> tuple[list[bytes] | None, bytes | None]:
-    """:func:`exchange`, where every rank gets ``summarize(payloads)`` (computed once,
+    """``exchange``, where every rank gets ``summarize(payloads)`` (computed once,
     on one rank) and only the ranks in ``full`` (default: all) get the payloads.
 
     Returns ``(payloads or None, summary or None)``.  Where ``summarize`` returns
     None (say, a rank reported a failure) or raises, every rank gets the payloads
-    and no summary.  Raises as :func:`exchange` does.
+    and no summary.  Raises as ``exchange`` does.
     """
     if not is_initialized() or dist.get_world_size() == 1:
         return [payload], summary_of(summarize, [payload])
@@ -232,7 +232,7 @@ def exchange_summary(
 
 
 def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: bool) -> Any:
-    """``run()`` in a thread, given up on after ``timeout`` plus :data:`HOST_GRACE` s.
+    """``run()`` in a thread, given up on after ``timeout`` plus ``HOST_GRACE`` s.
 
     A c10d store client waits on a frozen (stopped, not dead) store host for the
     store's own timeout, whatever the timeout of the wait: bounding the exchange
@@ -258,7 +258,7 @@ def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: boo
         host = "rank 0, which hosts" if rank0_hosts else "the launcher, which hosts"
         raise GatherTimeout(
             f"{what}: {host} the job's rendezvous store, did not answer within "
-            f"{timeout + HOST_GRACE:g} s; it is frozen or unreachable (end the job: its "
+            f"{seconds(timeout + HOST_GRACE)} s; it is frozen or unreachable (end the job: its "
             "process group cannot go on without that store)",
             ranks=[0] if rank0_hosts else [],
             timeout=timeout,
@@ -270,8 +270,8 @@ def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: boo
 
 @atexit.register
 def _let_waits_end() -> None:
-    """Give store waits still under way up to :data:`EXIT_WAIT` s to end before the
-    interpreter shuts down: those of a call that Ctrl-C cut short (in :func:`_bounded`),
+    """Give store waits still under way up to ``EXIT_WAIT`` s to end before the
+    interpreter shuts down: those of a call that Ctrl-C cut short (in ``_bounded``),
     or that gave up on a frozen store host.
 
     A wait that returns during shutdown ends its thread inside torch's C++ frames,

@@ -2,10 +2,10 @@
 
 Each of N local processes holds the detector-like predictions of a
 DistributedSampler split (rank r: images r, r+N, ...; see
-:mod:`gatherstore._bench.payloads`) and sends a CRC-32 per prediction ahead
+``gatherstore._bench.payloads``) and sends a CRC-32 per prediction ahead
 over the process group.  Rank 0 gathers everything in dataset order with
-:func:`gatherstore.collect_results` (or, with ``stream``, part by part with
-:func:`gatherstore.gather_iter` behind a progress bar) and verifies the count,
+``gatherstore.collect_results`` (or, with ``stream``, part by part with
+``gatherstore.gather_iter`` behind a progress bar) and verifies the count,
 the order and every checksum.
 """
 
@@ -150,7 +150,7 @@ def run(cfg: DemoConfig, out: TextIO = sys.stdout) -> None:
         f"gatherstore demo: {cfg.nproc} ranks (gloo), store {where}\n"
         f"gathered {n_images:,} predictions ({format_bytes(nbytes)} of arrays, "
         f"{cfg.nproc} parts) on rank 0 with {how} in {seconds:.3f} s: "
-        f"{nbytes / seconds / 1e9:.3f} GB/s\n"
+        f"{nbytes / seconds / 2**20:,.1f} MiB/s\n"
         "verified: count, order (image_id == position), CRC-32 of every prediction\n"
         f"peak memory growth: {peaks}\n"
     )

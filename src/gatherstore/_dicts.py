@@ -69,13 +69,14 @@ def all_reduce_dict(
     """Reduce every value of ``d`` in one flattened collective, keys sorted.
 
     Values are tensors or numbers; each comes back in its own type and shape
-    (numbers as in :func:`all_reduce`; integer tensors as floating point under
-    "mean"), in a new dict with sorted keys.  ``timeout``: as in :func:`all_reduce`.
+    (numbers as in [`all_reduce`][gatherstore.all_reduce]; integer tensors as floating
+    point under "mean"), in a new dict with sorted keys.  ``timeout``: as in
+    [`all_reduce`][gatherstore.all_reduce].
 
     Raises:
         ValueError: unknown ``op`` or a bad ``timeout``.
         MismatchError: ranks' keys or shapes differ (names them, on every rank).
-        GatherTimeout / ProcessGroupError: as in :func:`all_reduce`.
+        GatherTimeout / ProcessGroupError: as in [`all_reduce`][gatherstore.all_reduce].
     """
     return _reduce_dict(d, op, dst=None, timeout=timeout)
 
@@ -86,10 +87,11 @@ def reduce_dict(
 ) -> dict[str, Any]:
     """Reduce ``d`` onto ``dst`` (mean or sum); other ranks get ``d`` back unchanged.
 
-    ``timeout``: as in :func:`all_reduce`.
+    ``timeout``: as in [`all_reduce`][gatherstore.all_reduce].
 
     Raises:
-        MismatchError / GatherTimeout / ProcessGroupError: as :func:`all_reduce_dict`.
+        MismatchError / GatherTimeout / ProcessGroupError: as
+            [`all_reduce_dict`][gatherstore.all_reduce_dict].
     """
     return _reduce_dict(d, "mean" if average else "sum", dst=dst, timeout=timeout)
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "first_line",
+    "seconds",
     "GatherError",
     "GatherTimeout",
     "InsufficientMemoryError",
@@ -151,3 +152,9 @@ def first_line(exc: BaseException) -> str:
         exc.remote_message if isinstance(exc, RemoteRankError) else f"{type(exc).__name__}: {exc}"
     )
     return (text.strip().splitlines() or [type(exc).__name__])[0]
+
+
+def seconds(value: float) -> str:
+    """A duration for a message, rounded: ``10`` for 9.99904, ``2.5``, ``0.25``, ``1800``
+    (a timeout is often the time left, which no one wants to read to the microsecond)."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"

@@ -7,7 +7,7 @@ with its own timeout.  Equal values are sent once.  On a timeout one rank judges
 which keys are missing and publishes that verdict instead, so every rank, and a
 late rank once it arrives, raises the same error naming the same ranks.  The
 job-level use of it (steps, labels, bounds against a frozen store host) is
-:mod:`gatherstore._control`.
+``gatherstore._control``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import GatherTimeout
+from ._errors import GatherTimeout, seconds
 
 __all__ = ["HOST_GRACE", "Outcome", "Summarize", "exchange_on", "late_error", "summary_of"]
 
@@ -187,7 +187,7 @@ def _pack(values: list[bytes]) -> bytes:
 
 
 def _unpack(packed: bytes) -> list[bytes]:
-    """What :func:`_pack` packed."""
+    """What ``_pack`` packed."""
     body = memoryview(packed)[len(_VALUES) :]
     count, kinds = struct.unpack_from("<II", body)
     runs = struct.unpack_from(f"<{2 * count}I", body, 8)
@@ -215,7 +215,7 @@ def _outlive_readers(store: Any, done: str, timeout: float) -> None:
 
 def late_error(what: str, late: list[int], timeout: float) -> GatherTimeout:
     return GatherTimeout(
-        f"{what}: ranks {late} did not arrive within {timeout:g} s; they are still busy, "
+        f"{what}: ranks {late} did not arrive within {seconds(timeout)} s; they are still busy, "
         "stuck, or have stopped (raise the timeout if they legitimately work longer)",
         ranks=late,
         timeout=timeout,

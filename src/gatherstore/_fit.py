@@ -1,9 +1,9 @@
 """What a route needs of each node's memory, and whether it fits: checked before any data moves.
 
 Before any data moves every rank reports its node's headroom and the free space
-of /dev/shm (see :mod:`gatherstore._memory`); one rank computes each kind of
-route's per-node shortfalls (:func:`shortfalls`) for all, and every rank raises
-:class:`~gatherstore.InsufficientMemoryError` together (:func:`check`) when the
+of /dev/shm (see ``gatherstore._memory``); one rank computes each kind of
+route's per-node shortfalls (``shortfalls``) for all, and every rank raises
+``gatherstore.InsufficientMemoryError`` together (``check``) when the
 chosen route does not fit.
 """
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NEEDS", "NodeNeed", "check", "route_need", "shortfalls"]
 
-#: The kinds of memory need a route has (see :func:`route_need`): how each moves parts
+#: The kinds of memory need a route has (see ``route_need``): how each moves parts
 #: (a route's ``need``), not the routes a user picks.
 NEEDS = ("collective", "shm", "store")
 
@@ -52,7 +52,7 @@ def route_need(
     ``all_receive`` marks an all-gather (parts stay until every rank has read
     them); ``streamed`` a ``gather_iter``, whose receiver holds one part at a time.
     ``rebuilt`` is what unpickling each rank's part allocates besides the part
-    (see :mod:`gatherstore._sizing`): every receiver rebuilds every other part.
+    (see ``gatherstore._sizing``): every receiver rebuilds every other part.
     ``windows`` is each rank's read-ahead budget in bytes.
 
     The collective route gives every receiver ``W`` slots of the largest part
@@ -127,7 +127,7 @@ def shortfalls(
 def check(what: str, route: Route, total: int, short: dict[str, list[str]]) -> None:
     """Raise on every rank alike when ``route`` would outgrow a node's memory.
 
-    ``short`` maps each of :data:`NEEDS` to its :func:`shortfalls` (computed once,
+    ``short`` maps each of ``NEEDS`` to its ``shortfalls`` (computed once,
     on one rank, and the same everywhere); ``total`` is the bytes gathered.
 
     Raises:

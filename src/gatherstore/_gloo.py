@@ -26,7 +26,7 @@ from torch._C import _distributed_c10d as c10d
 from . import _control as control
 from . import _world as world
 from ._config import DEFAULT_TIMEOUT
-from ._errors import GatherError, GatherTimeout, RemoteRankError
+from ._errors import GatherError, GatherTimeout, RemoteRankError, seconds
 from .stores.deadline import Deadline
 
 __all__ = [
@@ -125,11 +125,11 @@ def broadcast_op(tensor: torch.Tensor, src: int) -> Start:
 
 
 def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
-    """Run one gloo op (:func:`all_gather_op`, ...) until it ends, by ``deadline`` at the latest.
+    """Run one gloo op (``all_gather_op``, ...) until it ends, by ``deadline`` at the latest.
 
     Raises:
         GatherTimeout: ranks that did not report within the deadline plus
-            :data:`GRACE` (killed, frozen, or in another call), named.
+            ``GRACE`` (killed, frozen, or in another call), named.
         RemoteRankError: a rank's op failed; or rank 0's rendezvous store is gone.
         GatherError: every rank reported, but the op failed or timed out here.
     """
@@ -142,13 +142,13 @@ def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
             time.sleep(pause)  # in Python, not in C++: signals are handled meanwhile
             pause = min(pause * 2, _POLL_MAX)
         if not work.is_completed():
-            error = f"the transfer did not finish within {deadline.timeout:g} s"
+            error = f"the transfer did not finish within {seconds(deadline.timeout)} s"
         else:
             work.wait()
     except RuntimeError as exc:  # gloo: e.g. "Connection closed by peer", "Timed out"
         late = deadline.passed()
         error = (
-            f"the transfer did not finish within {deadline.timeout:g} s"
+            f"the transfer did not finish within {seconds(deadline.timeout)} s"
             if late
             else f"the transfer failed: {str(exc).splitlines()[0]}"
         )

@@ -115,7 +115,7 @@ _nudge = threading.Event()  # set: the timer thread looks at once (a call, or th
 
 
 def start(locator: str, store: Store, job: str) -> None:
-    """Beat in the job area ``store`` (at ``locator``) from now until :func:`stop`."""
+    """Beat in the job area ``store`` (at ``locator``) from now until ``stop``."""
     pid = os.getpid()
     me = {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid, "started": _started(pid)}
     area = _Area(store, job, config.heartbeat_interval(), fields=me)

@@ -8,7 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import traceback
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -21,6 +21,7 @@ from . import _control as control
 from . import _gloo as gloo
 from . import _published as publication
 from . import _session as session
+from . import _shipping as shipping
 from . import _signals as signals
 from . import _slurm as slurm
 from . import _topology as topology
@@ -97,7 +98,9 @@ def launch(
     joins the process group (``backend="auto"``: NCCL when every local rank has
     its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
     and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
-    lambdas and closures included.  ``timeout`` is the process group's timeout.
+    lambdas and closures included; one the ranks can import (a function of the
+    main script or of a module) goes by reference, so that tracebacks name its
+    file and line.  ``timeout`` is the process group's timeout.
 
     When a child fails or dies, or this process is interrupted (Ctrl-C), the
     other children are stopped as torchrun does (SIGTERM, a grace period in
@@ -108,8 +111,9 @@ def launch(
         The local ranks' return values, in rank order.
 
     Raises:
-        RemoteRankError: a child raised or died; names its rank and carries its
-            traceback text.  The other children are stopped first.
+        RemoteRankError: a child raised or died; names the rank the failure
+            started on (not a rank that only relays it) and carries its traceback
+            text.  The other children are stopped first.
         ValueError: bad arguments (e.g. no ``master_port`` for several nodes).
         RuntimeError: called while a new rank imports the main script, i.e. the
             script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
@@ -131,7 +135,7 @@ def launch(
         )
     seconds = to_seconds(timeout)
     chosen = _pick_backend(backend, nproc_per_node)
-    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
     world_size = nproc_per_node * nnodes
     server = None
     if master_port is None:
@@ -185,33 +189,50 @@ def launch(
 
 
 def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list[Any]:
-    """Wait for every child's result; on the first failure raise it."""
+    """Wait for every child's result; on the first failure raise it, naming the rank it
+    started on: a child that relays another local rank's failure waits (a grace period)
+    for that rank's own report."""
     results: list[Any] = [None] * len(procs)
     pending = dict(enumerate(conns))
+    relayed: RemoteRankError | None = None
+    deadline = float("inf")
     while pending:
-        ready = wait(list(pending.values()) + [procs[i].sentinel for i in pending])
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        sentinels = [procs[i].sentinel for i in pending]
+        ready = wait(list(pending.values()) + sentinels, None if relayed is None else left)
         for i, conn in list(pending.items()):
             rank = first_rank + i
             if conn in ready or conn.poll():
                 try:
-                    status, value, tb = conn.recv()
+                    status, value = conn.recv()
                 except EOFError:
-                    status, value, tb = "error", "", ""
+                    status, value = "died", None
                 del pending[i]
                 if status == "ok":
                     results[i] = cloudpickle.loads(value)
                     continue
                 procs[i].join(timeout=_KILL_GRACE)
-                message = value or _died(procs[i].exitcode)
-                raise RemoteRankError(rank, message, remote_traceback=tb, context="launch")
-            if procs[i].sentinel in ready and not conn.poll():
-                procs[i].join()
-                del pending[i]
-                raise RemoteRankError(
-                    rank,
-                    _died(procs[i].exitcode),
+                if status == "died":
+                    raise RemoteRankError(rank, _died(procs[i].exitcode), context="launch")
+                failure: shipping.Failure = value
+                error = RemoteRankError(
+                    failure.origin,
+                    failure.message,
+                    remote_traceback=failure.traceback,
                     context="launch",
                 )
+                if failure.origin == rank or failure.origin - first_rank not in pending:
+                    raise error
+                if relayed is None:  # the failing rank's own report follows: wait for it
+                    relayed, deadline = error, time.monotonic() + _KILL_GRACE
+            elif procs[i].sentinel in ready:
+                procs[i].join()
+                del pending[i]
+                raise RemoteRankError(rank, _died(procs[i].exitcode), context="launch")
+    if relayed is not None:
+        raise relayed
     return results
 
 
@@ -238,18 +259,24 @@ def _died(exitcode: int | None) -> str:
 
 
 def _child(
-    payload: bytes, env: dict[str, str], backend: str, timeout: Timeout, conn: Connection
+    payload: tuple[bytes | None, bytes | None, bytes],
+    env: dict[str, str],
+    backend: str,
+    timeout: Timeout,
+    conn: Connection,
 ) -> None:
     os.environ.update(env)
     try:
-        fn, args, kwargs = cloudpickle.loads(payload)
+        reference, value, arguments = payload
+        fn = shipping.load_function(reference, value)
+        args, kwargs = cloudpickle.loads(arguments)
         _join(backend, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), timeout)
         result = fn(*args, **kwargs)
         shutdown()
-        message: tuple[str, Any, str] = ("ok", cloudpickle.dumps(result), "")
+        message: tuple[str, Any] = ("ok", cloudpickle.dumps(result))
     except BaseException as exc:  # report everything, SystemExit included
         # report first: the parent stops the other ranks, so shutdown cannot hang
-        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        conn.send(("error", shipping.failure_of(exc, int(env["RANK"]))))
         conn.close()
         shutdown(wait=False)
         return

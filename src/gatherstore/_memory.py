@@ -4,7 +4,7 @@ The kernel kills a process that outgrows its memory cgroup, and /dev/shm holds
 its files in the same RAM.  The headroom is ``MemAvailable``, capped by every
 enclosing cgroup's limit minus its usage (v1 and v2, less the page cache the
 kernel drops first); the free space of /dev/shm is reported beside it.  What a
-route needs of it is :mod:`gatherstore._fit`'s.
+route needs of it is ``gatherstore._fit``'s.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The object collectives: every rank's object, routed over the process group or a store.
 
 Each public call checks its arguments (the same way in one process as in many),
-agrees on a plan with every rank (:meth:`gatherstore._call.Call.agree`: each rank's
+agrees on a plan with every rank (``gatherstore._call.Call.agree``: each rank's
 object is built and encoded, a failure on any rank raises on every rank, sizes and
 free memory are exchanged, the route is settled and checked to fit), then hands the
-plan to its route (:mod:`gatherstore._routes`), which moves the parts.
+plan to its route (``gatherstore._routes``), which moves the parts.
 """
 
 from __future__ import annotations
@@ -130,14 +130,15 @@ def gather_object(
 ) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on ``dst``; None on the other ranks.
 
-    ``dst``'s own entry is ``obj`` itself, as in :func:`all_gather_object`.
+    ``dst``'s own entry is ``obj`` itself, as in
+    [`all_gather_object`][gatherstore.all_gather_object].
 
-    ``progress``: as in :func:`all_gather_object`, shown on ``dst``.
+    ``progress``: as in [`all_gather_object`][gatherstore.all_gather_object], shown on ``dst``.
 
     Raises:
         InsufficientMemoryError: the parts would not fit in ``dst``'s available
             memory (raised on every rank before any data moves).
-        and the errors of :func:`all_gather_object`.
+        and the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
     check_arguments("gather_object", store, timeout, rank=("dst", dst), progress=progress)
     if not topology.is_distributed():
@@ -170,8 +171,8 @@ def gather_iter(
 
     Raises:
         ValueError: a negative ``read_ahead``, and the bad arguments of
-            :func:`all_gather_object`.
-        and the errors of :func:`gather_object`.
+            [`all_gather_object`][gatherstore.all_gather_object].
+        and the errors of [`gather_object`][gatherstore.gather_object].
     """
     check_arguments(
         "gather_iter", store, timeout, rank=("dst", dst), progress=progress, read_ahead=read_ahead
@@ -221,7 +222,7 @@ def broadcast_object(
         ValueError: a ``src`` outside the job, or a bad ``timeout`` or store URL.
         InsufficientMemoryError: the object would not fit in a receiving rank's
             available memory (raised on every rank before any data moves).
-        and the errors of :func:`all_gather_object`.
+        and the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
     check_arguments("broadcast_object", store, timeout, rank=("src", src))
     if not topology.is_distributed():

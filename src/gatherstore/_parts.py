@@ -1,15 +1,15 @@
 """Reading a stored gather back: parts in rank order, read ahead within a byte budget.
 
-The reader requests up to :data:`IN_FLIGHT` parts at once, in two batches, each
-one :meth:`Store.get_many` (a Redis pipeline, concurrent S3 GETs on one event
+The reader requests up to ``IN_FLIGHT`` parts at once, in two batches, each
+one ``Store.get_many`` (a Redis pipeline, concurrent S3 GETs on one event
 loop), so that the latency of a thousand small parts overlaps instead of adding
 up, as long as the parts read ahead of the consumer fit the call's read-ahead
-budget in bytes.  A batch holds at most :data:`BATCH_BYTES`: a batch is handed
+budget in bytes.  A batch holds at most ``BATCH_BYTES``: a batch is handed
 over whole, so large parts go one per request, and the consumer unpickles one
 while the next is read and verified.  A part larger than the budget is read
 when the consumer asks for it, so the destination holds what the consumer keeps
 plus at most the budget.  Parts are verified in the reading threads (checksums
-release the GIL), and deleted once read, in batches (:meth:`Store.discard_many`)
+release the GIL), and deleted once read, in batches (``Store.discard_many``)
 in the background.  Deleting is best effort: a finished gather is delivered, and
 parts that could not be deleted are named in a warning and left to the job area's
 removal and ``gatherstore gc``.
@@ -42,7 +42,7 @@ BATCH_BYTES = 4 << 20
 
 
 class Reading(Protocol):
-    """What a reader needs of its call (:class:`gatherstore._call.Call` is one)."""
+    """What a reader needs of its call (``gatherstore._call.Call`` is one)."""
 
     what: str
     rank: int
@@ -53,7 +53,7 @@ class Reading(Protocol):
 
 
 class Planned(Protocol):
-    """What a reader needs of its call's plan (:class:`gatherstore._plan.Plan` is one)."""
+    """What a reader needs of its call's plan (``gatherstore._plan.Plan`` is one)."""
 
     @property
     def sizes(self) -> tuple[int, ...]: ...
@@ -76,7 +76,7 @@ def fetch(
     call: Reading, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
 ) -> serialize.Verified:
     """Read and verify one part; ``fresh``: within the call's whole timeout (see
-    :meth:`Deadline.for_store`).
+    ``Deadline.for_store``).
 
     Raises:
         IntegrityError: the part is damaged, planted or replayed; names ``rank``.

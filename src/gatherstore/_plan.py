@@ -1,10 +1,10 @@
 """A call's plan: what every rank agreed on before any data moves, and the route it picks.
 
 Every rank reports (status, part size, free memory, node) in one exchange; one rank
-summarises the reports into :class:`Facts` for all, and every rank turns them into
-the same frozen :class:`Plan`: the part sizes, the route (``"auto"`` settled by total
+summarises the reports into ``Facts`` for all, and every rank turns them into
+the same frozen ``Plan``: the part sizes, the route (``"auto"`` settled by total
 size and node count, the default ``tmpdir`` moved off ``/dev/shm`` when the gather
-does not fit there), checked to fit in every node's memory.  :func:`pick` is the
+does not fit there), checked to fit in every node's memory.  ``pick`` is the
 route decision alone, pure, so that it can be tested without processes.
 """
 
@@ -60,7 +60,7 @@ class Plan:
 def facts(
     statuses: list[Any], receivers: Sequence[int], root: int | None, streamed: bool = False
 ) -> Facts | None:
-    """The :class:`Facts` of every rank's status (``streamed``: the receivers read with
+    """The ``Facts`` of every rank's status (``streamed``: the receivers read with
     ``gather_iter``); None when a rank failed or ranks are in different calls (every
     rank then needs every status, to raise the same error)."""
     if not all(s["ok"] for s in statuses) or any(
@@ -98,7 +98,7 @@ def pick(
 
 
 def settle(spec: str | Store, found: Facts, *, what: str, nodes: int) -> Route:
-    """The route for ``spec`` (see :func:`pick`), the same on every rank.
+    """The route for ``spec`` (see ``pick``), the same on every rank.
 
     Raises:
         GatherError: the route needs gatherstore's gloo group, which an earlier call broke.

@@ -31,7 +31,7 @@ def one_rank_only(
     With ``with_barrier`` the other ranks wait on the control plane (never the
     NCCL watchdog) for at most ``timeout`` seconds (None: the library default);
     if the function raises on ``rank``, the others raise
-    :class:`RemoteRankError` instead of waiting forever.
+    [`RemoteRankError`][gatherstore.RemoteRankError] instead of waiting forever.
 
     Raises:
         ValueError: a bad ``timeout`` (when decorating).

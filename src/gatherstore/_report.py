@@ -3,8 +3,8 @@
 Each step of a collective ends with an exchange of small JSON records: ``ok`` and
 the facts the step needs (sizes, free memory, ...), or a failure with its error,
 kind and traceback.  When any rank failed, every rank raises together: the rank
-that had the error raises its own, the others a :class:`RemoteRankError` naming
-the first failed rank (a :class:`StoreUnavailableError` when that rank could not
+that had the error raises its own, the others a ``RemoteRankError`` naming
+the first failed rank (a ``StoreUnavailableError`` when that rank could not
 use the store).
 """
 

@@ -1,17 +1,17 @@
 """How an object collective moves parts: a route implements every collective.
 
 A route receives the call (this rank's side: its deadline, its encoded part) and
-the :class:`~gatherstore._plan.Plan` every rank agreed on, and implements
-:meth:`~Route.all_gather`, :meth:`~Route.gather` (whole or streamed) and
-:meth:`~Route.broadcast`:
+the ``gatherstore._plan.Plan`` every rank agreed on, and implements
+``Route.all_gather``, ``Route.gather`` (whole or streamed) and
+``Route.broadcast``:
 
-- :class:`CollectiveRoute` sends the pickled parts over gatherstore's gloo group,
+- ``CollectiveRoute`` sends the pickled parts over gatherstore's gloo group,
   padded to the largest;
-- :class:`StoreRoute` writes each part under a key of the job's area in a store, and
-  the readers read them back (see :mod:`gatherstore._parts`);
-- ``StreamRoute`` (:mod:`gatherstore._stream`) sends parts point to point in chunks.
+- ``StoreRoute`` writes each part under a key of the job's area in a store, and
+  the readers read them back (see ``gatherstore._parts``);
+- ``StreamRoute`` (``gatherstore._stream``) sends parts point to point in chunks.
 
-A new route is one class here: :func:`gatherstore._plan.settle` picks it.
+A new route is one class here: ``gatherstore._plan.settle`` picks it.
 """
 
 from __future__ import annotations

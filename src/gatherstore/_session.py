@@ -8,7 +8,7 @@ key and broadcasts it over the gloo control group; it is never written to any
 store.  The job's area is removed when the process group is shut down (or at
 exit on rank 0).  When the job is stopped from outside, whoever outlives rank
 0 sweeps: every rank on SIGTERM/SIGINT (see ``_signals``), a rank that finds
-rank 0 late or its rendezvous store gone (:func:`after_failure`), and the
+rank 0 late or its rendezvous store gone (``after_failure``), and the
 ``gs.launch`` parent, which hosts the rendezvous store and reads there the
 areas rank 0 published (see ``_published``).
 """
@@ -33,7 +33,7 @@ from . import _gloo as gloo
 from . import _heartbeat as heartbeat
 from . import _published as publication
 from . import _signals as signals
-from ._errors import GatherError, GatherTimeout, RemoteRankError, StoreNotSharedError
+from ._errors import GatherError, GatherTimeout, RemoteRankError, StoreNotSharedError, seconds
 from ._report import failure, raise_failures, status
 from .stores.base import Store
 from .stores.deadline import Deadline
@@ -168,7 +168,7 @@ def _misses_marker(job: Store, timeout: float) -> str:
             job.wait([MARKER], max(0.0, looking.ends - time.monotonic()))
             return ""
         except GatherTimeout:
-            return f"no job marker within {wait:g} s"
+            return f"no job marker within {seconds(wait)} s"
         except Exception as exc:
             if looking.passed():
                 return f"{type(exc).__name__}: {exc}"[:200]

@@ -74,7 +74,7 @@ def install(cleanup: Callable[[], None]) -> None:
 
 
 def uninstall() -> None:
-    """Put back the handlers :func:`install` replaced and stop the watcher."""
+    """Put back the handlers ``install`` replaced and stop the watcher."""
     if not _state or threading.current_thread() is not threading.main_thread():
         return
     for sig, previous in _state["replaced"].items():

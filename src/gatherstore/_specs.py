@@ -1,7 +1,7 @@
 """What a ``store=`` argument names: a route (``"auto"``, ``"collective"``, ``"stream"``)
 or a store, opened once per URL.
 
-A URL is opened at its first use and the same :class:`~gatherstore.stores.Store` serves
+A URL is opened at its first use and the same ``gatherstore.stores.Store`` serves
 every later call that names it (one job area per store); the stores opened this way
 are closed when the process group is shut down.
 """

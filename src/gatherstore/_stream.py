@@ -11,14 +11,14 @@ chunk straight into the buffer of the part it returns:
   part as soon as it is in.
 
 Every send and receive waits at most for the time the call has left: a rank
-that is killed or frozen makes the waiting side raise :class:`GatherTimeout`
-(or :class:`RemoteRankError` when its connection closed) naming it, instead of
+that is killed or frozen makes the waiting side raise ``GatherTimeout``
+(or ``RemoteRankError`` when its connection closed) naming it, instead of
 hanging on the process group's own timeout, and marks gatherstore's gloo group
 broken (later calls that need it refuse at once).
 
 When the destination stops early (a ``gather_iter`` closed or dropped, a part
 that cannot be rebuilt, a sender that stalled), it tells the senders through
-the :class:`~gatherstore._halt.Halt` keys of the call on the rendezvous store, and takes the one
+the ``gatherstore._halt.Halt`` keys of the call on the rendezvous store, and takes the one
 chunk each of them may have in flight: they are released at once, with the
 destination's reason (naming the rank that stalled, or returning quietly after
 an early close), and the group stays usable.
@@ -39,7 +39,7 @@ from . import _config as config
 from . import _control as control
 from . import _gloo as gloo
 from . import _serialize as serialize
-from ._errors import GatherError, GatherTimeout, RemoteRankError
+from ._errors import GatherError, GatherTimeout, RemoteRankError, seconds
 from ._halt import RELEASE_GRACE, Halt
 from ._progress import Progress, wanted
 from ._routes import Route
@@ -85,8 +85,8 @@ def _wait(post: Callable[[], Any], peer: int, deadline: Deadline, what: str, lat
     how_on = gloo.mark_broken(what, f"rank {peer} {late}")
     if error == "timed out":
         raise GatherTimeout(
-            f"{what}: rank {peer} {late} within {deadline.timeout:g} s; it is busy, stuck or "
-            f"gone; {how_on}",
+            f"{what}: rank {peer} {late} within {seconds(deadline.timeout)} s; it is busy, "
+            f"stuck or gone; {how_on}",
             ranks=[peer],
             timeout=deadline.timeout,
         ) from None

@@ -108,7 +108,7 @@ def get_local_size() -> int:
     """Number of processes on this node (1 without a process group).
 
     Raises:
-        GatherTimeout: as in :func:`get_local_rank`.
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
     """
     return _layout().local_size
 
@@ -117,7 +117,7 @@ def get_node_rank() -> int:
     """Index of this node (0 without a process group).
 
     Raises:
-        GatherTimeout: as in :func:`get_local_rank`.
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
     """
     return _layout().node_rank
 
@@ -126,7 +126,7 @@ def get_nnodes() -> int:
     """Number of nodes in the job (1 without a process group).
 
     Raises:
-        GatherTimeout: as in :func:`get_local_rank`.
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
     """
     return _layout().nnodes
 
@@ -143,7 +143,7 @@ def device() -> torch.device:
     group, the current CUDA device when CUDA is available, else ``cpu``.
 
     Raises:
-        GatherTimeout: under NCCL, as in :func:`get_local_rank`.
+        GatherTimeout: under NCCL, as in [`get_local_rank`][gatherstore.get_local_rank].
     """
     name = backend()
     if name is not None and "nccl" in name:
@@ -157,7 +157,7 @@ def gpu_mem_usage() -> int:
     """Peak GPU memory allocated by this process on its device, in MiB (0 without CUDA).
 
     Raises:
-        GatherTimeout: under NCCL, as in :func:`get_local_rank`.
+        GatherTimeout: under NCCL, as in [`get_local_rank`][gatherstore.get_local_rank].
     """
     if not torch.cuda.is_available():
         return 0
@@ -170,7 +170,7 @@ def describe() -> dict[str, Any]:
     """The topology as a JSON-friendly dict, keys named after the functions.
 
     Raises:
-        GatherTimeout: as in :func:`get_local_rank`.
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
     """
     return {
         "rank": get_rank(),

@@ -1,13 +1,13 @@
 """Watching memory while a part is unpickled, so that a wrong estimate ends in an error.
 
 The memory check before a gather counts what unpickling will allocate from an
-estimate (see :mod:`gatherstore._sizing`).  An estimate can be wrong (objects
+estimate (see ``gatherstore._sizing``).  An estimate can be wrong (objects
 whose rebuild allocates far more than they look), and the kernel kills a
 process that outgrows its memory cgroup.  So while memory is plentiful parts
 are unpickled at full speed; once the pickle streams loaded since the last look
 could, at the worst ratio measured (about 30 bytes rebuilt per pickled byte,
 for lists of tiny dicts), outgrow half the headroom, the unpickler reads its
-stream through :class:`Watched`, which looks at the headroom every MiB of
+stream through ``Watched``, which looks at the headroom every MiB of
 stream and stops before it runs out.
 """
 
@@ -46,7 +46,7 @@ def needs_watch(stream_bytes: int) -> bool:
 
 class Watched(io.RawIOBase):
     """A pickle stream as a raw file that stops when memory runs low (wrap it in a
-    ``BufferedReader`` of :data:`STEP` bytes: one look per refill)."""
+    ``BufferedReader`` of ``STEP`` bytes: one look per refill)."""
 
     def __init__(self, stream: memoryview, who: str) -> None:
         super().__init__()

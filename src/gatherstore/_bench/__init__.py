@@ -15,7 +15,18 @@ from typing import Any, TextIO
 from . import cases, ceilings, clients, metrics, report
 from .runner import Plan, run_cases
 
-__all__ = ["Plan", "run"]
+__all__ = ["FULL_RUN", "QUICK", "QUICK_CASES", "QUICK_CEILING", "Plan", "run"]
+
+#: ``--quick``: a first look in under 30 s (one small size, two ranks, one repeat).
+QUICK = Plan([("32MB", 32 << 20)], [2], ["detections"], 1, 300.0)
+QUICK_CASES = ["torch.all_gather_object", "gs.collective", "gs.tmpdir-*"]
+QUICK_CEILING = 64 << 20
+#: What ``--quick`` prints last.
+FULL_RUN = (
+    "a quick run (32MB, W=2, detections, 4 cases, 1 repeat); the full one compares every "
+    "case at 256MB and 1GB, W=2 and 4, both payloads, 3 repeats (minutes): "
+    "gatherstore bench --services --plot bench.png"
+)
 
 
 def run(
@@ -43,6 +54,8 @@ def run(
         report.check_plot()
     with cases.reachable(redis, s3, services) as (found, notes, workdir):
         chosen = cases.select(found, patterns)
+        for note in notes:  # before any work: what will not run, and why
+            print(f"bench: {note}", file=sys.stderr, flush=True)
         gathers = [c for c in chosen if c.op != cases.TORCHMETRICS]
         records: list[dict[str, Any]] = []
         limits: dict[str, Any] = {}

@@ -19,6 +19,8 @@ __all__ = ["BASELINE", "TORCHMETRICS", "Case", "reachable", "select"]
 
 #: The case every other one is compared with (time and memory ratios).
 BASELINE = "torch.all_gather_object"
+#: How to give the bench a service it skipped.
+_HOW = "--{}, its GATHERSTORE_TEST_* variable, or --services to start one here"
 #: The op of the torchmetrics cases (see ``metrics``).
 TORCHMETRICS = "torchmetrics"
 
@@ -175,6 +177,10 @@ def reachable(
             started = _start_services(stack, notes)
             redis, s3 = redis or started[0], s3 or started[1]
         unix = None if named else os.environ.get("GATHERSTORE_TEST_REDIS_UNIX_URL")
+        if not redis and not services:
+            notes.append(f"gs.redis skipped: no Redis given ({_HOW.format('redis URL')})")
+        if not s3 and not services:
+            notes.append(f"gs.s3 skipped: no S3 endpoint given ({_HOW.format('s3 ENDPOINT')})")
         remote = _remote(stack, {"gs.redis": redis, "gs.redis-unix": unix}, s3, notes)
         cases = _baselines() + _local(workdir) + remote + _torchmetrics()
         yield cases, notes, workdir

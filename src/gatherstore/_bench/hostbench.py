@@ -1,6 +1,6 @@
 """``gatherstore bench --hosts 2``: gathers across two simulated hosts (root only).
 
-Builds the hosts of :mod:`gatherstore._bench.hosts` (a share over sshfs mounted on
+Builds the hosts of ``gatherstore._bench.hosts`` (a share over sshfs mounted on
 both hosts, or on host 2 alone with ``share_local``; Redis and S3 on host 1).  Each
 round first measures the share's own ceiling: the bytes a gather moves through it,
 (W - 1) parts of ``size``, written on host 2 and read back on host 1 with plain
@@ -184,7 +184,7 @@ def _table(
     read = statistics.median(c[1] for c in ceilings)
     both = [sum(c) for c in ceilings]
     out.write(
-        f"share ceiling, plain file I/O of {format_bytes(moved)} (written on host 2, read on "
+        f"share ceiling, plain file I/O of {moved / 1e9:.2f} GB (written on host 2, read on "
         f"host 1): write {_gbps(moved, write)}, read {_gbps(moved, read)}, write+read "
         f"{_gbps(moved, statistics.median(both))}; runs {_each(both)}\n"
     )

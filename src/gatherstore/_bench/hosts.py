@@ -9,7 +9,7 @@ sshd), as every node of a cluster mounts its NFS share: every rank reads and
 writes the share through a network filesystem.  ``share_local=True`` keeps the
 older shape, where host 1 uses the exported directory directly (its ranks read
 the share from local disk, which no cluster node does).
-Everything is torn down on :meth:`Hosts.close`: processes, mounts, namespaces,
+Everything is torn down on ``Hosts.close``: processes, mounts, namespaces,
 the veth pair and the temporary directory.
 
 Reproduce by hand as root::
@@ -137,7 +137,7 @@ class Hosts:
     visible to both hosts (for scripts).
 
     Raises:
-        RuntimeError: (on entry) the machine cannot build them; see :func:`unavailable`.
+        RuntimeError: (on entry) the machine cannot build them; see ``unavailable``.
     """
 
     def __init__(self, subnet: str = "10.77.0", *, share_local: bool = False) -> None:

@@ -53,7 +53,7 @@ _DETECTIONS, _TRUTHS, _CLASSES = 10, 5, 3
 
 @dataclass
 class Calls:
-    """Calls made inside :func:`counted`: how many and seconds spent, by name."""
+    """Calls made inside ``counted``: how many and seconds spent, by name."""
 
     counts: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)

@@ -4,14 +4,14 @@ A real job of 1,000 ranks does not fit this machine, but the destination's side
 of it does: the W parts are written first, through each real store with the
 public Store API (in a job area of its own, sealed as ranks seal them, signed
 where the store signs), then the destination's reader
-(:class:`gatherstore._parts.Parts`) reads, verifies, unpickles and deletes them
+(``gatherstore._parts.Parts``) reads, verifies, unpickles and deletes them
 in rank order, as ``gather_object`` does.  Only the reading is timed.  Each
-store is measured with the reader as it is (:data:`IN_FLIGHT` reads and deletes
+store is measured with the reader as it is (``IN_FLIGHT`` reads and deletes
 at once, within the read-ahead budget) and with the previous two-part window,
 in the same run.  A part costs one GET (its deletes go in batches).
 
 A local SeaweedFS answers in about a millisecond; with ``s3_latency`` S3 is also
-read through :class:`~gatherstore._bench.delay.DelayProxy`, which holds every
+read through ``DelayProxy``, which holds every
 reply that long, as a region's round trip does.
 """
 
@@ -52,7 +52,7 @@ _S3_GETS, _S3_DELETES = 5_500, 3_500
 
 @dataclass
 class _Call:
-    """What :class:`Parts` needs of a call and its plan, for a destination without a
+    """What ``Parts`` needs of a call and its plan, for a destination without a
     process group."""
 
     sizes: tuple[int, ...]
@@ -110,7 +110,7 @@ def read_back(
 
 
 def _delayed(stack: contextlib.ExitStack, case: Case, seconds: float) -> Case:
-    """``case`` (S3) read through a :class:`DelayProxy` holding each reply ``seconds``."""
+    """``case`` (S3) read through a ``DelayProxy`` holding each reply ``seconds``."""
     client = dict(case.options["client_kwargs"])
     client["endpoint_url"] = stack.enter_context(DelayProxy(client["endpoint_url"], seconds)).url
     name = f"{case.name} +{seconds * 1e3:g} ms"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -180,15 +181,12 @@ def run_cases(
 
     A case that fails is recorded with its one-line ``error``; the others still run.
     """
-    try:
-        from tqdm import tqdm
-    except ImportError as exc:
-        raise ImportError("gatherstore bench needs tqdm: pip install 'gatherstore[bench]'") from exc
     jobs = list(_jobs(plan, cases))
     records = []
-    bar = tqdm(jobs, desc="bench", unit="case", disable=not progress)
-    for world, label, nbytes, kind, case in bar:
-        bar.set_postfix_str(f"{case.name} {kind} {label} W={world}")
+    for i, (world, label, nbytes, kind, case) in enumerate(jobs):
+        if progress:  # one line per case on stderr (the table or JSON goes to stdout)
+            print(f"bench: case {i + 1}/{len(jobs)}: {case.name} {kind} {label} W={world}",
+                  file=sys.stderr, flush=True)  # fmt: skip
         record: dict[str, Any] = {
             "kind": "case",
             "case": case.name,

@@ -6,7 +6,7 @@ the store's host sees the same requests a real job's would.  Every point is the
 slowest rank's time for one exchange of ``value_bytes`` per rank, median of
 ``repeats``.  ``"all-read-all"`` is the previous algorithm (every rank reads all
 W keys: O(W²) reads on the store's host); ``"gather-once"`` is the current one
-(:func:`gatherstore._exchange.exchange_on`) as an all-gather exchange uses it
+(``gatherstore._exchange.exchange_on``) as an all-gather exchange uses it
 (every rank gets all W values: O(W) requests, W² bytes); ``"summary"`` is a
 gather's status exchange (rank 0 gets all values, the others a 64-byte summary:
 O(W) requests and bytes).

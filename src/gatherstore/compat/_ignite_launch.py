@@ -1,6 +1,6 @@
 """ignite's process setup: ``spawn``, ``initialize``, ``finalize`` and ``Parallel``.
 
-Processes start through :func:`gatherstore.launch`; input checks and log
+Processes start through ``gatherstore.launch``; input checks and log
 lines are ignite's, with ignite's messages.
 """
 
@@ -22,6 +22,7 @@ import gatherstore as gs
 
 from .. import _slurm as slurm
 from .._config import to_seconds
+from .._errors import seconds as format_seconds
 from ._ignite_model import available_backends, get_local_rank, get_world_size, rank_zero_logger
 
 __all__ = ["Parallel", "finalize", "initialize", "spawn"]
@@ -78,7 +79,8 @@ def _address_through_file(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # the file this node made, waiting in vain
         raise TimeoutError(
-            f"node {node_rank}: node 0 wrote no address into {path} within {seconds:g} s; "
+            f"node {node_rank}: node 0 wrote no address into {path} within "
+            f"{format_seconds(seconds)} s; "
             "init_method='file://...' must name a file on a filesystem every node shares, "
             "and node 0 must run spawn() too"
         ) from exc
@@ -95,7 +97,7 @@ def spawn(
 ) -> None:
     """Run ``fn(local_rank, *args, **kwargs_dict)`` in ``nproc_per_node`` processes.
 
-    Processes start through :func:`gatherstore.launch`; ``kwargs`` may hold
+    Processes start through [`gatherstore.launch`][gatherstore.launch]; ``kwargs`` may hold
     nnodes, node_rank, master_addr, master_port (default: a free port on one
     node), init_method and timeout.  With ``init_method="file://<path>"`` on
     one node the file is not needed; across nodes node 0 publishes its address
@@ -227,7 +229,8 @@ def initialize(backend: str, **kwargs: Any) -> None:
 
 
 def finalize() -> None:
-    """Destroy the process group and restore the environment :func:`initialize` changed."""
+    """Destroy the process group and restore the environment that
+    [`initialize`][gatherstore.compat.ignite.initialize] changed."""
     gs.shutdown()
     saved = _saved_env[0]
     if saved is not None:

@@ -2,7 +2,7 @@
 
 Every answer reads torch.distributed when asked, so there is no model state to
 sync; only the native (torch.distributed) model exists here.  The other
-``_ignite_*`` modules build on this one; :mod:`gatherstore.compat.ignite`
+``_ignite_*`` modules build on this one; ``gatherstore.compat.ignite``
 re-exports them all.
 """
 
@@ -71,7 +71,8 @@ def sync(temporary: bool = False) -> None:
 
 
 def available_backends() -> tuple[str, ...]:
-    """Backends :func:`initialize` and :func:`spawn` accept."""
+    """Backends [`initialize`][gatherstore.compat.ignite.initialize] and
+    [`spawn`][gatherstore.compat.ignite.spawn] accept."""
     return tuple(b for m in registered_computation_models for b in m.available_backends)
 
 
@@ -107,7 +108,8 @@ def get_rank() -> int:
 
 
 def get_local_rank() -> int:
-    """Rank on this node: LOCAL_RANK, else the :func:`set_local_rank` hint, else by hostname."""
+    """Rank on this node: LOCAL_RANK, else the hint of
+    [`set_local_rank`][gatherstore.compat.ignite.set_local_rank], else by hostname."""
     hint = _state["local_rank"]
     if gs.is_distributed() and "LOCAL_RANK" not in os.environ and hint is not None:
         return hint

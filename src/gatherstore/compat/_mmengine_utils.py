@@ -1,6 +1,6 @@
 """``mmengine.dist.utils``: topology, process-group setup and device helpers.
 
-Re-exported by :mod:`gatherstore.compat.mmengine`.  Serial answers without a
+Re-exported by ``gatherstore.compat.mmengine``.  Serial answers without a
 process group; local rank and size answered by host when mmengine's local
 group was never created.
 """
@@ -84,7 +84,8 @@ def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:
 
 
 def get_local_group() -> ProcessGroup | None:
-    """The group made by :func:`init_local_group`; None without a process group.
+    """The group made by [`init_local_group`][gatherstore.compat.mmengine.init_local_group];
+    None without a process group.
 
     Raises:
         RuntimeError: distributed, but ``init_local_group`` was not called.

@@ -2,9 +2,10 @@
 
 ``accelerate.utils.gather_object`` is ``torch.distributed.all_gather_object``
 through the current device: every rank's object is pickled into a tensor that
-every rank receives (on the GPU under NCCL).  :func:`gather_object` keeps its
-answers and moves the objects through gatherstore's routes and stores;
-:func:`patch` puts it wherever accelerate calls the original, so
+every rank receives (on the GPU under NCCL).
+[`gather_object`][gatherstore.compat.accelerate.gather_object] keeps its answers and
+moves the objects through gatherstore's routes and stores;
+[`patch`][gatherstore.compat.accelerate.patch] puts it wherever accelerate calls the original, so
 ``Accelerator.gather_for_metrics`` (and with it transformers'
 ``eval_use_gather_object``) gathers through the store too, and accelerate's
 barrier (``wait_for_everyone``) meets on gatherstore's control plane, so that
@@ -91,7 +92,7 @@ def patch() -> Patch:
     ``accelerate.accelerator``, so ``Accelerator.gather_for_metrics``), and in
     the already imported modules of TRL and transformers that imported it by
     name (TRL's trainers do); tensor gathers stay accelerate's.  Also replaces
-    ``PartialState.wait_for_everyone`` (see :func:`_wait_for_everyone`).
+    ``PartialState.wait_for_everyone`` (see ``_wait_for_everyone``).
 
     Raises:
         ImportError: accelerate is not installed.

@@ -38,7 +38,7 @@ __all__ = [
     "synchronize",
 ]
 
-#: The group of this machine's ranks, once :func:`create_local_process_group` (or a
+#: The group of this machine's ranks, once ``create_local_process_group`` (or a
 #: launcher) made it; None otherwise.
 _LOCAL_PROCESS_GROUP: dist.ProcessGroup | None = None
 # (num_workers_per_machine, default group) the local group above was made for here
@@ -104,7 +104,8 @@ def create_local_process_group(num_workers_per_machine: int) -> None:
 
 
 def get_local_process_group() -> dist.ProcessGroup:
-    """The group of this machine's ranks made by :func:`create_local_process_group`.
+    """The group of this machine's ranks made by
+    [`create_local_process_group`][gatherstore.compat.detectron2.create_local_process_group].
 
     Raises:
         AssertionError: it was not created (also without a process group).

@@ -2,7 +2,7 @@
 
 Under DDP, ``trainer.predict`` returns only each rank's share, and the
 DistributedSampler repeats samples so that every rank gets as many.
-:class:`GatherPredictions` splits every batch's output into per-sample items,
+``GatherPredictions`` splits every batch's output into per-sample items,
 pairs them with the dataset indices Lightning recorded for the batch, and
 gathers them through gatherstore (``gs.collect_results`` with those indices) on
 ``dst``: one item per dataset sample, in dataset order, the repeats dropped.
@@ -107,14 +107,14 @@ def _define() -> type:
         After ``trainer.predict(model, dataloaders=..., return_predictions=False)``,
         ``predictions`` on ``dst`` is the list of per-sample predictions in dataset
         order (a list per dataloader when there are several); None on the other ranks.
-        A batch output is split into samples by :func:`split_output`.  The gather runs
+        A batch output is split into samples by ``split_output``.  The gather runs
         when the predict run ends on every rank (its ``teardown``), so a rank whose
         dataloader is empty takes part too; ``store`` is the gatherstore store
         (None: the default).
 
         Raises (from ``trainer.predict``, on every rank):
             RemoteRankError: another rank's predictions could not be split or sent.
-            ValueError / TypeError: this rank's could not (see :func:`split_output`).
+            ValueError / TypeError: this rank's could not (see ``split_output``).
         """
 
         def __init__(self, dst: int = 0, store: Any = None) -> None:

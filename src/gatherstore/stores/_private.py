@@ -101,13 +101,13 @@ def untrusted(path: Path) -> str | None:
 
 
 def check_opened(path: Path, fd: int) -> str | None:
-    """:func:`_unsafe` of the folder open at ``fd``: what was checked is what was opened."""
+    """``_unsafe`` of the folder open at ``fd``: what was checked is what was opened."""
     return _unsafe(path, os.fstat(fd))
 
 
 def refuse_untrusted(store: object, base: Path, why: str | None) -> None:
     """Refuse the base folder ``base`` of ``store`` when ``why`` says another user could
-    change it (:func:`untrusted`, :func:`check_opened`).
+    change it (``untrusted``, ``check_opened``).
 
     Raises:
         StoreUnavailableError: ``why`` is not None.

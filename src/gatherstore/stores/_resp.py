@@ -6,7 +6,7 @@ then the caller).  Here a bounded window of commands is in flight, a SET's
 value goes out as the caller's buffers (never joined), and a GET's reply is
 received with large ``recv_into`` calls straight into the caller's buffer.
 redis-py still connects, authenticates, selects the database and wraps TLS,
-with every socket wait bounded by the deadline in force (:class:`DeadlineConnection`).
+with every socket wait bounded by the deadline in force (``DeadlineConnection``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _SMALL = 64 << 10  # pieces up to this size are sent together in one buffer
 class DeadlineConnection:
     """Mixin for a redis-py connection class: every socket wait ends by the deadline.
 
-    The configured timeouts stay the ceiling; inside :func:`~.deadline.deadline`
+    The configured timeouts stay the ceiling; inside ``deadline``
     connects, sends and reads wait at most the time the call has left.
     """
 
@@ -80,7 +80,7 @@ class DeadlineConnection:
 
 
 def bounded_class(cls: type[Any]) -> type[Any]:
-    """``cls`` (a redis-py connection class) with :class:`DeadlineConnection` mixed in."""
+    """``cls`` (a redis-py connection class) with ``DeadlineConnection`` mixed in."""
     return type(f"Deadline{cls.__name__}", (DeadlineConnection, cls), {})
 
 

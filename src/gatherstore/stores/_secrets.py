@@ -69,7 +69,7 @@ def hide_password(url: str) -> str:
 
 def hide_secrets(text: str) -> str:
     """``text`` (e.g. a backend's error message) with every URL in it passed through
-    :func:`hide_password`."""
+    ``hide_password``."""
     return _URL.sub(lambda match: hide_password(match.group(0)), text)
 
 

@@ -1,7 +1,7 @@
 """What a backend implements: the primitives of a store, and the URL and options naming it.
 
 A backend (``FileStore``, ``RedisStore``, ``FsspecStore``, a third party's)
-subclasses :class:`~.base.Store` and implements five primitives: an
+subclasses ``Store`` and implements five primitives: an
 all-or-nothing create-only write, a read that returns None when the key is
 absent, exists, list and delete by name; it may override the others where it
 does them faster (many writes or reads in flight, a ranged read, a prefix
@@ -160,8 +160,13 @@ class Backend(ABC):
 
     # --- errors at the boundary ------------------------------------------------------
     def _mapped(self, action: str) -> contextlib.AbstractContextManager[None]:
-        """Backend errors of ``action`` mapped to gatherstore's (see :func:`failures.mapped`)."""
-        return failures.mapped(self, self.unavailable_errors, action)
+        """Backend errors of ``action`` mapped to gatherstore's (see ``failures.mapped``)."""
+        return failures.mapped(self, self.unavailable_errors, action, self._advice)
+
+    def _advice(self, exc: BaseException) -> tuple[str, str] | None:
+        """What a backend error means for this store and what fixes it, where the
+        backend's own message would not say (e.g. a Redis that needs a password)."""
+        return None
 
     def _unavailable(self, action: str, why: str) -> StoreUnavailableError:
         return failures.unavailable(self, action, why)
@@ -181,7 +186,7 @@ class Backend(ABC):
     @property
     @abstractmethod
     def url(self) -> str:
-        """The URL that reopens this store with :func:`gatherstore.open_store`."""
+        """The URL that reopens this store with ``gatherstore.open_store``."""
 
     def _options(self) -> dict[str, Any]:
         """Keyword options that, with ``url``, reopen an equal store."""

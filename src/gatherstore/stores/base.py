@@ -1,11 +1,11 @@
 """The Store: a place for bytes, with everything but a backend's primitives written once.
 
-A backend implements the primitives of :class:`~.backend.Backend`.  Chunking
-(in the layout of :mod:`.layout`, checked on every read), ``wait``, exact
+A backend implements the primitives of ``Backend``.  Chunking
+(in the layout of ``layout``, checked on every read), ``wait``, exact
 prefix deletes, deletes by name, scoped views, a job area's default life and
 pickling are written here, once; every call maps the backend's errors (see
-:mod:`.failures`) and is refused once the deadline in force has passed (see
-:mod:`.deadline`: no store call outlives the collective that makes it).
+``failures``) and is refused once the deadline in force has passed (see
+``deadline``: no store call outlives the collective that makes it).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Store(Backend):
     """A key-value place for bytes that every rank of a job can reach.
 
     Keys are ``/``-separated paths.  A backend implements the primitives of
-    :class:`~.backend.Backend` (and calls ``super().__init__()`` first in its own
+    ``Backend`` (and calls ``super().__init__()`` first in its own
     ``__init__``); everything a caller uses is written here, once.
     """
 
@@ -55,7 +55,7 @@ class Store(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Store:
-        """Open the store a URL names (see :func:`gatherstore.open_store`).
+        """Open the store a URL names (see [`gatherstore.open_store`][gatherstore.open_store]).
 
         ``sign=True/False`` overrides whether parts are signed
         (default: when processes outside the job can reach the store).
@@ -260,8 +260,8 @@ class Store(Backend):
     def discard(self, key: str) -> None:
         """Delete the value at ``key`` and its chunks, by name.
 
-        Unlike :meth:`delete` it lists nothing, so it costs the same in a store
-        that holds millions of other keys (a Redis ``SCAN`` walks them all).
+        Unlike [`delete`][gatherstore.stores.Store.delete] it lists nothing, so it costs the
+        same in a store that holds millions of other keys (a Redis ``SCAN`` walks them all).
         Keys under ``key/`` are left alone.  An absent key is not an error, and a damaged
         one goes with everything under ``<key>.chunks/``.
         """
@@ -285,8 +285,10 @@ class Store(Backend):
             self._delete([key, *(chunk for chunk, _ in chunks)])
 
     def discard_many(self, keys: Sequence[str]) -> None:
-        """:meth:`discard` of every key; values this store read with :meth:`get` or
-        :meth:`get_many` (their chunks are known) go in one backend delete."""
+        """[`discard`][gatherstore.stores.Store.discard] of every key; values this store
+        read with [`get`][gatherstore.stores.Store.get] or
+        [`get_many`][gatherstore.stores.Store.get_many] (their chunks are known) go in one
+        backend delete."""
         for key in keys:
             self._check_key(key)
         read = self._chunks
@@ -325,7 +327,7 @@ def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | No
 
 def _forward(name: str) -> Any:
     """Primitive ``name`` of a view under a prefix: the parent's, with the prefix added to
-    every key it names (see :data:`~.backend.PRIMITIVES`), and removed from those it lists."""
+    every key it names (see ``PRIMITIVES``), and removed from those it lists."""
     shape = PRIMITIVES[name]
 
     def forwarded(self: ScopedStore, keys: Any, *rest: Any) -> Any:
@@ -350,7 +352,7 @@ def _parents(name: str) -> Any:
 
 class ScopedStore(Store):
     """A view of a parent store whose keys all live under a prefix: every primitive is
-    the parent's (by :data:`~.backend.PRIMITIVES`, so none can be missed), and so is what
+    the parent's (by ``PRIMITIVES``, so none can be missed), and so is what
     the parent can do; only whether parts are signed is the view's own."""
 
     def __init__(self, parent: Store, prefix: str) -> None:

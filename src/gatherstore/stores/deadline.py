@@ -1,9 +1,9 @@
-"""Time: one :class:`Deadline` per call, and the deadline of store work within it.
+"""Time: one ``Deadline`` per call, and the deadline of store work within it.
 
-A collective creates one :class:`Deadline` from its timeout and passes it down:
+A collective creates one ``Deadline`` from its timeout and passes it down:
 every exchange, transfer and store operation of the call waits at most what it
-has left.  Store work runs inside :func:`deadline` (a context that the backends
-read): each backend bounds its socket and request timeouts by :func:`time_left`,
+has left.  Store work runs inside ``deadline`` (a context that the backends
+read): each backend bounds its socket and request timeouts by ``time_left``,
 and the base class refuses calls once the deadline has passed, so that a frozen
 server ends in StoreUnavailableError within the call's timeout, not in a 60 s
 socket timeout.
@@ -30,7 +30,7 @@ __all__ = [
 #: Shortest wait handed out once a deadline is (nearly) over: a socket timeout of 0
 #: would mean "non-blocking", a c10d store wait of 0 "forever", not "fail now".
 MIN_TIMEOUT = 0.05
-#: Seconds :meth:`Store.end_job` may take when no deadline is in force.
+#: Seconds ``Store.end_job`` may take when no deadline is in force.
 END_JOB_TIMEOUT = 10.0
 #: Seconds of a call's timeout its store work leaves for telling the other ranks that
 #: the store failed, before they stop waiting for this one (at most a quarter of it).
@@ -50,7 +50,7 @@ class Deadline:
         return cls(timeout, time.monotonic() + timeout)
 
     def left(self) -> float:
-        """Seconds left, at least :data:`MIN_TIMEOUT` (the others may be there already)."""
+        """Seconds left, at least ``MIN_TIMEOUT`` (the others may be there already)."""
         return max(self.ends - time.monotonic(), MIN_TIMEOUT)
 
     def passed(self) -> bool:

@@ -10,7 +10,7 @@ KeyExistsError.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .._errors import GatherError, IntegrityError, StoreUnavailableError
 from ._secrets import describe_failure
@@ -23,20 +23,30 @@ class KeyExistsError(GatherError, FileExistsError):
     """A create-only put found the key already there."""
 
 
-def unavailable(store: object, action: str, why: str) -> StoreUnavailableError:
-    """The error of ``store`` failing to do ``action`` (e.g. "read 'k'") because of ``why``."""
+def unavailable(store: object, action: str, why: str, fix: str = "") -> StoreUnavailableError:
+    """The error of ``store`` failing to do ``action`` (e.g. "read 'k'") because of ``why``;
+    ``fix`` says what to do (by default: check the store's health)."""
+    fix = fix or "check that it is reachable, responsive, writable and not full"
     return StoreUnavailableError(
-        f"store {store} failed to {action}: {why}; check that it is reachable, "
-        "responsive, writable and not full",
-        store=str(store),
+        f"store {store} failed to {action}: {why}; {fix}", store=str(store)
     )
 
 
+#: A store's own reading of a backend error: (what happened, what to do), or None.
+Advice = Callable[[BaseException], "tuple[str, str] | None"]
+
+
 @contextlib.contextmanager
-def mapped(store: object, errors: tuple[type[BaseException], ...], action: str) -> Iterator[None]:
+def mapped(
+    store: object,
+    errors: tuple[type[BaseException], ...],
+    action: str,
+    advice: Advice = lambda exc: None,
+) -> Iterator[None]:
     """Run ``action`` on ``store``: ``errors`` (its backend's) become StoreUnavailableError,
-    whose message keeps the cause and whose traceback drops the backend's own frames (see
-    :func:`~._secrets.describe_failure`); past the deadline, nothing runs.
+    whose message keeps the cause (or what ``advice`` makes of it) and whose traceback
+    drops the backend's own frames (see ``describe_failure``); past the deadline, nothing
+    runs.
 
     Raises:
         StoreUnavailableError: the deadline in force has passed, or the backend failed.
@@ -48,7 +58,8 @@ def mapped(store: object, errors: tuple[type[BaseException], ...], action: str) 
     except GatherError:
         raise
     except errors as exc:
-        raise unavailable(store, action, describe_failure(exc)) from None
+        why, fix = advice(exc) or (describe_failure(exc), "")
+        raise unavailable(store, action, why, fix) from None
 
 
 def damaged(store: object, key: str, why: str) -> IntegrityError:

@@ -27,6 +27,7 @@ from .._config import SHM
 from .._errors import StoreUnavailableError
 from . import _fileio as fileio
 from . import _private as private
+from ._secrets import describe_failure
 from .base import Buffer, Store, hide_password, job_directory
 
 __all__ = ["FileStore"]
@@ -84,6 +85,12 @@ class FileStore(Store):
         """Whether the folder is in this node's RAM (under /dev/shm)."""
         shm = Path(SHM)
         return self.root == shm or shm in self.root.parents
+
+    def _advice(self, exc: BaseException) -> tuple[str, str] | None:
+        """A folder's failure, with a folder's fix."""
+        base = self._area_of[0].root if self._area_of is not None else self.root
+        fix = f"check that {base} exists, is a folder this user can write to, and has room"
+        return describe_failure(exc), fix
 
     # --- the folder's descriptor ---------------------------------------------------------
     def _dir(self, create: bool = False) -> int:
@@ -319,7 +326,7 @@ class FileStore(Store):
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A job area pickles as its base and name: unpickled, it is joined again (see
-        :meth:`join_job`), with the no-symlink and ownership checks of its first opening."""
+        ``join_job``), with the no-symlink and ownership checks of its first opening."""
         if self._area_of is None:
             return super().__reduce__()
         base, name = self._area_of

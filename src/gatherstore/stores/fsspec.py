@@ -14,7 +14,7 @@ and move it into place after the same check.
 On S3 the fast path of ``_s3`` receives GET bodies straight into the value's
 buffer and skips hashes that TLS-less test endpoints do not need.
 
-Inside a store deadline (see :func:`gatherstore.stores.deadline.deadline`) every
+Inside a store deadline (see ``gatherstore.stores.deadline.deadline``) every
 request of an asynchronous filesystem (s3fs, gcsfs, adlfs) is cancelled when
 the call's time is up (object PUTs are 16 MiB at most for that); S3 clients
 also get connect/read timeouts and a retry budget of their own
@@ -143,7 +143,7 @@ class FsspecStore(Store):
     @property
     def url(self) -> str:
         """``<protocol>://<root>``; a local folder is ``local://…``, since ``file://…``
-        opens a :class:`~.file.FileStore`."""
+        opens a ``FileStore``."""
         return f"{'local' if self.protocol == 'file' else self.protocol}://{self.root}"
 
     def _options(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ store's ``max_value_size`` is written as chunks under ``<key>.chunks/<id>/``
 first and its header (the manifest, listing the chunk sizes and their folder)
 last, so a reader never sees a partial value.  What is read is checked against
 this layout before any chunk is fetched: a manifest names only its own key's
-chunks, as many as its body holds, adding up to its total (see :func:`layout_of`).
+chunks, as many as its body holds, adding up to its total (see ``layout_of``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ __all__ = [
 
 Buffer = bytes | bytearray | memoryview
 
-#: Buffers from this size on are private anonymous mappings (see :func:`writable`).
+#: Buffers from this size on are private anonymous mappings (see ``writable``).
 MAPPED_FROM = 4 << 20
 
 MAGIC = b"GSTORE\x00\x01"

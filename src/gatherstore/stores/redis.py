@@ -94,6 +94,18 @@ class RedisStore(Store):
         self._ttl_ms = max(1, round(self.ttl * 1000))
         self._indexes = JobIndexes(self._client, self._key, self.ttl)
 
+    def _advice(self, exc: BaseException) -> tuple[str, str] | None:
+        """A refused login, in words that say where the password goes."""
+        if not isinstance(exc, redis.AuthenticationError):
+            return None
+        form = (
+            "redis://:PASSWORD@host:port/db (redis://USER:PASSWORD@host:port/db for an "
+            "ACL user; or the password= and username= options)"
+        )
+        if self._pool.connection_kwargs.get("password") is None:
+            return "the server requires a password and none was given", f"put it in the URL: {form}"
+        return "the server refused the user name or password given", f"check them: {form}"
+
     @classmethod
     def _from_url(cls, url: str, **options: Any) -> Store:
         return cls(url, **options)

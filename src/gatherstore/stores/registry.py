@@ -1,11 +1,12 @@
 """Stores by URL scheme: lazy ``"module:Class"`` targets, entry points, fsspec fallback.
 
 Precedence of the default store: the call's argument, then
-:func:`set_default_store`, then ``GATHERSTORE_STORE``, then ``"auto"``.
+``set_default_store``, then ``GATHERSTORE_STORE``, then ``"auto"``.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import urllib.parse
 from importlib.metadata import entry_points
@@ -92,9 +93,14 @@ def _entry(scheme: str) -> dict[str, Any]:
 
     if scheme in known_implementations:
         return {"class": _FSSPEC, "err": known_implementations[scheme].get("err")}
+    close = difflib.get_close_matches(scheme, known_schemes(), n=1)
     raise ValueError(
-        f"unknown store scheme {scheme!r}; known: {', '.join(known_schemes())} "
-        "(or register one with gatherstore.stores.register_store)"
+        f"unknown store scheme {scheme!r}"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + "; gatherstore's stores are tmpdir, tmpdir:///base, file:///shared/dir, "
+        "redis://host:port/db (rediss://, unix://), s3://bucket/prefix, gs://, az:// and "
+        "the other fsspec protocols, and the routes auto, collective and stream; "
+        "gatherstore.stores.register_store adds one"
     )
 
 

@@ -14,6 +14,7 @@ import urllib.parse
 from typing import Any, ClassVar
 
 from .. import _config as config
+from .._errors import StoreUnavailableError
 from .base import Store
 from .file import FileStore
 
@@ -40,7 +41,7 @@ def default_tmpdir_base() -> str:
 class TmpdirStore(FileStore):
     """A private job directory under a node-local base (``tmpdir`` or ``tmpdir:///base``).
 
-    The base defaults to :func:`default_tmpdir_base` (/dev/shm when it has
+    The base defaults to ``default_tmpdir_base`` (/dev/shm when it has
     room).  Fine on one machine; across machines use ``file:///<shared dir>``.
     Parts are not signed by default: the job directory is mode 0700 on a
     local filesystem, reachable only by the job's own user, so the base must
@@ -64,6 +65,30 @@ class TmpdirStore(FileStore):
         if url == cls.scheme and not options:
             return cls()
         return super()._from_url(url, **options)
+
+    def _open_root(self, create: bool) -> int:
+        if self._area_of is None:
+            self._refuse_missing_base()
+        return super()._open_root(create)
+
+    def _refuse_missing_base(self) -> None:
+        """A base whose parent folder is missing is a typo or a machine without it, not
+        a folder to create (the base itself is created, mode 0700, when missing).
+
+        Raises:
+            StoreUnavailableError: a folder above the base does not exist.
+        """
+        missing = next((p for p in reversed(self.root.parents) if not p.exists()), None)
+        if missing is None:
+            return
+        from_env = not self.explicit_base and config.tmpdir_base() is not None
+        where = f"GATHERSTORE_TMPDIR={self.root}" if from_env else f"the tmpdir base {self.root}"
+        instead = "unset the variable" if from_env else "name another base"
+        raise StoreUnavailableError(
+            f"store {self}: {where} does not exist ({missing} is missing): create it "
+            f"(`mkdir -m 700 -p {self.root}`) or {instead}",
+            store=str(self),
+        )
 
     @property
     def url(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from .._errors import GatherTimeout
+from .._errors import GatherTimeout, seconds
 
 __all__ = ["wait_for"]
 
@@ -38,7 +38,7 @@ def wait_for(
             return
         if time.monotonic() >= end:
             raise GatherTimeout(
-                f"store {store}: keys {missing} did not appear within {timeout:g} s",
+                f"store {store}: keys {missing} did not appear within {seconds(timeout)} s",
                 keys=missing,
                 timeout=timeout,
             )

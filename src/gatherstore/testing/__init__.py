@@ -1,8 +1,8 @@
 """The store conformance suite, for gatherstore's stores and third-party ones.
 
-Subclass :class:`StoreTests` in a test module and pytest runs every check.  The
-subclass provides a ``store`` fixture (a fresh, empty store) and four hooks that
-reach the backend *without* the Store API, so that each check sees what is
+Subclass [`StoreTests`][gatherstore.testing.StoreTests] in a test module and pytest runs
+every check.  The subclass provides a ``store`` fixture (a fresh, empty store) and four
+hooks that reach the backend *without* the Store API, so that each check sees what is
 really stored, and damages (truncates, alters, replaces, deletes) values that
 are really stored::
 

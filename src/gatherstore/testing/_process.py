@@ -1,8 +1,8 @@
 """A server process for the tests: started in its own session and folder, stopped for good.
 
-:class:`Service` runs a server in its own process group and private folder,
+``Service`` runs a server in its own process group and private folder,
 waits until it answers real requests, and on stop terminates it (killing the
-group after a grace period) and removes the folder; :func:`start` retries
+group after a grace period) and removes the folder; ``start`` retries
 with fresh ports when the server exits at startup (a port taken in between).
 """
 

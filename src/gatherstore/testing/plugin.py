@@ -7,8 +7,9 @@ in a conftest.py.  It imports nothing heavy until a fixture runs.
 Fixtures:
     gatherstore_redis_url (session): ``GATHERSTORE_TEST_REDIS_URL``, else a throwaway
         ``redis-server`` under pytest-redis's executor (``gatherstore.testing.services``).
-    gatherstore_s3 (session): an :class:`S3Endpoint` for ``GATHERSTORE_TEST_S3_ENDPOINT``
-        (``GATHERSTORE_TEST_S3_KEY`` / ``_SECRET``), else a throwaway SeaweedFS.
+    gatherstore_s3 (session): an [`S3Endpoint`][gatherstore.testing.plugin.S3Endpoint] for
+        ``GATHERSTORE_TEST_S3_ENDPOINT`` (``GATHERSTORE_TEST_S3_KEY`` / ``_SECRET``), else a
+        throwaway SeaweedFS.
     gatherstore_run (function): ``run(fn, nproc=2, *args, timeout=60, **kwargs)`` runs
         ``fn`` in ``nproc`` gloo processes with ``gatherstore.launch``.
 
