@@ -1,5 +1,6 @@
-"""The codebase's shape: every module of the library is under 400 lines (one concept
-each), and no module imports one that imports it back, even through others."""
+"""The codebase's shape: no module imports one that imports it back, even through others;
+and, as a backstop, no module grows past 600 lines (one concept decides where a module
+ends, not a count: a module this long holds more than one)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-MAX_LINES = 400
+MAX_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
@@ -35,7 +36,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return (found & modules.keys()) - {name}
 
 
-def test_no_module_is_over_400_lines() -> None:
+def test_no_module_is_over_600_lines() -> None:
     long = {
         name: n
         for name, path in _modules().items()

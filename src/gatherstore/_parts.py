@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import _serialize as serialize
@@ -31,7 +32,16 @@ from ._session import JobSession
 from .stores.base import Store
 from .stores.deadline import END_JOB_TIMEOUT, Deadline, deadline
 
-__all__ = ["IN_FLIGHT", "Parts", "Reading", "binding", "fetch", "fetch_many", "part_key"]
+__all__ = [
+    "IN_FLIGHT",
+    "Parts",
+    "Reading",
+    "Window",
+    "binding",
+    "fetch",
+    "fetch_many",
+    "part_key",
+]
 
 #: Parts a reader requests at once (in two batches of one store request each).
 IN_FLIGHT = 32
@@ -125,6 +135,51 @@ def fetch_many(
     return out
 
 
+@dataclass(frozen=True)
+class Window:
+    """What a reader may request ahead of its consumer: parts of ``sizes`` bytes, within
+    ``budget`` bytes and ``in_flight`` parts, in requests of at most ``batch`` parts
+    and :data:`BATCH_BYTES` bytes."""
+
+    sizes: Sequence[int]
+    budget: int
+    in_flight: int
+    batch: int
+
+    def next_requests(
+        self, todo: Sequence[int], pending: Collection[int], asked: int | None = None
+    ) -> list[list[int]]:
+        """The requests to make now, each a list of ranks: the part the consumer ``asked``
+        for (whatever its size) and the parts after it in ``todo`` (rank order) that
+        are not ``pending`` already, while they fit the budget and ``in_flight``."""
+        in_window = [r for r in todo if r in pending]
+        window = sum(self.sizes[r] for r in in_window if r != asked)
+        count = len(in_window)
+        requests: list[list[int]] = []
+        batch: list[int] = []
+        batch_bytes = 0
+        crowded = False  # stopped by the requests in flight (not by the budget or the end)
+        for rank in todo:
+            if rank in pending:
+                continue
+            if rank != asked:
+                crowded = count >= self.in_flight
+                if crowded or window + self.sizes[rank] > self.budget:
+                    break
+                window += self.sizes[rank]
+            batch.append(rank)
+            batch_bytes += self.sizes[rank]
+            count += 1
+            if len(batch) == self.batch or batch_bytes >= BATCH_BYTES:
+                requests.append(batch)
+                batch, batch_bytes = [], 0
+        # a short batch waits until a whole batch fits: one request per slot freed would
+        # leave the pool's threads each waiting on one part, a round trip per part
+        if batch and (asked in batch or not crowded):
+            requests.append(batch)
+        return requests
+
+
 class Parts(Iterator[Any]):
     """A reader's view of a stored gather, in rank order, the plan's ``own`` object in
     place of its own part.
@@ -181,32 +236,11 @@ class Parts(Iterator[Any]):
             raise
 
     def _read_ahead(self, asked: int | None = None) -> None:
-        """Request the part the consumer ``asked`` for (whatever its size) and the parts
-        after it, in rank order, while they fit the budget and ``in_flight``."""
-        pending = [r for r in self.todo if r in self.requested]
-        window = sum(self.sizes[r] for r in pending if r != asked)
-        count = len(pending)
-        batch: list[int] = []
-        batch_bytes = 0
-        crowded = False  # stopped by the requests in flight (not by the budget or the end)
-        for rank in self.todo:
-            if rank in self.requested:
-                continue
-            if rank != asked:
-                crowded = count >= self.in_flight
-                if crowded or window + self.sizes[rank] > self.budget:
-                    break
-                window += self.sizes[rank]
-            batch.append(rank)
-            batch_bytes += self.sizes[rank]
-            count += 1
-            if len(batch) == self.batch or batch_bytes >= BATCH_BYTES:
-                self._request(batch)
-                batch, batch_bytes = [], 0
-        # a short batch waits until a whole batch fits: one request per slot freed would
-        # leave the pool's threads each waiting on one part, a round trip per part
-        if batch and (asked in batch or not crowded):
-            self._request(batch)
+        """Request the part the consumer ``asked`` for and the parts after it (see
+        ``Window.next_requests``)."""
+        window = Window(self.sizes, self.budget, self.in_flight, self.batch)
+        for ranks in window.next_requests(self.todo, self.requested.keys(), asked):
+            self._request(ranks)
 
     def _request(self, ranks: list[int]) -> None:
         future = self.pool.submit(
