@@ -33,9 +33,10 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from . import _world as world
+from . import _job as job
 from ._errors import GatherTimeout, MismatchError, RemoteRankError, seconds
 from ._exchange import HOST_GRACE, Outcome, Summarize, exchange_on, late_error, summary_of
+from ._job import GroupState
 
 __all__ = [
     "bounded",
@@ -92,16 +93,16 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _current() -> dict[str, Any]:
-    """The job's control store and step counter (see ``_world``)."""
-    state = world.state("control")
-    if not state:
+def _current() -> GroupState:
+    """The job's state, with its control store set up (see ``_job``)."""
+    state = job.group_state()
+    if state.control_store is None:
         base = dist.distributed_c10d._get_default_store()
         store = dist.PrefixStore("gatherstore", base)  # type: ignore[attr-defined]
         # where this rank runs, for the layout (see hosts()): published at its first use
         # of the control plane, outside the exchanges' steps
         store.set(f"{_HOSTS}{dist.get_rank()}", socket.gethostname())
-        state.update(store=store, step=0)
+        state.control_store, state.step = store, 0
     return state
 
 
@@ -116,7 +117,7 @@ def hosts(timeout: float) -> list[str]:
     Raises:
         GatherTimeout: some ranks did not publish within ``timeout`` s (named).
     """
-    store, world = _current()["store"], dist.get_world_size()
+    store, world = _current().control_store, dist.get_world_size()
     keys = [f"{_HOSTS}{r}" for r in range(world)]
 
     def read() -> list[str]:
@@ -136,12 +137,12 @@ def hosts(timeout: float) -> list[str]:
 def step() -> int:
     """The number of exchanges this job has run: the same on every rank between two
     exchanges, so it names the current call (e.g. keys of its own on ``store``)."""
-    return int(_current()["step"])
+    return _current().step
 
 
 def store() -> Any:
     """The job's rendezvous store, under gatherstore's own key prefix."""
-    return _current()["store"]
+    return _current().control_store
 
 
 def bounded(run: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -195,7 +196,7 @@ def exchange_summary(
     if not is_initialized() or dist.get_world_size() == 1:
         return [payload], summary_of(summarize, [payload])
     state = _current()
-    state["step"] += 1
+    state.step += 1
     labelled = _label(what) + b"\0" + payload
     rank, hosts = dist.get_rank(), not launcher_hosts_store()
 
@@ -205,8 +206,8 @@ def exchange_summary(
 
     def run() -> Outcome:
         return exchange_on(
-            state["store"],
-            f"{state['step']}/",
+            state.control_store,
+            f"{state.step}/",
             rank,
             dist.get_world_size(),
             labelled,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import _control as control
-from . import _world as world
+from . import _job as job
 from ._config import DEFAULT_TIMEOUT
 from ._errors import GatherError, GatherTimeout, RemoteRankError, seconds
 from .stores.deadline import Deadline
@@ -63,23 +63,23 @@ def group() -> Any:
     Creating it is itself a collective: every rank must reach it together
     (``launch`` and ``init_from_env`` create it eagerly).
     """
-    job = world.state("gloo")
-    if "group" not in job:
-        job["group"] = dist.new_group(
+    state = job.group_state()
+    if state.gloo_group is None:
+        state.gloo_group = dist.new_group(
             backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT)
         )
-    return job["group"]
+    return state.gloo_group
 
 
 def broken() -> str:
     """Why gatherstore's gloo group is unusable in this job, or "" while it is usable."""
-    return str(world.state("gloo").get("why", "")) if dist.is_initialized() else ""
+    return job.group_state().gloo_broken if dist.is_initialized() else ""
 
 
 def mark_broken(what: str, why: str) -> str:
     """Mark gatherstore's gloo group unusable after a transfer that did not finish;
     returns what to tell the user about going on."""
-    world.state("gloo")["why"] = f"{what}: {why}"
+    job.group_state().gloo_broken = f"{what}: {why}"
     return _HOW_ON
 
 

@@ -19,16 +19,16 @@ import torch.distributed as dist
 
 from . import _control as control
 from . import _gloo as gloo
+from . import _job as job
 from . import _published as publication
 from . import _session as session
 from . import _shipping as shipping
 from . import _signals as signals
 from . import _slurm as slurm
+from . import _specs as specs
 from . import _topology as topology
-from . import _world as world
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
-from ._specs import resolve
 from .stores.base import Store
 from .stores.registry import default_store
 
@@ -72,7 +72,7 @@ def _prepare_default_store(timeout: float) -> None:
     (``GATHERSTORE_STORE`` or ``set_default_store``), so that the first call does
     not.  A store that cannot be set up now is tried again, and reported, there."""
     try:
-        store = resolve(default_store())
+        store = specs.resolve(default_store())
         if isinstance(store, Store):  # not a route ("auto", "collective", "stream")
             session.session_for(store, timeout)
     except (GatherError, ValueError, ImportError) as exc:  # every rank alike
@@ -365,4 +365,5 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
         session.end_sessions()
         signals.uninstall()
         dist.destroy_process_group()
-    world.forget()
+    specs.close_opened()
+    job.forget_groups()

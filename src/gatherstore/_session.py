@@ -21,9 +21,7 @@ import os
 import socket
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +32,7 @@ from . import _heartbeat as heartbeat
 from . import _published as publication
 from . import _signals as signals
 from ._errors import GatherError, GatherTimeout, RemoteRankError, StoreNotSharedError, seconds
+from ._job import STORES
 from ._report import failure, raise_failures, status
 from .stores.base import Store
 from .stores.deadline import Deadline
@@ -75,11 +74,6 @@ class JobSession:
         return f"call-{self.calls}"
 
 
-# (a weak reference to the default group, {store: session} keyed by store equality, the
-# last call's timeout): sessions end at shutdown, and never keep a destroyed group alive
-_sessions: dict[str, Any] = {"world": None, "by_store": {}, "timeout": None}
-
-
 def session_for(store: Store, timeout: float) -> JobSession:
     """The job's session on ``store``, set up collectively at its first use.
 
@@ -90,10 +84,8 @@ def session_for(store: Store, timeout: float) -> JobSession:
         StoreNotSharedError: some ranks cannot see rank 0's marker.
         RemoteRankError: rank 0 could not prepare the store.
     """
-    world = dist.group.WORLD
-    if _sessions["world"] is None or _sessions["world"]() is not world:
-        _sessions.update(world=weakref.ref(world), by_store={})
-    cached: JobSession | None = _sessions["by_store"].get(store)
+    sessions = STORES.for_group(dist.group.WORLD)  # keyed by store equality
+    cached = sessions.get(store)
     if cached is not None:
         heartbeat.on_call(cached.locator)  # rank 0 shows gc the job is alive
         return cached
@@ -129,7 +121,7 @@ def session_for(store: Store, timeout: float) -> JobSession:
         )
     if job.sign_parts:
         session.key = _shared_key(limit)
-    _sessions["by_store"][store] = session
+    sessions[store] = session
     # a stopped job removes its areas (where the program has no handler); gs.launch and
     # init_from_env installed this already, here it covers groups the program created
     signals.install(abandon)
@@ -195,7 +187,7 @@ def _end(session: JobSession, *, unpublish: bool = True) -> None:
 def _forget_in_forked_child() -> None:
     """A process forked from a rank (a DataLoader worker, say) does not own the rank's
     job areas: it must not remove them when it exits."""
-    _sessions.update(world=None, by_store={}, timeout=None)
+    STORES.forget_sessions()
     atexit.unregister(_end)
 
 
@@ -204,28 +196,26 @@ os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 def has_sessions() -> bool:
     """Whether this job has used a store."""
-    return bool(_sessions.get("by_store"))
+    return bool(STORES.sessions)
 
 
 def note_timeout(timeout: float) -> None:
     """Remember the timeout of the job's latest object call (``shutdown`` waits no longer)."""
-    _sessions["timeout"] = timeout
+    STORES.last_timeout = timeout
 
 
 def last_timeout() -> float | None:
     """The timeout of the job's latest object call (None before any)."""
-    value: float | None = _sessions.get("timeout")
-    return value
+    return STORES.last_timeout
 
 
 def end_sessions() -> None:
     """Remove every job area this rank 0 created (called by ``shutdown``)."""
-    by_store: dict[Store, JobSession] = _sessions.get("by_store", {})
+    sessions = STORES.forget_sessions()
     if control.is_initialized() and dist.get_rank() == 0:
-        for session in by_store.values():
+        for session in sessions.values():
             _end(session)
         atexit.unregister(_end)
-    _sessions.update(world=None, by_store={}, timeout=None)
 
 
 def after_failure(exc: BaseException, *, late_counts: bool = True) -> None:
@@ -250,9 +240,7 @@ def abandon() -> None:
     gone: whoever outlives the creator sweeps.  Safe to run on several ranks
     at once and from a thread.
     """
-    by_store: dict[Store, JobSession] = _sessions.get("by_store", {})
-    _sessions.update(world=None, by_store={}, timeout=None)
-    for session in list(by_store.values()):
+    for session in list(STORES.forget_sessions().values()):
         # not the rendezvous store: its one client may be blocked in the main thread
         _end(session, unpublish=False)
     atexit.unregister(_end)

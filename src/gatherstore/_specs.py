@@ -8,12 +8,11 @@ are closed when the process group is shut down.
 
 from __future__ import annotations
 
+from ._job import STORES
 from .stores.base import Store
 from .stores.registry import ROUTES, default_store, open_store
 
 __all__ = ["close_opened", "resolve"]
-
-_opened: dict[str, Store] = {}
 
 
 def resolve(spec: str | Store | None) -> str | Store:
@@ -26,14 +25,15 @@ def resolve(spec: str | Store | None) -> str | Store:
     spec = default_store(spec)
     if isinstance(spec, Store) or spec in ROUTES:
         return spec
-    if spec not in _opened:
-        _opened[spec] = open_store(spec)
-    return _opened[spec]
+    opened = STORES.opened
+    if spec not in opened:
+        opened[spec] = open_store(spec)
+    return opened[spec]
 
 
 def close_opened() -> None:
     """Close and forget the stores opened from URLs (``shutdown`` calls it)."""
-    opened = list(_opened.values())
-    _opened.clear()
+    opened = list(STORES.opened.values())
+    STORES.opened.clear()
     for store in opened:
         store.close()

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import _control as control
+from . import _job as job
 from . import _slurm as slurm
-from . import _world as world
 from ._config import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -194,10 +194,10 @@ def describe() -> dict[str, Any]:
 def _layout() -> _Layout:
     if not is_distributed():
         return _Layout(0, 1, 0, 1)
-    job = world.state("topology")
-    if "layout" not in job:
-        job["layout"] = _from_env() or _from_hostnames()
-    layout: _Layout = job["layout"]
+    state = job.group_state()
+    if state.layout is None:
+        state.layout = _from_env() or _from_hostnames()
+    layout: _Layout = state.layout
     return layout
 
 
