@@ -71,6 +71,19 @@ def test_all_is_pinned() -> None:
     assert len(gs.__all__) == len(set(gs.__all__))
 
 
+def test_the_lists_agree() -> None:
+    """``__all__`` is the errors, the Store, the version and the lazy names, and each lazy
+    name is in its module's own ``__all__``."""
+    import importlib
+
+    from gatherstore import _errors
+
+    lazy = gs._LAZY  # type: ignore[attr-defined]
+    assert set(gs.__all__) == {*_errors.__all__, "Store", "__version__", *lazy}
+    for name, module in lazy.items():
+        assert name in importlib.import_module(module, "gatherstore").__all__, (name, module)
+
+
 def test_the_version_is_pyproject_s() -> None:
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     declared = re.search(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)

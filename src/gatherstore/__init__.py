@@ -13,6 +13,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
+from . import _errors
 from ._errors import (
     GatherError,
     GatherTimeout,
@@ -88,6 +89,8 @@ _LAZY = {
     **dict.fromkeys(["open_store", "register_store", "set_default_store"], ".stores.registry"),
 }
 
+#: Written out for type checkers and linters (which read no computed list); pinned by
+#: tests/test_public_api.py, which also checks it against each module's own list.
 __all__ = [
     "GatherError",
     "GatherTimeout",
@@ -134,20 +137,9 @@ __all__ = [
     "shutdown",
 ]
 
-for _cls in (
-    GatherError,
-    GatherTimeout,
-    InsufficientMemoryError,
-    IntegrityError,
-    MismatchError,
-    ProcessGroupError,
-    RemoteRankError,
-    Store,
-    StoreNotSharedError,
-    StoreUnavailableError,
-):
-    _cls.__module__ = __name__
-del _cls
+for _name in (*_errors.__all__, "Store"):  # shown as gatherstore.<name> in tracebacks
+    globals()[_name].__module__ = __name__
+del _name
 
 
 def __getattr__(name: str) -> _Any:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+#: The public errors (re-exported by the package); ``first_line`` and ``seconds`` help
+#: the modules that raise them.
 __all__ = [
-    "first_line",
-    "seconds",
     "GatherError",
     "GatherTimeout",
     "InsufficientMemoryError",

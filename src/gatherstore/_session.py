@@ -54,7 +54,7 @@ MARKER = "marker"
 # how long a rank looks for rank 0's marker: a share seen through a loaded network
 # filesystem may lag by seconds, but a store that is not shared must fail fast
 _VISIBILITY_WAIT = (2.0, 10.0)
-_RETRY_PAUSE = 0.1  # between lookups that failed with a store error
+_RETRY_PAUSE = 0.1  # between lookups that failed with a store error (see stores.waiting)
 
 
 @dataclass

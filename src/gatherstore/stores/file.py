@@ -19,7 +19,7 @@ import stat
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,7 +34,7 @@ __all__ = ["FileStore"]
 
 _TMP = ".tmp-"
 _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
-_ATTEMPTS = 50  # tries to create a value's directory while deletes prune it
+_ATTEMPTS = 50  # tries to create a value's folder while deletes prune it (see stores.waiting)
 _FILE = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _logger = logging.getLogger("gatherstore")
 _opening = threading.RLock()  # an area opens its base inside
@@ -146,9 +146,24 @@ class FileStore(Store):
 
     # --- the primitives ------------------------------------------------------------------
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        fd = self._dir(create=True)
         if self._exists(key):
             return False
+        try:
+            self._publish(key, buffers, _link)
+        except FileExistsError:
+            return False
+        return True
+
+    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
+        self._publish(key, buffers, _replace)
+
+    def _publish(
+        self, key: str, buffers: Sequence[Buffer], publish: Callable[[str, str, int], None]
+    ) -> None:
+        """Write ``buffers`` to a new temp file beside ``key``, then ``publish(temp, key,
+        folder)`` it there (create-only, or replacing): a reader sees the whole value or
+        none."""
+        fd = self._dir(create=True)
         parent, _, _ = key.rpartition("/")
         tmp = f"{parent}/{_TMP}{uuid.uuid4().hex}" if parent else f"{_TMP}{uuid.uuid4().hex}"
         for attempt in range(_ATTEMPTS):
@@ -166,26 +181,7 @@ class FileStore(Store):
                 fileio.write_all(out, buffers)
             finally:
                 os.close(out)
-            os.link(tmp, key, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-        except FileExistsError:
-            return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=fd)
-        return True
-
-    def _replace(self, key: str, buffers: Sequence[Buffer]) -> None:
-        fd = self._dir(create=True)
-        parent, _, _ = key.rpartition("/")
-        self._makedirs(parent)
-        tmp = f"{parent}/{_TMP}{uuid.uuid4().hex}" if parent else f"{_TMP}{uuid.uuid4().hex}"
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, 0o600, dir_fd=fd)
-        try:
-            try:
-                fileio.write_all(out, buffers)
-            finally:
-                os.close(out)
-            os.replace(tmp, key, src_dir_fd=fd, dst_dir_fd=fd)
+            publish(tmp, key, fd)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=fd)
@@ -369,3 +365,13 @@ def _rejoin(base: FileStore, name: str, sign: bool) -> Store:
     area = base.join_job(str(base.root / name))
     area.sign_parts = sign
     return area
+
+
+def _link(tmp: str, key: str, fd: int) -> None:
+    """Publish ``tmp`` at ``key``, create-only (FileExistsError when it exists; on NFS too)."""
+    os.link(tmp, key, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+
+
+def _replace(tmp: str, key: str, fd: int) -> None:
+    """Publish ``tmp`` at ``key``, replacing what is there."""
+    os.replace(tmp, key, src_dir_fd=fd, dst_dir_fd=fd)

@@ -53,7 +53,7 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_TTL", "MAX_CHUNK_SIZE", "RedisStore"]
 _GLOB_SPECIALS = "\\*?[]"
 _IN_FLIGHT = 4  # SETs or GETs of large values sent ahead of their replies on one connection
 _MANY_IN_FLIGHT = 32  # GETs of whole values (parts, small as a rule) sent ahead at once
-_ATTEMPTS = 3  # tries of a wire batch when the connection drops
+_ATTEMPTS = 3  # tries of a wire batch when the connection drops (the retries: stores.waiting)
 _T = TypeVar("_T")
 
 
