@@ -9,6 +9,7 @@ independent job (``python test_faults_lifecycle.py <scenario> <dir> <redis url>`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -129,6 +130,10 @@ def report(exc: BaseException, start: float) -> dict[str, Any]:
 # --- independent processes (as under srun): one rank per process -----------------------------
 
 
+#: Calls after which a looping rank says so (``looping-<rank>``): the test faults it then.
+LOOPING = 5
+
+
 def rank_main(scenario: str, out: str, redis_url: str) -> None:
     """One rank of an independent job; writes ``<out>/<rank>.json`` when its call fails."""
     rank = int(os.environ["RANK"])
@@ -158,6 +163,8 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
             store = route[calls % len(route)]
             gs.all_gather_object(bytes(size), store=store, timeout=5)
             calls += 1
+            if calls == LOOPING:
+                Path(out, f"looping-{rank}").write_text("")
     except gs.GatherError as exc:
         outcome = report(exc, start)
     Path(out, f"failed-{rank}").write_text("")
@@ -218,8 +225,12 @@ def killed_sender_rank(out: str, rank: int) -> None:
     os._exit(0)  # the group lost a rank: leave without a shutdown that would wait for it
 
 
-def start_job(world: int, scenario: str, out: Path, redis_url: str) -> list[subprocess.Popen[str]]:
-    """Start ``world`` ranks joined with ``init_from_env`` (stderr in ``out/stderr-<rank>``)."""
+@contextlib.contextmanager
+def running_job(
+    world: int, scenario: str, out: Path, redis_url: str
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """``world`` ranks joined with ``init_from_env`` (stderr in ``out/stderr-<rank>``), once
+    every rank is ready; whatever the test does, every rank is killed and reaped after."""
     port = free_ports()[0]
     procs = []
     for rank in range(world):
@@ -236,8 +247,20 @@ def start_job(world: int, scenario: str, out: Path, redis_url: str) -> list[subp
         args = [sys.executable, __file__, scenario, str(out), redis_url]
         with open(out / f"stderr-{rank}", "w") as stderr:
             procs.append(subprocess.Popen(args, env=env, text=True, stderr=stderr))
-    wait_for("every rank ready", lambda: all((out / f"ready-{r}").exists() for r in range(world)))
-    return procs
+    try:
+        wait_for(
+            "every rank ready", lambda: all((out / f"ready-{r}").exists() for r in range(world))
+        )
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def wait_looping(out: Path, ranks: range | list[int]) -> None:
+    """Until ``ranks`` have each made :data:`LOOPING` calls of their loop."""
+    wait_for("the ranks looping", lambda: all((out / f"looping-{r}").exists() for r in ranks))
 
 
 def stderr_of(out: Path, rank: int) -> str:
@@ -253,9 +276,8 @@ def outcomes(out: Path, ranks: list[int]) -> dict[int, dict[str, Any]]:
 def test_collective_route_names_a_killed_or_frozen_rank_in_time(
     shm: Path, redis_url: str, sig: signal.Signals
 ) -> None:
-    procs = start_job(3, "collective", shm, redis_url)
-    try:
-        time.sleep(0.5)  # let the ranks loop over the collective route for a while
+    with running_job(3, "collective", shm, redis_url) as procs:
+        wait_looping(shm, range(3))  # the ranks loop over the collective route
         fault = time.time()
         os.kill(procs[2].pid, sig)
         for proc in procs[:2]:
@@ -277,10 +299,6 @@ def test_collective_route_names_a_killed_or_frozen_rank_in_time(
             assert outcome["at"] - fault < 5 + MARGIN
             assert outcome["shutdown_seconds"] < 5 + MARGIN
             assert "Traceback" not in outcome["message"]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     assert leftovers(shm, redis_url) == []
 
 
@@ -288,19 +306,14 @@ def test_collective_route_names_a_killed_or_frozen_rank_in_time(
 def test_after_a_frozen_rank_resumes_later_calls_fail_fast_or_work(
     shm: Path, redis_url: str
 ) -> None:
-    procs = start_job(3, "collective-resume", shm, redis_url)
-    try:
-        time.sleep(0.5)
+    with running_job(3, "collective-resume", shm, redis_url) as procs:
+        wait_looping(shm, range(3))
         os.kill(procs[2].pid, signal.SIGSTOP)
         wait_for("the others' errors", lambda: all((shm / f"failed-{r}").exists() for r in (0, 1)))
         os.kill(procs[2].pid, signal.SIGCONT)
         for proc in procs:
             assert proc.wait(timeout=120) == 0, stderr_of(shm, procs.index(proc))
         seen = outcomes(shm, [0, 1, 2])
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     broken = [outcome["later"] != "ok" for outcome in seen.values()]
     note(
         "frozen rank 2 resumed",
@@ -326,9 +339,8 @@ def test_after_a_frozen_rank_resumes_later_calls_fail_fast_or_work(
 def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
     shm: Path, redis_url: str, sig: signal.Signals
 ) -> None:
-    procs = start_job(3, "stores", shm, redis_url)
-    try:
-        time.sleep(0.5)
+    with running_job(3, "stores", shm, redis_url) as procs:
+        wait_looping(shm, range(3))
         fault = time.time()
         os.kill(procs[0].pid, sig)
         for proc in procs[1:]:
@@ -345,10 +357,6 @@ def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
             assert outcome["error"] in ("RemoteRankError", "GatherTimeout"), outcome["message"]
             assert 0 in (outcome["ranks"] or [outcome["rank"]])
             assert outcome["at"] - fault < 5 + MARGIN
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     assert leftovers(shm, redis_url) == []
 
 
@@ -357,16 +365,11 @@ def test_when_rank0_dies_the_survivors_name_it_and_sweep_its_areas(
 def test_a_signal_to_every_rank_leaves_nothing_and_a_users_handler_is_kept(
     shm: Path, redis_url: str, sig: signal.Signals, sigint_default: None
 ) -> None:
-    procs = start_job(3, "own-handler", shm, redis_url)
-    try:
+    with running_job(3, "own-handler", shm, redis_url) as procs:
         for proc in procs:
             os.kill(proc.pid, sig)
         codes = [proc.wait(timeout=60) for proc in procs]
         errors = [stderr_of(shm, rank) for rank in range(3)]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     note(f"{sig.name} to every rank", exit_codes=codes)
     assert leftovers(shm, redis_url) == []
     if sig == signal.SIGTERM:  # rank 1 has a SIGTERM handler of its own: it is kept
@@ -383,18 +386,13 @@ def test_a_signal_to_every_rank_leaves_nothing_and_a_users_handler_is_kept(
 def test_a_handler_installed_after_gathers_is_in_charge(shm: Path, redis_url: str) -> None:
     """gatherstore's handler (installed by init_from_env) steps aside for a later one: the
     rank handles SIGTERM its own way, even while blocked in a store or gloo wait, and lives."""
-    procs = start_job(3, "late-handler", shm, redis_url)
-    try:
+    with running_job(3, "late-handler", shm, redis_url) as procs:
         for _ in range(5):  # land in different places of the loop: Python, C++ waits
             time.sleep(random.uniform(0.1, 0.4))
             os.kill(procs[1].pid, signal.SIGTERM)
         wait_for("rank 1's own handler", (shm / "late-handler-ran").exists)
         (shm / "stop").write_text("")
         codes = [proc.wait(timeout=90) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     assert codes == [0, 0, 0], [stderr_of(shm, r) for r in range(3)]
     done = outcomes(shm, [0, 1, 2])
     assert all(o["at_init"] for o in done.values()), "installed at init, not in a gather"
@@ -430,13 +428,8 @@ print("alive", cleaned, flush=True)
 
 @pytest.mark.timeout(120)
 def test_a_sender_killed_on_the_stream_route_is_named(shm: Path, redis_url: str) -> None:
-    procs = start_job(3, "stream-killed-sender", shm, redis_url)
-    try:
+    with running_job(3, "stream-killed-sender", shm, redis_url) as procs:
         codes = [proc.wait(timeout=90) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     assert codes[2] == -signal.SIGKILL
     dst, sender = outcomes(shm, [0, 1]).values()
     assert dst["gather_error"], dst  # not torch's RuntimeError

@@ -17,13 +17,20 @@ import torch
 import gatherstore as gs
 
 
+def _sleep_once_ready(ready: Any) -> None:
+    """A forked worker: says it runs, then sleeps until it is stopped."""
+    ready.set()
+    time.sleep(60)
+
+
 def _with_forked_workers(base: str) -> dict[str, Any]:
     store = gs.open_store(f"file://{base}")
     gs.all_gather_object(0, store=store, timeout=60)  # the job area exists from here on
     ctx = mp.get_context("fork")
-    stopped = ctx.Process(target=time.sleep, args=(60,))  # stopped as DataLoader stops them
+    ready = ctx.Event()
+    stopped = ctx.Process(target=_sleep_once_ready, args=(ready,))  # stopped as DataLoader does
     stopped.start()
-    time.sleep(0.2)
+    assert ready.wait(30)
     stopped.terminate()
     stopped.join(30)
     child = os.fork()  # a child that exits the ordinary way: its atexit handlers run
