@@ -95,7 +95,7 @@ def test_route_needs_count_what_each_route_allocates_on_a_node() -> None:
     everyone = route_need("shm", sizes, [0, 1, 2], [0, 1, 2], all_receive=True)
     assert everyone.ram == 600 + (500 + 400 + 300)  # files stay until every rank has read
     streamed = route_need(
-        "store", sizes, [0], [0], all_receive=False, windows=[50, 0, 0], streamed=True
+        "store", sizes, [0], [0], all_receive=False, windows=[50, 0, 0], iterated=True
     )
     assert streamed.ram == 300 + 50  # one part, the largest, and the read-ahead budget
 

@@ -51,11 +51,11 @@ class Call:
         progress: bool | None = None,
         root: int | None = None,
         read_ahead: int | None = None,
-        streamed: bool = False,
+        iterated: bool = False,
     ) -> None:
         self.started = time.perf_counter()
         self.what, self.progress, self.root = what, progress, root
-        self.read_ahead, self.streamed = read_ahead, streamed
+        self.read_ahead, self.iterated = read_ahead, iterated
         self.deadline = Deadline.start(to_seconds(timeout))
         note_timeout(self.deadline.timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -113,10 +113,10 @@ class Call:
             )
         except Exception as exc:
             error, mine = exc, failure(exc)
-        root, streamed = self.root, self.streamed
+        root, iterated = self.root, self.iterated
 
         def summarize(raw: list[bytes]) -> bytes | None:
-            found = facts([json.loads(s) for s in raw], receivers, root, streamed)
+            found = facts([json.loads(s) for s in raw], receivers, root, iterated)
             return None if found is None else json.dumps(dataclasses.asdict(found)).encode()
 
         raw, summary = self.exchanging(
@@ -132,7 +132,7 @@ class Call:
         found = (
             Facts(**json.loads(summary))
             if summary
-            else facts(statuses or [], receivers, root, streamed)
+            else facts(statuses or [], receivers, root, iterated)
         )
         assert found is not None
         if statuses is not None:

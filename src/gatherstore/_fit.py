@@ -43,21 +43,21 @@ def route_need(
     all_receive: bool,
     rebuilt: Sequence[int] = (),
     windows: Sequence[int] = (),
-    streamed: bool = False,
+    iterated: bool = False,
 ) -> NodeNeed:
     """Bytes the ``ranks`` of one node allocate for a gather of parts ``sizes``.
 
     ``route`` is ``"collective"``, ``"shm"`` (a store whose files live in this
     node's RAM) or ``"store"`` (any other store).  ``receivers`` read parts;
     ``all_receive`` marks an all-gather (parts stay until every rank has read
-    them); ``streamed`` a ``gather_iter``, whose receiver holds one part at a time.
+    them); ``iterated`` a ``gather_iter``, whose receiver holds one part at a time.
     ``rebuilt`` is what unpickling each rank's part allocates besides the part
     (see ``gatherstore._sizing``): every receiver rebuilds every other part.
     ``windows`` is each rank's read-ahead budget in bytes.
 
     The collective route gives every receiver ``W`` slots of the largest part
     (plus a send buffer in an all-gather) and every sender one padded part.  A
-    store route gives each receiver a private copy of what it reads (streamed: one
+    store route gives each receiver a private copy of what it reads (a ``gather_iter``: one
     part at a time, plus its read-ahead budget); on /dev/shm the written parts
     take RAM too, which a gather frees as it reads (the copies replace them) and an
     all-gather does not.
@@ -72,7 +72,7 @@ def route_need(
         ram = sum(largest * (world + all_receive) for _ in mine) + objects
         ram += sum(largest for r in ranks if r not in receiving and sizes[r])
         return NodeNeed(ram, 0)
-    if streamed:  # the consumer's part, rebuilt, and the read-ahead budget
+    if iterated:  # the consumer's part, rebuilt, and the read-ahead budget
         reads = sum(largest + max(built) + window[r] for r in mine)
     else:  # every part is returned: what is read ahead is part of that
         reads = sum(total - sizes[r] for r in mine) + objects
@@ -88,7 +88,7 @@ def shortfalls(
     sizes: Sequence[int],
     receivers: Sequence[int],
     *,
-    streamed: bool = False,
+    iterated: bool = False,
 ) -> list[str]:
     """Per node that lacks room for ``route``: what it needs there and what it has.
 
@@ -110,7 +110,7 @@ def shortfalls(
             all_receive=len(receivers) > 1,
             rebuilt=rebuilt,
             windows=windows,
-            streamed=streamed,
+            iterated=iterated,
         )
         room = min(int(statuses[r]["avail"]) for r in ranks)
         shm = min(int(statuses[r]["shm"]) for r in ranks)

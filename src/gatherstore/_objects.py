@@ -204,7 +204,7 @@ def gather_prepared(
 ) -> Iterator[Any] | None:
     """The gather behind the public calls: ``prepare()`` builds each rank's object,
     and its exceptions are reported to every rank instead of raised alone."""
-    call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, streamed=stream)
+    call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, iterated=stream)
     copy_own = _own_copies.get() and call.rank == dst
     plan = call.agree(prepare, [dst], send=call.rank != dst, full=[dst], copy_own=copy_own)
     return plan.route.gather(call, plan, dst, stream=stream)

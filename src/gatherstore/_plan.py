@@ -58,11 +58,11 @@ class Plan:
 
 
 def facts(
-    statuses: list[Any], receivers: Sequence[int], root: int | None, streamed: bool = False
+    statuses: list[Any], receivers: Sequence[int], root: int | None, iterated: bool = False
 ) -> Facts | None:
-    """The ``Facts`` of every rank's status (``streamed``: the receivers read with
-    ``gather_iter``); None when a rank failed or ranks are in different calls (every
-    rank then needs every status, to raise the same error)."""
+    """The ``Facts`` of every rank's status (``iterated``: the receivers read with
+    ``gather_iter``, one part at a time); None when a rank failed or ranks are in
+    different calls (every rank then needs every status, to raise the same error)."""
     if not all(s["ok"] for s in statuses) or any(
         s["call"] != statuses[0]["call"] for s in statuses
     ):
@@ -74,7 +74,7 @@ def facts(
         root=0 if root is None else sizes[root],
         broken=next((s["broken"] for s in statuses if s["broken"]), ""),
         short={
-            need: fit.shortfalls(need, statuses, sizes, receivers, streamed=streamed)
+            need: fit.shortfalls(need, statuses, sizes, receivers, iterated=iterated)
             for need in fit.NEEDS
         },
     )
