@@ -20,7 +20,6 @@ from ._errors import GatherError, IntegrityError, StoreUnavailableError, first_l
 from ._launch import joined_from_env, launch
 from ._session import create_area
 from .stores.base import hide_password
-from .stores.file import FileStore
 from .stores.registry import ROUTES, open_store
 
 __all__ = ["CheckFailed", "run"]
@@ -61,12 +60,10 @@ def _roundtrip(spec: str) -> dict[str, Any]:
                 raise StoreUnavailableError(
                     f"store {store} did not delete the probe", store=str(store)
                 )
-            if isinstance(store, FileStore):
-                facts["mode"] = oct(os.stat(locator).st_mode & 0o777)
+            facts.update(store.area_facts(locator))
         finally:
             store.end_job(locator)
-        left = os.path.exists(locator) if isinstance(store, FileStore) else store.list(locator)
-        if left:
+        if store.holds_area(locator):
             raise StoreUnavailableError(
                 f"store {store}: could not remove the job area {locator!r}; check permissions",
                 store=str(store),

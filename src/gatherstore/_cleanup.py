@@ -19,24 +19,19 @@ or heartbeat names its job.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from . import _config as config
 from . import _heartbeat as heartbeat
 from ._errors import GatherError
 from ._session import MARKER
-from .stores.base import JOB_AREA, Store, hide_password, job_directory
-from .stores.file import FileStore
+from .stores.base import JobArea, Store, job_directory
 
 __all__ = ["Leftover", "collect", "find", "parse_duration"]
 
-_JOB_DIR = re.compile(re.escape(job_directory()) + r"([0-9a-f]{16})-.+")
 _JOB_ID = re.compile(r"[0-9a-f]{16}")
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -58,7 +53,8 @@ def parse_duration(text: str) -> float:
 class Leftover:
     """One job area: where it is, its job, its last sign of life and what showed it."""
 
-    where: str
+    where: str  # how it is shown
+    locator: str  # what the store takes to join or remove it
     job: str
     seen: float  # wall-clock time of the last beat (else of the creation)
     source: str  # "heartbeat" | "marker" | "mtime"
@@ -84,7 +80,9 @@ def _value(store: Store, key: str, job: str | None = None) -> dict[str, Any] | N
     return value
 
 
-def _judge(where: str, job: str, area: Store, fallback: float | None) -> Leftover | None:
+def _judge(
+    where: str, locator: str, job: str, area: Store, fallback: float | None
+) -> Leftover | None:
     """The area's last sign of life: its heartbeat, else its marker, else ``fallback``
     (a directory's mtime; None: not an area gatherstore made)."""
     beat = _value(area, heartbeat.HEARTBEAT, job)
@@ -92,75 +90,50 @@ def _judge(where: str, job: str, area: Store, fallback: float | None) -> Leftove
     if beat is not None and isinstance(beat.get("at"), (int, float)):
         every = beat.get("every")
         every = float(every) if isinstance(every, (int, float)) and every > 0 else default
-        return Leftover(where, job, float(beat["at"]), "heartbeat", every, heartbeat.running(beat))
+        running = heartbeat.running(beat)
+        return Leftover(where, locator, job, float(beat["at"]), "heartbeat", every, running)
     marker = _value(area, MARKER, job)
     if marker is not None and isinstance(marker.get("created"), (int, float)):
-        return Leftover(where, job, float(marker["created"]), "marker", default)
+        return Leftover(where, locator, job, float(marker["created"]), "marker", default)
     if fallback is not None:
-        return Leftover(where, job, fallback, "mtime", default)
+        return Leftover(where, locator, job, fallback, "mtime", default)
     return None
 
 
-def _directories(store: FileStore) -> Iterator[Leftover]:
+def _belongs(locator: str, job: str) -> bool:
+    """Whether the area ``locator`` is named after ``job`` (a marker names its own job)."""
+    name = locator.rstrip("/").rsplit("/", 1)[-1]
+    return name == job or name.startswith(job_directory(job))
+
+
+def _judged(store: Store, entry: JobArea) -> Leftover | None:
+    """The area ``entry``'s job and last sign of life, or None when it is not a job area
+    gatherstore made (or cannot be opened as one)."""
+    if entry.job is not None and not _JOB_ID.fullmatch(entry.job):
+        return None
     try:
-        children = list(store.root.iterdir())
-    except FileNotFoundError:
-        return
-    uid = os.geteuid()
-    for path in sorted(children):
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue
-        if not path.name.startswith(job_directory()) or not path.is_dir() or path.is_symlink():
-            continue
-        if st.st_uid != uid:
-            continue
-        named = _JOB_DIR.fullmatch(path.name)
-        try:
-            area = store.join_job(str(path))  # O_NOFOLLOW, inside the base
-        except GatherError:
-            continue
-        try:
-            marker = _value(area, MARKER)
-            job = str(marker.get("job")) if marker else named.group(1) if named else None
-            if job is None or not path.name.startswith(job_directory(job)):
-                continue
-            found = _judge(str(path), job, area, st.st_mtime if named else None)
-        finally:
+        area = store.join_job(entry.locator)  # a folder: O_NOFOLLOW, inside the base
+    except GatherError:
+        return None
+    try:
+        marker = _value(area, MARKER)
+        job = str(marker.get("job")) if marker else entry.job
+        if job is None or not _belongs(entry.locator, job):
+            return None
+        return _judge(entry.shown, entry.locator, job, area, entry.changed)
+    finally:
+        if area is not store:
             area.close()
-        if found is not None:
-            yield found
-
-
-def _prefixes(store: Store) -> Iterator[Leftover]:
-    jobs = sorted({key.split("/")[1] for key in store.list(f"{JOB_AREA}/") if key.count("/") >= 2})
-    shown = hide_password(store.url)
-    for job in jobs:
-        if not _JOB_ID.fullmatch(job):
-            continue
-        found = _judge(f"{shown}/{JOB_AREA}/{job}/", job, store.scoped(f"{JOB_AREA}/{job}"), None)
-        if found is not None:
-            yield found
 
 
 def find(store: Store) -> list[Leftover]:
     """Every job area gatherstore created in ``store``, alive and gone."""
-    if isinstance(store, FileStore):
-        return list(_directories(store))
-    return list(_prefixes(store))
+    return [found for entry in store.job_areas() if (found := _judged(store, entry))]
 
 
 def _remove(store: Store, item: Leftover) -> bool:
     try:
-        if isinstance(store, FileStore):
-            store.end_job(item.where)
-            return not Path(item.where).exists()
-        area = f"{JOB_AREA}/{item.job}"
-        store.end_job(f"{area}/")  # by the job's index where the store keeps one
-        if store.list(f"{area}/"):  # keys the index does not name (e.g. an older gatherstore's)
-            store.delete(area)
-        return not store.list(f"{area}/")
+        return store.remove_area(item.locator)
     except GatherError:
         return False
 

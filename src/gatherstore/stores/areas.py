@@ -7,7 +7,9 @@ filesystem stores.  ``gatherstore gc`` finds what crashed jobs left by these nam
 
 from __future__ import annotations
 
-__all__ = ["JOB_AREA", "job_directory", "job_keys"]
+from typing import NamedTuple
+
+__all__ = ["JOB_AREA", "JobArea", "job_directory", "job_keys"]
 
 #: Every job area is named after this: ``gatherstore/<job>/`` keys in key-value and
 #: object stores, ``gatherstore-<job>-*`` directories in filesystem stores.
@@ -22,3 +24,14 @@ def job_keys(job_id: str) -> str:
 def job_directory(job_id: str | None = None) -> str:
     """The name prefix of a job's directory in a filesystem store (of any job's: None)."""
     return f"{JOB_AREA}-" if job_id is None else f"{JOB_AREA}-{job_id}-"
+
+
+class JobArea(NamedTuple):
+    """A job area a store holds: its ``locator`` (what ``join_job`` and ``end_job`` take),
+    how to show it, the ``job`` its name says (None: ask its marker), and when it was
+    last changed where its marker and heartbeat cannot say (None: unknown)."""
+
+    locator: str
+    shown: str
+    job: str | None
+    changed: float | None

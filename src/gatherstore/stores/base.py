@@ -17,7 +17,7 @@ from typing import Any
 from .._errors import GatherError
 from . import failures, layout
 from ._secrets import describe_failure, hide_password, hide_secrets
-from .areas import JOB_AREA, job_directory, job_keys
+from .areas import JOB_AREA, JobArea, job_directory, job_keys
 from .backend import PRIMITIVES, Backend
 from .deadline import END_JOB_TIMEOUT, deadline
 from .failures import KeyExistsError
@@ -28,6 +28,7 @@ __all__ = [
     "CHUNKS",
     "HEADER_SIZE",
     "JOB_AREA",
+    "JobArea",
     "Buffer",
     "KeyExistsError",
     "ScopedStore",
@@ -86,6 +87,29 @@ class Store(Backend):
         """
         with deadline(END_JOB_TIMEOUT):
             self.delete(locator)
+
+    def job_areas(self) -> Iterator[JobArea]:
+        """Every job area this store holds, a job's or not yet judged (``gatherstore gc``):
+        here the prefixes ``gatherstore/<job>/``."""
+        keys = self.list(f"{JOB_AREA}/")
+        for job in sorted({key.split("/")[1] for key in keys if key.count("/") >= 2}):
+            yield JobArea(job_keys(job), f"{self}/{job_keys(job)}", job, None)
+
+    def holds_area(self, locator: str) -> bool:
+        """Whether anything of the job area ``locator`` is left (after ``end_job``)."""
+        return bool(self.list(locator))
+
+    def remove_area(self, locator: str) -> bool:
+        """Remove the job area ``locator`` of a job that is gone (``gatherstore gc``), with
+        whatever it left there (keys its index does not name too); whether it is gone."""
+        self.end_job(locator)
+        if self.holds_area(locator):
+            self.delete(locator)
+        return not self.holds_area(locator)
+
+    def area_facts(self, locator: str) -> dict[str, Any]:
+        """What ``gatherstore check`` shows of the job area ``locator`` (a folder's mode)."""
+        return {}
 
     # --- the API written once ---------------------------------------------------------
     _check_key = staticmethod(layout.check_key)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import stat
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,7 +29,7 @@ from .._errors import StoreUnavailableError
 from . import _fileio as fileio
 from . import _private as private
 from ._secrets import describe_failure
-from .base import Buffer, Store, hide_password, job_directory
+from .base import Buffer, JobArea, Store, hide_password, job_directory
 
 __all__ = ["FileStore"]
 
@@ -36,6 +37,7 @@ _TMP = ".tmp-"
 _ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)  # no value at a key
 _ATTEMPTS = 50  # tries to create a value's folder while deletes prune it (see stores.waiting)
 _FILE = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_JOB_DIR = re.compile(re.escape(job_directory()) + r"([0-9a-f]{16})-.+")
 _logger = logging.getLogger("gatherstore")
 _opening = threading.RLock()  # an area opens its base inside
 
@@ -327,6 +329,36 @@ class FileStore(Store):
             return super().__reduce__()
         base, name = self._area_of
         return (_rejoin, (base, name, self.sign_parts))
+
+    def job_areas(self) -> Iterator[JobArea]:
+        """The folders ``gatherstore-*`` of this user in the base (never a symlink)."""
+        try:
+            children = sorted(self.root.iterdir())
+        except FileNotFoundError:
+            return
+        uid = os.geteuid()
+        for path in children:
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
+            if not path.name.startswith(job_directory()) or not stat.S_ISDIR(st.st_mode):
+                continue
+            if st.st_uid != uid:
+                continue
+            named = _JOB_DIR.fullmatch(path.name)
+            job = named.group(1) if named else None
+            yield JobArea(str(path), str(path), job, st.st_mtime if named else None)
+
+    def holds_area(self, locator: str) -> bool:
+        return os.path.lexists(locator)
+
+    def remove_area(self, locator: str) -> bool:
+        self.end_job(locator)
+        return not self.holds_area(locator)
+
+    def area_facts(self, locator: str) -> dict[str, Any]:
+        return {"mode": oct(os.stat(locator, follow_symlinks=False).st_mode & 0o777)}
 
     def end_job(self, locator: str) -> None:
         """Remove the job folder ``locator`` (only a folder of this user's, named like a job
