@@ -19,6 +19,7 @@ import pytest
 from conftest import OtherUser
 
 import gatherstore as gs
+from gatherstore.stores.base import Store
 from gatherstore.stores.tmpdir import TmpdirStore
 
 
@@ -89,17 +90,30 @@ def test_symlinked_bases_another_user_planted_are_refused(shm: Path, other_user:
     assert list(theirs.iterdir()) == []
 
 
-def test_a_swapped_job_folder_is_detected_and_never_used(shm: Path, other_user: OtherUser) -> None:
+@pytest.fixture
+def job_area(shm: Path) -> tuple[Path, TmpdirStore, str, Store]:
+    """A tmpdir base of this user's in ``shm``, its store, a job area's locator and store."""
     base = shm / "base"
     base.mkdir(mode=0o755)
     store = TmpdirStore(base)
     locator = store.prepare_job("0123456789abcdef")
-    area = store.join_job(locator)
-    area.put("call-1/0", b"before")
-    base.chmod(0o777)  # the base became writable by others (a mistake), after the check
-    # the other user moves the job's folder aside and puts a folder of theirs in its place
+    return base, store, locator, store.join_job(locator)
+
+
+def _swap(other_user: OtherUser, base: Path, locator: str) -> None:
+    """The base became writable by others (a mistake), after the check: the other user
+    moves the job's folder aside and puts a folder of theirs in its place."""
+    base.chmod(0o777)
     other_user.run("mv", locator, f"{base}/moved-away")
     other_user.run("mkdir", "-m", "0777", locator)
+
+
+def test_a_swapped_job_folder_is_detected_and_never_used(
+    job_area: tuple[Path, TmpdirStore, str, Store], other_user: OtherUser
+) -> None:
+    base, store, locator, area = job_area
+    area.put("call-1/0", b"before")
+    _swap(other_user, base, locator)
 
     area.put("call-2/0", b"after")  # the job keeps working in its own folder
     assert bytes(area.get("call-2/0") or b"") == b"after"
@@ -115,21 +129,17 @@ def test_a_swapped_job_folder_is_detected_and_never_used(shm: Path, other_user: 
     assert Path(locator).stat().st_uid == other_user.uid
 
 
-def test_a_pickled_job_area_keeps_its_checks(shm: Path, other_user: OtherUser) -> None:
-    base = shm / "base"
-    base.mkdir(mode=0o755)
-    store = TmpdirStore(base)
-    locator = store.prepare_job("0123456789abcdef")
-    area = store.join_job(locator)
+def test_a_pickled_job_area_keeps_its_checks(
+    job_area: tuple[Path, TmpdirStore, str, Store], other_user: OtherUser
+) -> None:
+    base, _, locator, area = job_area
     area.put("call-1/0", b"mine")
     clone = pickle.loads(pickle.dumps(area))  # as a store travels to a worker process
     assert bytes(clone.get("call-1/0") or b"") == b"mine"
     assert clone.sign_parts == area.sign_parts
     # the folder is replaced by another user's: an area unpickled now refuses it, as a rank
     # that joins it does (a plain folder store would follow it)
-    base.chmod(0o777)
-    other_user.run("mv", locator, f"{base}/moved-away")
-    other_user.run("mkdir", "-m", "0777", locator)
+    _swap(other_user, base, locator)
     base.chmod(0o755)
     with pytest.raises(gs.StoreUnavailableError, match="is not the one this job created"):
         pickle.loads(pickle.dumps(area))
