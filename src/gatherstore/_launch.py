@@ -23,6 +23,7 @@ from . import _published as publication
 from . import _session as session
 from . import _signals as signals
 from . import _slurm as slurm
+from . import _staging as staging
 from . import _topology as topology
 from . import _world as world
 from ._call import resolve
@@ -319,7 +320,8 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     That meeting waits at most ``timeout`` seconds (default: the timeout of the
     job's last call that used a store) for ranks that are gone; if rank 0 is
     gone (its rendezvous store with it), this rank removes the areas itself; a
-    rank 0 that is only late removes them when it gets here.
+    rank 0 that is only late removes them when it gets here.  The pinned memory that
+    CUDA tensors were gathered through is released.
 
     Raises:
         ValueError: ``timeout`` is not a positive number of seconds.
@@ -339,3 +341,4 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
         signals.uninstall()
         dist.destroy_process_group()
     world.forget()
+    staging.release()
