@@ -44,7 +44,7 @@ from . import _storage as storage
 from . import _watch as watch
 from ._errors import GatherError, IntegrityError
 
-__all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "encode", "load", "verify"]
+__all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "digest", "encode", "load", "verify"]
 
 # 3: storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3 (1: HMAC-SHA256)
 FORMAT_VERSION = 3
@@ -68,7 +68,7 @@ _MAC_THREADS_MIN = 1 << 20
 class Frame:
     """An encoded part: ``segments`` written back to back make ``nbytes`` bytes.
 
-    :func:`encode` leaves it unsealed; :meth:`seal` adds the digest (CRC-32) or,
+    :func:`encode` leaves it unsealed; :meth:`seal` adds the digest (XXH3-128) or,
     with a key, the keyed BLAKE3 signature, once the route is known.
     """
 
@@ -92,8 +92,8 @@ class Frame:
             flags |= _SIGNED
         head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, columns, pickle_len, self.nbytes)
         head_view = memoryview(head.ljust(_HEAD_SIZE, b"\0"))
-        digest = _digest([head_view, *self._body], key, bind)
-        self.segments = [head_view, memoryview(digest), *self._body]
+        sealed = digest([head_view, *self._body], key, bind)
+        self.segments = [head_view, memoryview(sealed), *self._body]
         return self
 
     def copy_into(self, out: memoryview) -> None:
@@ -232,7 +232,7 @@ def _mac_key(key: bytes) -> bytes:
     return blake3.blake3(key, derive_key_context=_MAC_CONTEXT).digest()
 
 
-def _digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
+def digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
     """Keyed BLAKE3 (with ``key``) or XXH3-128 of ``bind``, length-prefixed, then ``segments``."""
     segments = [memoryview(struct.pack("<Q", len(bind)) + bind), *segments]
     if key is not None:
@@ -341,7 +341,7 @@ def verify(
             if signed
             else "is unsigned but a signature is required"
         )
-    expected = _digest([view[:_HEAD_SIZE], view[_PREFIX:]], key, bind)
+    expected = digest([view[:_HEAD_SIZE], view[_PREFIX:]], key, bind)
     if not hmac.compare_digest(expected, bytes(view[_HEAD_SIZE:_PREFIX])):
         what = "signature" if signed else "checksum"
         raise fail(
