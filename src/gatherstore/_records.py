@@ -48,6 +48,8 @@ _SCAN_DEPTH = 4
 #: memory they share travels once.
 LARGE_VALUE = 64 << 10
 VIEW_VALUE = 4 << 10
+#: Values of a column looked at to choose how it travels.
+_SAMPLE = 16
 _PROTOCOL = ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
 
 
@@ -89,19 +91,21 @@ def _plain_fields(kind: type) -> tuple[str, ...] | None:
 def _unique(values: list[Any]) -> tuple[list[Any], np.ndarray[Any, Any] | None]:
     """The distinct objects of ``values`` (by identity, first seen first) and, when some
     repeat, each value's position among them."""
+    if len(set(map(id, values))) == len(values):
+        return values, None
     first: dict[int, int] = {}
     for value in values:
         first.setdefault(id(value), len(first))
-    if len(first) == len(values):
-        return values, None
     distinct = list({id(v): v for v in values}.values())
     return distinct, np.fromiter(map(first.__getitem__, map(id, values)), np.int64, len(values))
 
 
 def _joinable(values: list[Any], nbytes: Callable[[Any], int], view: Callable[[Any], bool]) -> bool:
-    """Whether a column's arrays are copied into one region (see :data:`LARGE_VALUE`)."""
-    average = sum(map(nbytes, values)) / max(len(values), 1)
-    return average < VIEW_VALUE or (average < LARGE_VALUE and not any(map(view, values)))
+    """Whether a column's arrays are copied into one region (see :data:`LARGE_VALUE`),
+    judged by a sample of them (evenly spaced: the cost stays flat in the column's length)."""
+    sample = values[:: max(len(values) // _SAMPLE, 1)]
+    average = sum(map(nbytes, sample)) / max(len(sample), 1)
+    return average < VIEW_VALUE or (average < LARGE_VALUE and not any(map(view, sample)))
 
 
 def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
