@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
+from gatherstore import _digest
 from gatherstore import _serialize as serialize
 from gatherstore._records import MIN_RUN
 from gatherstore.stores.file import FileStore
@@ -311,6 +313,26 @@ def test_truncated_foreign_and_other_version_parts() -> None:
     other[8] = serialize.FORMAT_VERSION + 1
     with pytest.raises(gs.IntegrityError, match="format version"):
         serialize.decode(other, rank=1)
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["checksum", "signature"])
+def test_the_digest_is_of_the_bytes_not_of_their_segments(key: bytes | None) -> None:
+    """Blocks are cut over the frame (sealed in segments, verified in one piece); a byte
+    changed in any block, or bytes moved between blocks, change the digest."""
+    data = np.random.default_rng(0).integers(0, 256, 3 * _digest.BLOCK + 12345, np.uint8)
+    whole = _digest.digest([memoryview(data)], key, b"bind")
+    cuts = [0, 5, _digest.BLOCK - 1, _digest.BLOCK + 7, 2 * _digest.BLOCK, len(data)]
+    pieces = [memoryview(data[a:b]) for a, b in itertools.pairwise(cuts)]
+    assert _digest.digest(pieces, key, b"bind") == whole
+    assert _digest.digest([memoryview(data)], key, b"other") != whole
+    for where in (3, _digest.BLOCK + 1, len(data) - 1):
+        data[where] ^= 1
+        assert _digest.digest([memoryview(data)], key, b"bind") != whole
+        data[where] ^= 1
+    swapped = np.concatenate(
+        [data[_digest.BLOCK : 2 * _digest.BLOCK], data[: _digest.BLOCK], data[2 * _digest.BLOCK :]]
+    )
+    assert _digest.digest([memoryview(swapped)], key, b"bind") != whole
 
 
 def test_signed_parts_need_the_key() -> None:

@@ -10,9 +10,8 @@ reach the part through a pinned staging buffer (see :mod:`gatherstore._staging`)
 so objects never grow GPU memory, and are rebuilt on the CPU; tensors that
 require grad are detached.  cloudpickle is used only when plain pickle fails.
 
-The digest is XXH3-128 (a checksum against damage: 30 GB/s on one core, where
-CRC-32 ran at 4), or a keyed BLAKE3 hash (a MAC, 3-4x faster than
-HMAC-SHA256 with SHA extensions, on every core for large parts) when a
+The digest (see :mod:`gatherstore._digest`) is an XXH3-128 checksum, or a keyed
+BLAKE3 hash (a MAC, 3-4x faster than HMAC-SHA256 with SHA extensions) when a
 signing key is given; it also
 covers the part's *binding* (associated data naming its job, call and rank,
 never stored), so a part replayed from another call or planted under another
@@ -24,7 +23,6 @@ change: what is verified must be what is unpickled.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import io
 import pickle
@@ -32,19 +30,18 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import blake3
 import cloudpickle
 import numpy as np
 import torch
-import xxhash
 
+from . import _digest
 from . import _records as records
 from . import _sizing as sizing
 from . import _storage as storage
 from . import _watch as watch
 from ._errors import GatherError, IntegrityError
 
-__all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "digest", "encode", "load", "verify"]
+__all__ = ["FORMAT_VERSION", "Frame", "Verified", "decode", "encode", "load", "verify"]
 
 # 3: storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3 (1: HMAC-SHA256)
 FORMAT_VERSION = 3
@@ -52,16 +49,13 @@ _MAGIC = b"GSPART\x00\x00"
 # magic, version, flags, out-of-band buffers, persistent regions, pickle length, total
 _HEAD = struct.Struct("<8sIIQQQQ")
 _HEAD_SIZE = 64
-_DIGEST_SIZE = 32
+_DIGEST_SIZE = _digest.SIZE
 _PREFIX = _HEAD_SIZE + _DIGEST_SIZE
 # flags: cloudpickled, signed, the last region is the span table (see _storage)
 _CLOUDPICKLE, _SIGNED, _SPANS = 1, 2, 4
 _ALIGN_LARGE, _ALIGN_SMALL, _LARGE = 64, 16, 1 << 16
 _PADDING = bytes(_ALIGN_LARGE)
 _OUT_OF_BAND_MIN = 4096
-_MAC_CONTEXT = "gatherstore part signature, format 2"
-#: Parts from this size on are signed on every core (BLAKE3's own threads).
-_MAC_THREADS_MIN = 1 << 20
 
 
 @dataclass
@@ -92,7 +86,7 @@ class Frame:
             flags |= _SIGNED
         head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, columns, pickle_len, self.nbytes)
         head_view = memoryview(head.ljust(_HEAD_SIZE, b"\0"))
-        sealed = digest([head_view, *self._body], key, bind)
+        sealed = _digest.digest([head_view, *self._body], key, bind)
         self.segments = [head_view, memoryview(sealed), *self._body]
         return self
 
@@ -226,26 +220,6 @@ def _pad(pos: int, size: int) -> int:
     return -pos % align
 
 
-@functools.lru_cache(maxsize=8)
-def _mac_key(key: bytes) -> bytes:
-    """The 32-byte BLAKE3 key derived from a signing key of any length."""
-    return blake3.blake3(key, derive_key_context=_MAC_CONTEXT).digest()
-
-
-def digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
-    """Keyed BLAKE3 (with ``key``) or XXH3-128 of ``bind``, length-prefixed, then ``segments``."""
-    segments = [memoryview(struct.pack("<Q", len(bind)) + bind), *segments]
-    if key is not None:
-        mac = blake3.blake3(key=_mac_key(key), max_threads=blake3.blake3.AUTO)
-        for seg in segments:
-            mac.update(seg)
-        return bytes(mac.digest(_DIGEST_SIZE))
-    hasher = xxhash.xxh3_128()
-    for seg in segments:
-        hasher.update(seg)
-    return hasher.digest().ljust(_DIGEST_SIZE, b"\0")
-
-
 def encode(obj: Any) -> Frame:
     """Serialise ``obj`` into an unsealed frame (see :meth:`Frame.seal`); CUDA tensors
     are on the host once this returns.
@@ -341,7 +315,7 @@ def verify(
             if signed
             else "is unsigned but a signature is required"
         )
-    expected = digest([view[:_HEAD_SIZE], view[_PREFIX:]], key, bind)
+    expected = _digest.digest([view[:_HEAD_SIZE], view[_PREFIX:]], key, bind)
     if not hmac.compare_digest(expected, bytes(view[_HEAD_SIZE:_PREFIX])):
         what = "signature" if signed else "checksum"
         raise fail(

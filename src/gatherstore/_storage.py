@@ -108,16 +108,18 @@ class Spans:
             else:
                 merged.append((span.key, span.start, span.end))
             out.table[i] = (len(merged) - 1, span.start - merged[-1][1])
-        copies = []
+        on_device = sum(end - start for key, start, end in merged if key is not None)
+        host = np.empty(on_device, np.uint8)  # one buffer for every CUDA region of the part
+        copies, used = [], 0
         for key, start, end in merged:
             if key is None:
                 memory = (ctypes.c_char * (end - start)).from_address(start)
                 out.segments.append(memoryview(memory).cast("B"))
             else:
                 source = self.storages[key][start - key[1] : end - key[1]]
-                host = np.empty(end - start, np.uint8)
-                copies.append((source, host))
-                out.segments.append(host.data)
+                copies.append((source, host[used : used + end - start]))
+                out.segments.append(host[used : used + end - start].data)
+                used += end - start
         if copies:
             staging.to_host(copies)
         return out
