@@ -5,7 +5,7 @@ The checksum guards against damage.  XXH3 is the fastest of those measured, but
 one core of a large GPU host hashes only about 7 GB/s (30 GB/s on another
 machine; CRC-32 ran at 3-4 GB/s on both): so a part is cut into blocks of
 :data:`BLOCK` bytes (counted over the frame, whatever its segments), each
-block hashed on a thread of its own (XXH3 releases the GIL), and the digest is
+block hashed on a worker thread (see ``_workers``: XXH3 releases the GIL), and the digest is
 the XXH3-128 of the bound prefix, the length and the blocks' digests.  The
 signature (with a key) is keyed BLAKE3 on every core (its own threads).
 Both cover ``bind``, length-prefixed, before the frame.
@@ -14,13 +14,12 @@ Both cover ``bind``, length-prefixed, before the frame.
 from __future__ import annotations
 
 import functools
-import os
 import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 import xxhash
+
+from . import _workers as workers
 
 __all__ = ["BLOCK", "SIZE", "digest"]
 
@@ -29,24 +28,12 @@ SIZE = 32
 #: Bytes per block of the checksum, each hashed on a thread.
 BLOCK = 8 << 20
 _MAC_CONTEXT = "gatherstore part signature, format 2"
-_lock = threading.Lock()
-_pools: dict[int, ThreadPoolExecutor] = {}  # per process id: a forked child makes its own
 
 
 @functools.lru_cache(maxsize=8)
 def _mac_key(key: bytes) -> bytes:
     """The 32-byte BLAKE3 key derived from a signing key of any length."""
     return blake3.blake3(key, derive_key_context=_MAC_CONTEXT).digest()
-
-
-def _pool() -> ThreadPoolExecutor:
-    with _lock:
-        pid = os.getpid()
-        if pid not in _pools:
-            _pools.clear()
-            threads = min(os.cpu_count() or 1, 16)
-            _pools[pid] = ThreadPoolExecutor(threads, thread_name_prefix="gatherstore-digest")
-        return _pools[pid]
 
 
 def _blocks(segments: list[memoryview], total: int) -> list[list[memoryview]]:
@@ -84,6 +71,6 @@ def digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
     views = [memoryview(seg).cast("B") for seg in segments]
     total = sum(len(v) for v in views)
     blocks = _blocks(views, total)
-    found = list(_pool().map(_xxh3, blocks)) if len(blocks) > 1 else [_xxh3(views)]
+    found = workers.run(_xxh3, blocks) if len(blocks) > 1 else [_xxh3(views)]
     summary = [prefix, memoryview(struct.pack("<Q", total)), *(memoryview(d) for d in found)]
     return _xxh3(summary).ljust(SIZE, b"\0")
