@@ -7,9 +7,9 @@ copy).  Here each process allocates one pinned buffer at its first use
 (``GATHERSTORE_PINNED`` bytes, two halves) and keeps it until ``gs.shutdown()``.
 Sources are packed into one half at a time, on a side stream of their device,
 asynchronously: while one half fills, the other is copied into the part's host
-buffer (by worker threads, see ``_workers``); the host waits once per half, not
-per tensor.  The part's host buffer is mapped with its pages populated at once
-(a fault per page is what made ``.cpu()`` slow).  The
+buffer by worker threads (see ``_workers``), which also take the first-touch
+faults of its fresh pages in parallel; the host waits once per half, not per
+tensor.  The
 side stream first waits for what the caller's current stream has queued, so a
 tensor that a kernel is still writing is copied once that kernel is done.  No GPU
 memory is allocated.
@@ -17,7 +17,6 @@ memory is allocated.
 
 from __future__ import annotations
 
-import mmap
 import threading
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 from . import _config as config
 from . import _workers as workers
 
-__all__ = ["host_buffer", "release", "to_host"]
+__all__ = ["release", "to_host"]
 
 #: Bytes per copy a worker thread makes out of the pinned buffer.
 _COPY = 8 << 20
@@ -47,12 +46,6 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _streams:
         _streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     return _streams[device]
-
-
-def host_buffer(nbytes: int) -> np.ndarray[Any, Any]:
-    """``nbytes`` of fresh host memory (uint8), its pages populated in one call."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=flags), np.uint8)[:nbytes]
 
 
 def to_host(copies: list[tuple[torch.Tensor, np.ndarray[Any, Any]]]) -> None:

@@ -109,8 +109,7 @@ class Spans:
                 merged.append((span.key, span.start, span.end))
             out.table[i] = (len(merged) - 1, span.start - merged[-1][1])
         on_device = sum(end - start for key, start, end in merged if key is not None)
-        # one buffer for every CUDA region of the part
-        host = staging.host_buffer(on_device) if on_device else np.empty(0, np.uint8)
+        host = np.empty(on_device, np.uint8)  # one buffer for every CUDA region of the part
         copies, used = [], 0
         for key, start, end in merged:
             if key is None:
