@@ -29,7 +29,7 @@ from . import _workers as workers
 __all__ = ["release", "to_host"]
 
 #: Bytes per copy a worker thread makes out of the pinned buffer.
-_COPY = 8 << 20
+_COPY = 2 << 20
 
 _lock = threading.Lock()
 _pinned: list[torch.Tensor] = []  # the process's pinned buffer, once allocated
