@@ -18,7 +18,7 @@ from _jobs import hiredis_in_use
 
 import gatherstore as gs
 from gatherstore import _cli
-from gatherstore._bench import baselines, clients, latency, payloads, report, runner
+from gatherstore._bench import baselines, clients, floors, latency, payloads, report, runner
 from gatherstore._bench.cases import BASELINE, Case, select
 from gatherstore._bench.measure import PeakMemory
 from gatherstore.testing.plugin import S3Endpoint
@@ -67,6 +67,37 @@ def test_tensors_payload() -> None:
     assert torch.equal(payloads.make("tensors", 8 << 20, 1, 2)["tensor0"], data["tensor0"])
     with pytest.raises(ValueError, match="unknown payload 'images'"):
         payloads.make("images", 1, 0, 1)
+
+
+def test_records_payload_holds_views_of_each_records_scores() -> None:
+    recs = payloads.make("records", 64 << 20, 1, 2)
+    assert len(recs) == 8  # 32 MiB a rank, 4 MiB a record
+    assert [r["id"] for r in recs] == list(range(8, 16))
+    for rec in recs:
+        assert rec["scores"].nbytes == payloads.RECORD_BYTES
+        assert rec["boxes"].shape == (payloads.RECORD_BYTES // 16, 2)
+        assert rec["boxes"].data_ptr() == rec["scores"].data_ptr() + 4
+    assert torch.equal(payloads.make("records", 64 << 20, 1, 2)[3]["scores"], recs[3]["scores"])
+    assert len(payloads.make("records", 1, 0, 4)) == 1
+    if not torch.cuda.is_available():
+        assert "cuda-records" not in payloads.available()
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            payloads.make("cuda-records", 1 << 20, 0, 1)
+
+
+def test_floors_of_a_payload() -> None:
+    found = floors.measure("records", 16 << 20, 2, 1)
+    assert found["part_bytes"] >= 8 << 20  # one rank's part, its views not counted twice
+    assert found["part_bytes"] < (8 << 20) * 1.01
+    assert found["floor_s"] == max(found["encode_s"], found["decode_s"]) > 0
+    assert found["checksum_gbps"] > 0 and "d2h_gbps" not in found
+    records = [
+        {**record("gs.tmpdir-shm", 0.5, 100), "payload": p, "floors": found}
+        for p in ("records", "tensors")
+    ]
+    lines = "\n".join(report._floor_lines(records))
+    assert "records 4MB W=2: 0.500 s" in lines and "digest share" in lines
+    assert "records / tensors, 4MB W=2: 1.00x the time" in lines
 
 
 def test_peak_memory_sees_a_large_allocation() -> None:

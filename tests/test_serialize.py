@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
-from gatherstore import _records as records
+from gatherstore import _digest
 from gatherstore import _serialize as serialize
 from gatherstore._records import MIN_RUN
 from gatherstore.stores.file import FileStore
@@ -241,29 +242,38 @@ def test_cuda_tensors_never_grow_gpu_memory(strided: bool) -> None:
     assert_same(_evaluation_object("cpu", strided), out)
 
 
-@pytest.mark.parametrize(
-    "view",
-    [
-        lambda t: t.transpose(1, 3),
-        lambda t: t[:, ::2, 1:, ::3],
-        lambda t: t[1, 2],
-        lambda t: t[0:1].expand(4, 3, 4, 5),
-        lambda t: t.permute(3, 0, 2, 1)[1:],
-        lambda t: t[:0, 1],
-        lambda t: torch.view_as_complex(t[..., 1:3].contiguous()).conj()[:, ::2],
-    ],
-    ids=["transposed", "stepped", "offset", "expanded", "permuted", "empty", "conj"],
-)
-def test_a_strided_view_reaches_the_host_from_the_span_it_covers(
-    view: Callable[[torch.Tensor], torch.Tensor],
+VIEWS = [
+    lambda t: t.transpose(1, 3),
+    lambda t: t[:, ::2, 1:, ::3],
+    lambda t: t[1, 2],
+    lambda t: t[0:1].expand(4, 3, 4, 5),
+    lambda t: t.permute(3, 0, 2, 1)[1:],
+    lambda t: t[:0, 1],
+    lambda t: torch.view_as_complex(t[..., 1:3].contiguous()).conj()[:, ::2],
+    lambda t: t._neg_view()[1, 2:],
+]
+VIEW_IDS = ["transposed", "stepped", "offset", "expanded", "permuted", "empty", "conj", "neg"]
+
+
+@pytest.mark.parametrize("view", VIEWS, ids=VIEW_IDS)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_strided_view_travels_as_the_span_it_covers(
+    view: Callable[[torch.Tensor], torch.Tensor], device: str
 ) -> None:
-    """The copy a device tensor's view takes to the CPU (the same code runs on CPU here):
-    equal to the view and contiguous."""
-    base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float64).reshape(2, 3, 4, 5)
-    v = view(base)
-    host = records.host_view(v)
-    assert torch.equal(host.resolve_conj(), v.resolve_conj().contiguous())
-    assert host.is_contiguous() and host.shape == v.shape
+    """A view of a large storage (CPU, or CUDA through the pinned buffer) arrives equal,
+    with its shape, and the part carries the span the view covers, not the storage."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine (checked on the GPU machine)")
+    big = torch.zeros(1 << 20, dtype=torch.float64, device=device)  # 8 MiB
+    base = big[4096 : 4096 + 2 * 3 * 4 * 5 * 64]
+    base.copy_(torch.arange(base.numel(), dtype=torch.float64, device=device))
+    v = view(base.view(2 * 4, 3 * 4, 4 * 2, 5 * 2)[::4, ::4, ::2, ::2])
+    frame = serialize.encode({"v": v})
+    assert frame.nbytes < 1 << 20, "the span the view covers travels, not its 8 MiB storage"
+    out = round_trip({"v": v})["v"]
+    expected = v.cpu().resolve_conj().resolve_neg()
+    assert out.device.type == "cpu" and out.shape == v.shape and out.dtype == v.dtype
+    assert torch.equal(out.resolve_conj().resolve_neg(), expected)
 
 
 class Canary:
@@ -303,6 +313,26 @@ def test_truncated_foreign_and_other_version_parts() -> None:
     other[8] = serialize.FORMAT_VERSION + 1
     with pytest.raises(gs.IntegrityError, match="format version"):
         serialize.decode(other, rank=1)
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["checksum", "signature"])
+def test_the_digest_is_of_the_bytes_not_of_their_segments(key: bytes | None) -> None:
+    """Blocks are cut over the frame (sealed in segments, verified in one piece); a byte
+    changed in any block, or bytes moved between blocks, change the digest."""
+    data = np.random.default_rng(0).integers(0, 256, 3 * _digest.BLOCK + 12345, np.uint8)
+    whole = _digest.digest([memoryview(data)], key, b"bind")
+    cuts = [0, 5, _digest.BLOCK - 1, _digest.BLOCK + 7, 2 * _digest.BLOCK, len(data)]
+    pieces = [memoryview(data[a:b]) for a, b in itertools.pairwise(cuts)]
+    assert _digest.digest(pieces, key, b"bind") == whole
+    assert _digest.digest([memoryview(data)], key, b"other") != whole
+    for where in (3, _digest.BLOCK + 1, len(data) - 1):
+        data[where] ^= 1
+        assert _digest.digest([memoryview(data)], key, b"bind") != whole
+        data[where] ^= 1
+    swapped = np.concatenate(
+        [data[_digest.BLOCK : 2 * _digest.BLOCK], data[: _digest.BLOCK], data[2 * _digest.BLOCK :]]
+    )
+    assert _digest.digest([memoryview(swapped)], key, b"bind") != whole
 
 
 def test_signed_parts_need_the_key() -> None:

@@ -79,7 +79,7 @@ def test_tampered_part_is_refused_before_unpickling(where: str) -> None:
 
 
 def test_part_without_the_key_is_refused() -> None:
-    unsigned = _sealed(OBJ, None)  # a valid CRC-32 frame, as anyone could write
+    unsigned = _sealed(OBJ, None)  # a valid checksummed frame, as anyone could write
     with pytest.raises(gs.IntegrityError, match="unsigned but a signature is required"):
         serialize.decode(unsigned, key=KEY, rank=1, where="k")
     forged = _sealed(OBJ, os.urandom(32))  # signed, with someone else's key

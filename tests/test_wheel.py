@@ -74,7 +74,7 @@ def test_wheel_holds_only_the_library(wheel: Path) -> None:
     assert "pytest11" not in entries, "the pytest plugin is opt-in"
     assert "[console_scripts]" in entries
     runtime = sorted(r.split(">")[0].split("=")[0] for r in requires if "extra ==" not in r)
-    assert runtime == ["blake3", "cloudpickle", "fsspec", "numpy", "redis", "torch"]
+    assert runtime == ["blake3", "cloudpickle", "fsspec", "numpy", "redis", "torch", "xxhash"]
     assert not [n for n in names if n.endswith(("services.py", "plugin.py"))
                 and not n.startswith("gatherstore/testing/")]  # fmt: skip
     assert not any(n.startswith("tests/") for n in names)

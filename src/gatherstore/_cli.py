@@ -21,7 +21,7 @@ from . import _demo as demo
 from . import _objects as objects
 from . import _topology as topology
 from ._bench.measure import parse_size
-from ._bench.payloads import KINDS
+from ._bench.payloads import KINDS, available
 from ._cleanup import collect, parse_duration
 from ._errors import first_line
 from ._launch import joined_from_env
@@ -99,6 +99,8 @@ def _payloads(text: str) -> list[str]:
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"unknown payload {kind!r}; use {', '.join(KINDS)}")
+        if kind not in available():
+            raise ValueError(f"payload {kind!r} needs a CUDA device; this machine has none")
     return kinds
 
 
@@ -282,8 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--payloads",
         type=_argtype(_payloads),
-        default=list(KINDS),
-        help=f"payload kinds ({','.join(KINDS)})",
+        default=available(),
+        help=f"payload kinds ({','.join(KINDS)}; cuda-records where CUDA is)",
     )
     p.add_argument("--redis", help="redis:// URL ($GATHERSTORE_TEST_REDIS_URL)")
     p.add_argument("--s3", metavar="ENDPOINT", help="S3 endpoint ($GATHERSTORE_TEST_S3_ENDPOINT)")

@@ -10,6 +10,7 @@
 | ``GATHERSTORE_TMPDIR`` | /dev/shm, else the temp dir | the base folder of ``tmpdir`` |
 | ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
 | ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
+| ``GATHERSTORE_PINNED`` | 128MiB | pinned memory CUDA tensors reach the host through |
 
 Sizes take units (``64MB``, ``1.5GiB``: binary).  Variables read once are read
 when gatherstore is imported; the others (store, tmpdir, progress, heartbeat)
@@ -28,6 +29,7 @@ __all__ = [
     "SHM",
     "DEFAULT_READ_AHEAD",
     "DEFAULT_TIMEOUT",
+    "PINNED",
     "STREAM_CHUNK",
     "Timeout",
     "heartbeat_interval",
@@ -112,6 +114,9 @@ READ_AHEAD_SHARE = 8
 AUTO_THRESHOLD = _size_setting("GATHERSTORE_AUTO_THRESHOLD", "128KiB", at_least=0)
 #: Bytes per point-to-point message of the ``stream`` route.
 STREAM_CHUNK = _size_setting("GATHERSTORE_STREAM_CHUNK", "16MiB")
+#: Bytes of pinned host memory a process stages CUDA tensors through, in two halves
+#: (allocated at the first gather of a CUDA tensor, released at ``gs.shutdown()``).
+PINNED = _size_setting("GATHERSTORE_PINNED", "128MiB", at_least=2)
 _HEARTBEAT = 30.0
 
 

@@ -26,6 +26,7 @@ from . import _shipping as shipping
 from . import _signals as signals
 from . import _slurm as slurm
 from . import _specs as specs
+from . import _staging as staging
 from . import _topology as topology
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, RemoteRankError
@@ -346,7 +347,8 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     That meeting waits at most ``timeout`` seconds (default: the timeout of the
     job's last call that used a store) for ranks that are gone; if rank 0 is
     gone (its rendezvous store with it), this rank removes the areas itself; a
-    rank 0 that is only late removes them when it gets here.
+    rank 0 that is only late removes them when it gets here.  The pinned memory that
+    CUDA tensors were gathered through is released.
 
     Raises:
         ValueError: ``timeout`` is not a positive number of seconds.
@@ -366,4 +368,5 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
         signals.uninstall()
         dist.destroy_process_group()
     specs.close_opened()
+    staging.release()
     job.forget_groups()

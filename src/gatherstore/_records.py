@@ -3,13 +3,21 @@
 Evaluation results are long lists of small records (a dict per image holding a
 few arrays and scalars).  Pickling them object by object runs at well under
 0.1 GB/s.  Before pickling, every run of records with the same structure —
-dicts with the same keys in the same order, or instances of one dataclass,
-whose array/tensor fields share dtype and trailing shape — becomes a
-:class:`Batch`: one column per field.  Array columns are written as a single
-out-of-band region (numpy fields straight from each record's memory, tensor
-fields concatenated once), with the first-dimension lengths kept for ragged
-fields; other fields become plain Python lists, which pickle fast.  On load
-the records are rebuilt with array fields as views into the column.
+dicts with the same keys in the same order, or instances of one plain
+dataclass, whose small array/tensor fields share dtype and trailing shape —
+becomes a :class:`Batch`: one column per field.  Small array columns are
+written as a single out-of-band region (each distinct array once, however many
+records hold it), with the first-dimension lengths kept for ragged fields;
+other fields become plain Python lists, which pickle fast, and whose large
+arrays and tensors travel as storage spans (see ``_storage``: no copy, each
+storage once).  On load the records are rebuilt with array fields as views
+into the part.
+
+A dataclass is batched only when pickle would rebuild it the same way: one
+that defines its own pickling (``__reduce__``, ``__reduce_ex__``,
+``__getstate__``, ``__setstate__``, a ``copyreg`` reducer) or whose
+``__dict__`` differs from its fields is pickled as it says.  A run in which one
+record object appears twice is pickled plainly too, so that it stays one object.
 
 Lists that are not homogeneous fall back to plain pickling per run of records;
 this is never a user-visible format choice.
@@ -17,7 +25,9 @@ this is never a user-visible format choice.
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
@@ -25,35 +35,22 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Batch", "Column", "on_host", "pack", "structure"]
+__all__ = ["Batch", "Column", "pack", "structure"]
 
 #: Shortest run of records worth a batch.
 MIN_RUN = 8
 #: Containers shorter than this are searched for lists of records (depth-limited).
 _SCAN_LEN = 64
 _SCAN_DEPTH = 4
-
-
-def on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (detached) in CPU memory, without a byte of device memory more.
-
-    ``Tensor.cpu()`` of a non-contiguous device tensor first makes it contiguous on
-    the device: a temporary as big as the view.  Here the span of storage the view
-    covers goes to the CPU as one contiguous copy, and the view is taken there.
-    """
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu" or tensor.is_contiguous():
-        return tensor.cpu()
-    return host_view(tensor)
-
-
-def host_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The view ``tensor`` as a contiguous CPU tensor, copied from the storage span it covers."""
-    if tensor.numel() == 0:
-        return torch.empty(tensor.shape, dtype=tensor.dtype)
-    span = 1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
-    flat = tensor.as_strided((span,), (1,), tensor.storage_offset()).cpu()
-    return flat.as_strided(tensor.shape, tensor.stride(), flat.storage_offset()).contiguous()
+#: Fields whose arrays average this many bytes or more are not copied into a column:
+#: they travel as storage spans, straight from their memory; so do those whose arrays
+#: are views (of one batch, of each other) from :data:`VIEW_VALUE` bytes on, so that
+#: memory they share travels once.
+LARGE_VALUE = 64 << 10
+VIEW_VALUE = 4 << 10
+#: Values of a column looked at to choose how it travels.
+_SAMPLE = 16
+_PROTOCOL = ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
 
 
 Kind = tuple[Any, ...]
@@ -74,15 +71,45 @@ def structure(record: Any) -> tuple[type, tuple[str, ...]] | None:
     kind = type(record)
     if kind is dict:
         return (dict, tuple(record))
-    if dataclasses.is_dataclass(kind) and hasattr(record, "__dict__"):
-        names = tuple(record.__dict__)
-        if names == tuple(f.name for f in dataclasses.fields(kind)):
-            return (kind, names)
+    names = _plain_fields(kind)  # type: ignore[arg-type]
+    if names is not None and tuple(getattr(record, "__dict__", ())) == names:
+        return (kind, names)
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _plain_fields(kind: type) -> tuple[str, ...] | None:
+    """The field names of a dataclass that pickle rebuilds from its ``__dict__`` alone
+    (no pickling protocol of its own), else None."""
+    if not dataclasses.is_dataclass(kind) or kind in copyreg.dispatch_table:
+        return None
+    if any(getattr(kind, name, None) is not getattr(object, name, None) for name in _PROTOCOL):
+        return None
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
+def _unique(values: list[Any]) -> tuple[list[Any], np.ndarray[Any, Any] | None]:
+    """The distinct objects of ``values`` (by identity, first seen first) and, when some
+    repeat, each value's position among them."""
+    if _distinct(values):
+        return values, None
+    first: dict[int, int] = {}
+    for value in values:
+        first.setdefault(id(value), len(first))
+    distinct = list({id(v): v for v in values}.values())
+    return distinct, np.fromiter(map(first.__getitem__, map(id, values)), np.int64, len(values))
+
+
+def _joinable(values: list[Any], nbytes: Callable[[Any], int], view: Callable[[Any], bool]) -> bool:
+    """Whether a column's arrays are copied into one region (see :data:`LARGE_VALUE`),
+    judged by a sample of them (evenly spaced: the cost stays flat in the column's length)."""
+    sample = values[:: max(len(values) // _SAMPLE, 1)]
+    average = sum(map(nbytes, sample)) / max(len(sample), 1)
+    return average < VIEW_VALUE or (average < LARGE_VALUE and not any(map(view, sample)))
+
+
 def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
-    """One raw-bytes column for arrays of one plain dtype and trailing shape, else None."""
+    """One raw-bytes column for small arrays of one plain dtype and trailing shape, else None."""
     if not all(type(v) is np.ndarray for v in values):
         return None
     dtypes = {v.dtype for v in values}
@@ -92,6 +119,9 @@ def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
     (dtype,), (ndim,) = dtypes, ndims
     if dtype.hasobject or dtype.fields is not None:
         return None
+    if not _joinable(values, _array_bytes, _array_view):
+        return None
+    values, positions = _unique(values)
     try:
         joined = np.stack(values) if ndim == 0 else np.concatenate(values)
     except ValueError:  # trailing shapes differ
@@ -100,34 +130,52 @@ def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
         joined = joined.astype(dtype)
     lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
     column = Column([joined.reshape(-1).view(np.uint8).data])
-    return ("np", dtype.str, joined.shape[1:], ndim == 0), (column, _compact(lengths))
+    kind = ("np", dtype.str, joined.shape[1:], ndim == 0)
+    return kind, (column, _compact(lengths), positions)
+
+
+def _array_bytes(value: Any) -> int:
+    return int(value.nbytes)
+
+
+def _array_view(value: Any) -> bool:
+    return value.base is not None
+
+
+def _tensor_bytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+def _tensor_view(value: torch.Tensor) -> bool:
+    return value._base is not None
 
 
 def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
-    """One column for dense tensors of one dtype and trailing shape, else None.
-
-    Tensors are detached; CUDA tensors are copied to CPU one by one, so the
-    column never grows GPU memory.
-    """
+    """One column for small dense CPU tensors of one dtype and trailing shape, else None
+    (CUDA tensors travel as storage spans: no copy on the device, one staging)."""
     if not all(type(v) is torch.Tensor for v in values):
         return None
     if not all(v.layout == torch.strided and not v.is_quantized for v in values):
         return None
     dtypes = {v.dtype for v in values}
     ndims = {v.dim() for v in values}
-    if len(dtypes) != 1 or len(ndims) != 1:
+    devices = {v.device.type for v in values}
+    if len(dtypes) != 1 or len(ndims) != 1 or devices != {"cpu"}:
         return None
     (dtype,), (ndim,) = dtypes, ndims
-    detached = [on_host(v) for v in values]
+    if not _joinable(values, _tensor_bytes, _tensor_view):
+        return None
+    values, positions = _unique(values)
+    detached = [v.detach() for v in values]
     try:
         joined = torch.stack(detached) if ndim == 0 else torch.cat(detached)
     except RuntimeError:  # trailing shapes differ
         return None
     lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
-    flat = joined.contiguous().reshape(-1)
+    flat = joined.resolve_conj().resolve_neg().contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     kind = ("pt", str(dtype).removeprefix("torch."), tuple(joined.shape[1:]), ndim == 0)
-    return kind, (Column([raw.data]), _compact(lengths))
+    return kind, (Column([raw.data]), _compact(lengths), positions)
 
 
 def _compact(lengths: np.ndarray | None) -> Any:
@@ -204,9 +252,11 @@ def _unbatch(
         if kind[0] == "py":
             values.append(column)
             continue
-        buf, lengths = column
+        buf, lengths, positions = column
         rebuild = _numpy_values if kind[0] == "np" else _tensor_values
-        values.append(rebuild(buf, kind[1], tuple(kind[2]), kind[3], count, lengths))
+        distinct = count if positions is None else int(positions.max(initial=-1)) + 1
+        found = rebuild(buf, kind[1], tuple(kind[2]), kind[3], distinct, lengths)
+        values.append(found if positions is None else [found[i] for i in positions])
     if cls is dict:
         return list(map(dict, map(zip, repeat(names), zip(*values, strict=True))))
     out = []
@@ -234,6 +284,13 @@ def _concat(chunks: list[Any]) -> list[Any]:
     return out
 
 
+def _distinct(items: list[Any]) -> bool:
+    """Whether no object appears twice in ``items`` (8 bytes an item, not a set's ~60)."""
+    ids = np.fromiter(map(id, items), np.int64, len(items))
+    ids.sort()
+    return not (ids[1:] == ids[:-1]).any()
+
+
 def _pack_list(items: list[Any]) -> Any:
     signatures = [structure(item) for item in items]
     chunks: list[Any] = []
@@ -244,8 +301,9 @@ def _pack_list(items: list[Any]) -> Any:
         while end < len(items) and signatures[end] == signatures[start]:
             end += 1
         signature = signatures[start]
-        if signature is not None and end - start >= MIN_RUN:
-            chunks.append(Batch(items[start:end], signature))
+        run = items[start:end]
+        if signature is not None and end - start >= MIN_RUN and _distinct(run):
+            chunks.append(Batch(run, signature))
             batched = True
         elif chunks and type(chunks[-1]) is list:
             chunks[-1].extend(items[start:end])

@@ -1,15 +1,18 @@
 """Framing of one rank's object: pickle protocol 5 with out-of-band regions.
 
 A part is ``header | digest | region table | pickle stream | regions``.  The
-regions are pickle's out-of-band buffers (numpy arrays, CPU tensors) and the
-columns of record batches (see :mod:`gatherstore._records`): written straight
-from their memory with vectored writes, and on read rebuilt as views of the
-part's buffer (a memory map for files).  CUDA tensors are copied to CPU memory
-first, so objects never grow GPU memory; tensors that require grad are
-detached.  cloudpickle is used only when plain pickle fails.
+regions are pickle's out-of-band buffers, the columns of record batches (see
+:mod:`gatherstore._records`) and the storage spans of large arrays and of
+tensors (see :mod:`gatherstore._storage`: memory that views share travels
+once): written straight from their memory with vectored writes, and on read
+rebuilt as views of the part's buffer (a memory map for files).  CUDA tensors
+reach the part through a pinned staging buffer (see :mod:`gatherstore._staging`),
+so objects never grow GPU memory, and are rebuilt on the CPU; tensors that
+require grad are detached.  cloudpickle is used only when plain pickle fails.
 
-The digest is CRC-32, or a keyed BLAKE3 hash (a MAC, 3-4x faster than
-HMAC-SHA256 with SHA extensions) when a signing key is given; it also
+The digest (see :mod:`gatherstore._digest`) is an XXH3-128 checksum, or a keyed
+BLAKE3 hash (a MAC, 3-4x faster than HMAC-SHA256 with SHA extensions) when a
+signing key is given; it also
 covers the part's *binding* (associated data naming its job, call and rank,
 never stored), so a part replayed from another call or planted under another
 rank's key fails the check.  It is checked before anything is unpickled, and a
@@ -20,22 +23,21 @@ change: what is verified must be what is unpickled.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import io
 import pickle
 import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import blake3
 import cloudpickle
 import numpy as np
 import torch
 
+from . import _digest
 from . import _records as records
 from . import _sizing as sizing
+from . import _storage as storage
 from . import _watch as watch
 from ._errors import GatherError, IntegrityError
 
@@ -50,34 +52,37 @@ __all__ = [
     "verify",
 ]
 
-FORMAT_VERSION = 2  # 2: signatures are keyed BLAKE3 (1: HMAC-SHA256)
+# 3: storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3 (1: HMAC-SHA256)
+FORMAT_VERSION = 3
 _MAGIC = b"GSPART\x00\x00"
-# magic, version, flags, out-of-band buffers, columns, pickle length, total
+# magic, version, flags, out-of-band buffers, persistent regions, pickle length, total
 _HEAD = struct.Struct("<8sIIQQQQ")
 _HEAD_SIZE = 64
-_DIGEST_SIZE = 32
+_DIGEST_SIZE = _digest.SIZE
 _PREFIX = _HEAD_SIZE + _DIGEST_SIZE
-_CLOUDPICKLE, _SIGNED = 1, 2
+# flags: cloudpickled, signed, the last region is the span table (see _storage)
+_CLOUDPICKLE, _SIGNED, _SPANS = 1, 2, 4
 _ALIGN_LARGE, _ALIGN_SMALL, _LARGE = 64, 16, 1 << 16
 _PADDING = bytes(_ALIGN_LARGE)
 _OUT_OF_BAND_MIN = 4096
-_MAC_CONTEXT = "gatherstore part signature, format 2"
 
 
 @dataclass
 class Frame:
     """An encoded part: ``segments`` written back to back make ``nbytes`` bytes.
 
-    :func:`encode` leaves it unsealed; :meth:`seal` adds the digest (CRC-32) or,
+    :func:`encode` leaves it unsealed; :meth:`seal` adds the digest (XXH3-128) or,
     with a key, the keyed BLAKE3 signature, once the route is known.
     """
 
     nbytes: int
-    _fields: tuple[int, int, int, int]  # flags, buffers, columns, pickle length
+    _fields: tuple[int, int, int, int]  # flags, buffers, persistent regions, pickle length
     _body: list[memoryview]  # table, padding, pickle stream, regions
     segments: list[memoryview] = field(default_factory=list)
     #: Estimated bytes unpickling allocates besides the part (see ``_sizing``).
     rebuilt: int = 0
+    #: The objects whose memory the regions are read from, alive until the frame goes.
+    _keep: list[Any] = field(default_factory=list)
 
     def seal(self, key: bytes | None, bind: bytes = b"") -> Frame:
         """Compute the digest (signature when ``key`` is given) over ``bind`` and the frame.
@@ -90,8 +95,8 @@ class Frame:
             flags |= _SIGNED
         head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, columns, pickle_len, self.nbytes)
         head_view = memoryview(head.ljust(_HEAD_SIZE, b"\0"))
-        digest = _digest([head_view, *self._body], key, bind)
-        self.segments = [head_view, memoryview(digest), *self._body]
+        sealed = _digest.digest([head_view, *self._body], key, bind)
+        self.segments = [head_view, memoryview(sealed), *self._body]
         return self
 
     def copy_into(self, out: memoryview) -> None:
@@ -103,6 +108,7 @@ class Frame:
 
 
 def _rebuild_tensor(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A small tensor pickled in the stream (large ones travel as spans)."""
     kind = getattr(torch, dtype)
     view = memoryview(buf)
     if view.nbytes == 0:
@@ -112,21 +118,30 @@ def _rebuild_tensor(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> torc
     return torch.frombuffer(view, dtype=torch.uint8).view(kind).reshape(shape)
 
 
-def _reduce_array(obj: Any) -> Any:
-    """Strided numpy arrays are made contiguous first: numpy's own reduction of
-    them loses a non-native byte order."""
-    if obj.flags.c_contiguous or obj.flags.f_contiguous or obj.dtype.hasobject:
+def _reduce_array(obj: Any, spans: storage.Spans) -> Any:
+    """Large arrays travel as spans; small strided ones are made contiguous first: numpy's
+    own reduction of them loses a non-native byte order."""
+    if obj.dtype.hasobject:
+        return NotImplemented
+    if obj.nbytes >= _OUT_OF_BAND_MIN:
+        return spans.array(obj)
+    if obj.flags.c_contiguous or obj.flags.f_contiguous:
         return NotImplemented
     return np.ascontiguousarray(obj).__reduce_ex__(5)
 
 
-def _reduce_object(obj: Any) -> Any:
+def _reduce_object(obj: Any, spans: storage.Spans) -> Any:
     if type(obj) is np.ndarray:
-        return _reduce_array(obj)
+        return _reduce_array(obj, spans)
     if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
         return NotImplemented
-    tensor = records.on_host(obj)
-    tensor = tensor.resolve_conj().resolve_neg().contiguous()
+    tensor = obj.detach()
+    if tensor.device.type not in ("cpu", "cuda"):
+        tensor = tensor.cpu()
+    large = tensor.numel() * tensor.element_size() >= _OUT_OF_BAND_MIN
+    if tensor.numel() and (large or tensor.device.type == "cuda"):
+        return spans.tensor(tensor)
+    tensor = tensor.cpu().resolve_conj().resolve_neg().contiguous()
     flat = tensor.reshape(-1)
     raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     dtype = str(tensor.dtype).removeprefix("torch.")
@@ -135,36 +150,57 @@ def _reduce_object(obj: Any) -> Any:
 
 
 class _Pickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        return _reduce_object(obj)
-
-
-class _ColumnPickler(_Pickler):
-    """Also stores record-batch columns as out-of-band regions (persistent ids)."""
+    """Stores record-batch columns and storage spans as regions (persistent ids:
+    columns count up from 0, spans down from -1)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.columns: list[records.Column] = []
+        self.spans = storage.Spans()
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _reduce_object(obj, self.spans)
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is records.Column:
+        kind = type(obj)
+        if kind is storage.SpanRef:
+            return -1 - obj.index
+        if kind is records.Column:
             self.columns.append(obj)
             return len(self.columns) - 1
         return None
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.columns: list[records.Column] = []
+        self.spans = storage.Spans()
+
     def reducer_override(self, obj: Any) -> Any:
-        reduced = _reduce_object(obj)
+        reduced = _reduce_object(obj, self.spans)
         if reduced is NotImplemented:
             return super().reducer_override(obj)
         return reduced
 
+    persistent_id = _Pickler.persistent_id
 
-def _pickle(obj: Any) -> tuple[bytes, list[memoryview], list[records.Column], int]:
-    packed, batched = records.pack(obj)
-    attempts: list[tuple[int, Any, Any]] = [(0, _ColumnPickler if batched else _Pickler, packed)]
-    attempts.append((_CLOUDPICKLE, _CloudPickler, obj))
+
+@dataclass
+class _Pickled:
+    stream: bytes
+    buffers: list[memoryview]
+    columns: list[records.Column]
+    spans: storage.Spans
+    flags: int
+
+
+def _pickle(obj: Any) -> _Pickled:
+    packed, _ = records.pack(obj)
+    attempts: list[tuple[int, Any, Any]] = [
+        (0, _Pickler, packed),
+        (_CLOUDPICKLE, _CloudPickler, obj),
+    ]
     for flags, pickler_class, value in attempts:
         stream = io.BytesIO()
         buffers: list[memoryview] = []
@@ -184,7 +220,7 @@ def _pickle(obj: Any) -> tuple[bytes, list[memoryview], list[records.Column], in
             if flags:
                 raise
             continue
-        return stream.getvalue(), buffers, getattr(pickler, "columns", []), flags
+        return _Pickled(stream.getvalue(), buffers, pickler.columns, pickler.spans, flags)
     raise AssertionError("unreachable")
 
 
@@ -193,34 +229,23 @@ def _pad(pos: int, size: int) -> int:
     return -pos % align
 
 
-@functools.lru_cache(maxsize=8)
-def _mac_key(key: bytes) -> bytes:
-    """The 32-byte BLAKE3 key derived from a signing key of any length."""
-    return blake3.blake3(key, derive_key_context=_MAC_CONTEXT).digest()
-
-
-def _digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
-    """Keyed BLAKE3 (with ``key``) or CRC-32 of ``bind``, length-prefixed, then ``segments``."""
-    segments = [memoryview(struct.pack("<Q", len(bind)) + bind), *segments]
-    if key is not None:
-        mac = blake3.blake3(key=_mac_key(key))
-        for seg in segments:
-            mac.update(seg)
-        return bytes(mac.digest(_DIGEST_SIZE))
-    crc = 0
-    for seg in segments:
-        crc = zlib.crc32(seg, crc)
-    return crc.to_bytes(4, "little").ljust(_DIGEST_SIZE, b"\0")
-
-
 def encode(obj: Any) -> Frame:
-    """Serialise ``obj`` into an unsealed frame (see :meth:`Frame.seal`).
+    """Serialise ``obj`` into an unsealed frame (see :meth:`Frame.seal`); CUDA tensors
+    are on the host once this returns.
 
     Raises:
         Exception: whatever pickling raises when neither pickle nor cloudpickle can.
     """
-    data, buffers, columns, flags = _pickle(obj)
-    regions = [[b.cast("B")] for b in buffers] + [c.segments for c in columns]
+    pickled = _pickle(obj)
+    data, flags = pickled.stream, pickled.flags
+    regions = [[b.cast("B")] for b in pickled.buffers] + [c.segments for c in pickled.columns]
+    persistent = len(pickled.columns)
+    if pickled.spans.spans:
+        spans = pickled.spans.regions()
+        spans.table[:, 0] += len(pickled.columns)  # regions count among the persistent ones
+        regions += [[seg] for seg in spans.segments] + [[spans.table.data.cast("B")]]
+        persistent += len(spans.segments) + 1
+        flags |= _SPANS
     pos = _PREFIX + 16 * len(regions)
     pad = _pad(pos, len(data))
     body: list[memoryview] = [memoryview(_PADDING[:pad]), memoryview(data)]
@@ -236,10 +261,9 @@ def encode(obj: Any) -> Frame:
         body += segments
         pos += size
     table_view = memoryview(struct.pack(f"<{len(table)}Q", *table))
-    fields = (flags, len(buffers), len(columns), len(data))
-    return Frame(
-        pos, fields, [table_view, *body], rebuilt=sizing.rebuilt_size(obj, _OUT_OF_BAND_MIN)
-    )
+    fields = (flags, len(pickled.buffers), persistent, len(data))
+    rebuilt = sizing.rebuilt_size(obj, _OUT_OF_BAND_MIN)
+    return Frame(pos, fields, [table_view, *body], rebuilt=rebuilt, _keep=pickled.spans.keep)
 
 
 @dataclass
@@ -249,9 +273,12 @@ class Verified:
 
     stream: memoryview
     buffers: list[memoryview]
+    #: The regions of persistent ids: columns, then span regions (see ``_storage``).
     columns: list[memoryview]
     rank: int | None = None
     where: str | None = None
+    #: Where each span is (region, offset), when the part has spans.
+    spans: memoryview | None = None
 
 
 def verify(
@@ -297,18 +324,19 @@ def verify(
             if signed
             else "is unsigned but a signature is required"
         )
-    expected = _digest([view[:_HEAD_SIZE], view[_PREFIX:]], key, bind)
+    expected = _digest.digest([view[:_HEAD_SIZE], view[_PREFIX:]], key, bind)
     if not hmac.compare_digest(expected, bytes(view[_HEAD_SIZE:_PREFIX])):
         what = "signature" if signed else "checksum"
         raise fail(
             f"failed its {what} check: it was altered, written by someone else, or "
             "belongs to another call or rank"
         )
-    return _regions(view, count, columns, pickle_len, rank, where)
+    return _regions(view, flags, count, columns, pickle_len, rank, where)
 
 
 def _regions(
     view: memoryview,
+    flags: int,
     count: int,
     columns: int,
     pickle_len: int,
@@ -321,9 +349,9 @@ def _regions(
     pos = _PREFIX + 16 * regions
     pickle_at = pos + _pad(pos, pickle_len)
     views = [view[off : off + n] for off, n in zip(table[::2], table[1::2], strict=True)]
-    return Verified(
-        view[pickle_at : pickle_at + pickle_len], views[:count], views[count:], rank, where
-    )
+    spans = views.pop() if flags & _SPANS else None
+    stream = view[pickle_at : pickle_at + pickle_len]
+    return Verified(stream, views[:count], views[count:], rank, where, spans)
 
 
 def duplicate(frame: Frame) -> Any:
@@ -339,20 +367,21 @@ def duplicate(frame: Frame) -> Any:
     for segment in frame._body:
         view[pos : pos + segment.nbytes] = segment.cast("B")
         pos += segment.nbytes
-    _, count, columns, pickle_len = frame._fields
-    return load(_regions(view, count, columns, pickle_len))
+    flags, count, columns, pickle_len = frame._fields
+    return load(_regions(view, flags, count, columns, pickle_len))
 
 
 class _Unpickler(pickle.Unpickler):
     """Unpickles a verified part from ``stream`` (a file over its pickle stream),
-    columns by persistent id."""
+    columns and spans by persistent id."""
 
     def __init__(self, verified: Verified, stream: Any) -> None:
         super().__init__(stream, buffers=verified.buffers)
         self.columns = verified.columns
+        self.loaded = storage.Loaded(verified.columns, verified.spans)
 
     def persistent_load(self, pid: Any) -> Any:
-        return self.columns[pid]
+        return self.columns[pid] if pid >= 0 else self.loaded.at(-1 - pid)
 
 
 def _unpickle(verified: Verified) -> Any:

@@ -2,6 +2,7 @@
 
 Modules: ``payloads`` (synthetic data), ``baselines`` (torch.distributed,
 mmengine), ``cases`` (what is compared), ``ceilings`` (the machine's limits),
+``floors`` (a gather's own limits: encoding a part, decoding the others),
 ``clients`` (Redis and S3 client libraries alone), ``runner`` (fresh processes
 per case), ``report`` (table, JSON lines, chart), ``metrics`` (torchmetrics'
 MeanAveragePrecision synced three ways; opt-in).
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from . import cases, ceilings, clients, metrics, report
+from . import cases, ceilings, clients, floors, metrics, report
 from .runner import Plan, run_cases
 
 __all__ = ["FULL_RUN", "QUICK", "QUICK_CASES", "QUICK_CEILING", "Plan", "run"]
@@ -63,6 +64,7 @@ def run(
             limits = ceilings.measure(ceiling_bytes)
             limits.update(clients.measure(gathers, ceiling_bytes, notes, plan.repeats))
             records = run_cases(plan, gathers, workdir, limits, progress)
+            _add_floors(records, plan)
         scored = [c for c in chosen if c.op == cases.TORCHMETRICS]
         maps = metrics.run(scored, plan.worlds, plan.map_images, plan.repeats, plan.timeout)
     if json_path == "-":
@@ -76,3 +78,16 @@ def run(
     if plot_path:
         report.plot(records, plot_path)
     return sum(r["error"] is not None for r in records + maps)
+
+
+def _add_floors(records: list[dict[str, Any]], plan: Plan) -> None:
+    """The floors (see ``floors``) of each payload, size and world gatherstore gathered,
+    measured once and added to each of its records."""
+    found: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for record in records:
+        if record["impl"] != "gatherstore":
+            continue
+        group = (record["payload"], record["bytes"], record["world"])
+        if group not in found:
+            found[group] = floors.measure(*group, plan.repeats)
+        record["floors"] = found[group]

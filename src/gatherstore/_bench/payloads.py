@@ -4,7 +4,11 @@
 DistributedSampler split: rank r holds images r, r+W, r+2W, ... of a dataset
 padded to a multiple of W (the padding repeats the first images), one dict per
 image with 100 boxes.  ``tensors`` is a dict of four large float32 tensors.
-Both are sized so that all ranks together hold about the requested bytes.
+``records`` is a list of tensor-heavy records, ``{"id", "scores": <4 MiB
+tensor>, "boxes": scores.view(-1, 4)[:, 1:3]}`` (``boxes`` a view of
+``scores``' storage), and ``cuda-records`` the same records on the GPU (on
+``cuda:<rank % GPUs>``).  All are sized so that all ranks together hold about
+the requested bytes (counting each storage once).
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ __all__ = [
     "KINDS",
     "detections",
     "digest",
+    "available",
+    "cuda_device",
     "image_count",
     "make",
+    "records",
     "shard",
     "tensors",
 ]
@@ -30,8 +37,10 @@ __all__ = [
 BOXES = 100
 #: Array bytes of one image: boxes float32 (100, 4), scores float32 (100,), labels int64 (100,).
 IMAGE_BYTES = BOXES * 4 * 4 + BOXES * 4 + BOXES * 8
-KINDS = ("detections", "tensors")
+KINDS = ("detections", "tensors", "records", "cuda-records")
 _TENSORS = 4
+#: Bytes of one record's ``scores`` in ``records``.
+RECORD_BYTES = 4 << 20
 
 
 def image_count(nbytes: int) -> int:
@@ -85,14 +94,44 @@ def tensors(nbytes: int, rank: int, world: int, seed: int = 0) -> dict[str, torc
     return {f"tensor{i}": torch.rand(rows, 256, generator=gen) for i in range(_TENSORS)}
 
 
+def records(
+    nbytes: int, rank: int, world: int, seed: int = 0, device: str = "cpu"
+) -> list[dict[str, Any]]:
+    """Records of a 4 MiB float32 ``scores`` and ``boxes``, a strided view of it; all ranks
+    together hold about ``nbytes`` (at least one record each)."""
+    count = max(1, nbytes // world // RECORD_BYTES)
+    gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+    out = []
+    for i in range(count):
+        scores = torch.rand(RECORD_BYTES // 4, generator=gen).to(device)
+        out.append({"id": rank * count + i, "scores": scores, "boxes": scores.view(-1, 4)[:, 1:3]})
+    return out
+
+
+def cuda_device(rank: int) -> str:
+    """The GPU that ``rank`` holds its ``cuda-records`` on (ranks share GPUs round robin)."""
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def available() -> list[str]:
+    """The payload kinds this machine can make (``cuda-records`` needs a CUDA device)."""
+    return [k for k in KINDS if k != "cuda-records" or torch.cuda.is_available()]
+
+
 def make(kind: str, nbytes: int, rank: int, world: int, seed: int = 0) -> Any:
-    """The payload ``kind`` ("detections" or "tensors") of this rank.
+    """The payload ``kind`` (one of :data:`KINDS`) of this rank.
 
     Raises:
-        ValueError: unknown ``kind``.
+        ValueError: unknown ``kind``, or ``cuda-records`` without a CUDA device.
     """
     if kind == "detections":
         return detections(image_count(nbytes), rank, world, seed)
     if kind == "tensors":
         return tensors(nbytes, rank, world, seed)
+    if kind == "records":
+        return records(nbytes, rank, world, seed)
+    if kind == "cuda-records":
+        if not torch.cuda.is_available():
+            raise ValueError("payload 'cuda-records' needs a CUDA device; this machine has none")
+        return records(nbytes, rank, world, seed, cuda_device(rank))
     raise ValueError(f"unknown payload {kind!r}; use one of {', '.join(KINDS)}")

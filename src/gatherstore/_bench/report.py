@@ -112,6 +112,7 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
         cells = [_cell(c, a, w) for c, (_, a), w in zip(row, _COLUMNS, widths, strict=True)]
         lines.append("  ".join(cells))
     impls = sorted({f"{r['case']}: {r['impl']}" for r in records if r["case"].startswith("mm")})
+    lines += _floor_lines(records)
     lines += [
         "",
         "time: median over repeats of the slowest rank; GB/s: payload bytes / time (1e9);",
@@ -127,6 +128,57 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
         *notes,
     ]
     return "\n".join(lines)
+
+
+#: The case the floors and the payload ratios are read against.
+_FLOORED = "gs.tmpdir-shm"
+
+
+def _floor_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Per payload, size and W: the floors beside the time of :data:`_FLOORED`; then the
+    payloads' times against each other (records against the same bytes as one dict of
+    tensors, CUDA records against the same records on the CPU)."""
+    done = {
+        (r["payload"], r["size"], r["world"]): r
+        for r in records
+        if r["case"] == _FLOORED and r["error"] is None and "floors" in r
+    }
+    if not done:
+        return []
+    lines = [
+        "",
+        f"floors of {_FLOORED} (from memory in one process, medians; digest share: one part "
+        "sealed + W-1 verified, of the gather's time):",
+    ]
+    for (payload, size, world), r in done.items():
+        f = r["floors"]
+        digest = world * f["part_bytes"] / (f["checksum_gbps"] * 1e9)
+        line = (
+            f"  {payload} {size} W={world}: {r['seconds']:.3f} s = "
+            f"{r['seconds'] / f['floor_s']:.2f}x max(encode one part {f['encode_s']:.3f} s, "
+            f"decode the other parts {f['decode_s']:.3f} s); checksum "
+            f"{f['checksum_gbps']:.1f} GB/s, digest share {100 * digest / r['seconds']:.1f}%"
+        )
+        if "d2h_gbps" in f:
+            line += (
+                f"; device to host {f['d2h_gbps']:.1f} GB/s = "
+                f"{100 * f['d2h_gbps'] / f['pinned_gbps']:.0f}% of a pinned copy_ "
+                f"({f['pinned_gbps']:.1f} GB/s; .cpu() {f['cpu_gbps']:.1f} GB/s)"
+            )
+        if "gpu_held" in r:
+            held = "/".join(format_bytes(b) for b in r["gpu_held"])
+            grown = "/".join(format_bytes(b) for b in r["gpu_growth"])
+            line += f"; GPU memory per rank: held {held}, peak beyond it {grown}"
+        lines.append(line)
+    for payload, ref in (("records", "tensors"), ("cuda-records", "records")):
+        for (kind, size, world), r in done.items():
+            other = done.get((ref, size, world))
+            if kind == payload and other:
+                lines.append(
+                    f"  {payload} / {ref}, {size} W={world}: "
+                    f"{r['seconds'] / other['seconds']:.2f}x the time"
+                )
+    return lines
 
 
 def json_lines(records: Sequence[dict[str, Any]], ceilings: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .. import _objects as objects
@@ -90,6 +91,7 @@ def _worker(case: Case, kind: str, nbytes: int, repeats: int, workdir: str, time
     obj = payloads.make(kind, nbytes, rank, world)
     size, expected = _expected(case, kind, nbytes, world)
     times, peaks, reset = [], [], True
+    gpu = _GpuMemory(kind, rank)
     for _ in range(repeats):
         gc.collect()
         dist.barrier()
@@ -101,7 +103,26 @@ def _worker(case: Case, kind: str, nbytes: int, repeats: int, workdir: str, time
         reset = reset and mem.reset
         if rank == 0 and count != expected:
             raise GatherError(f"{case.name}: rank 0 got {count} items, expected {expected}")
-    return {"times": times, "peaks": peaks, "reset": reset}
+    return {"times": times, "peaks": peaks, "reset": reset, **gpu.measured()}
+
+
+class _GpuMemory:
+    """GPU memory a rank holds (its payload) and its peak beyond that during the gathers
+    (CUDA payloads only)."""
+
+    def __init__(self, kind: str, rank: int) -> None:
+        self.device = payloads.cuda_device(rank) if kind.startswith("cuda") else None
+        if self.device:
+            torch.cuda.synchronize(self.device)
+            self.held = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def measured(self) -> dict[str, int]:
+        if not self.device:
+            return {}
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return {"gpu_held": self.held, "gpu_growth": peak - self.held}
 
 
 def _summarise(ranks: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
@@ -109,7 +130,7 @@ def _summarise(ranks: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
     per_repeat = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     seconds = statistics.median(per_repeat)
     peaks = [max(r["peaks"]) for r in ranks]
-    return {
+    out = {
         "seconds": seconds,
         "times": per_repeat,
         "gbps": nbytes / seconds / 1e9,
@@ -117,6 +138,10 @@ def _summarise(ranks: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
         "other_peak": max(peaks[1:], default=0),
         "peak_reset": all(r["reset"] for r in ranks),
     }
+    if "gpu_held" in ranks[0]:
+        out["gpu_held"] = [r["gpu_held"] for r in ranks]
+        out["gpu_growth"] = [r["gpu_growth"] for r in ranks]
+    return out
 
 
 def _worst(record: dict[str, Any]) -> int:

@@ -1,0 +1,190 @@
+"""Storage spans: memory that arrays and tensors share travels once, and comes back shared.
+
+While an object is pickled, every large numpy array and CPU tensor, and every
+CUDA tensor, is pickled as a reference to the span of memory it covers (its
+first to last byte, whatever its strides).  After pickling, the spans that
+overlap or touch on one device (one storage, for CUDA) are merged into one
+region each: the views of one batch tensor, a tensor and its slices, an array
+that many records hold, all travel as the bytes of their storage span, once.
+
+Host regions are written from the objects' own memory (no copy).  CUDA regions
+are copied to the host through the pinned staging buffer (see ``_staging``),
+straight into the part's buffer, never through GPU memory.
+
+On load every region is one buffer of the part, and every array or tensor a
+view into it with its shape, strides and dtype (byte order included): views of
+one storage are views of one buffer again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _staging as staging
+
+__all__ = ["Loaded", "Spans", "SpanRef"]
+
+
+class SpanRef:
+    """A placeholder in the pickle stream for one span (a persistent id)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+@dataclass
+class _Span:
+    key: Any  # None: host memory; (device, storage address): one CUDA storage
+    start: int
+    end: int
+
+
+@dataclass
+class Regions:
+    """The merged spans: each region's bytes, and where each span landed (region, offset)."""
+
+    segments: list[memoryview] = field(default_factory=list)
+    table: np.ndarray[Any, Any] = field(default_factory=lambda: np.empty((0, 2), np.int64))
+
+
+class Spans:
+    """The spans of one object being pickled (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.spans: list[_Span] = []
+        self.keep: list[Any] = []  # what keeps the spans' memory alive until written
+        self.storages: dict[Any, torch.Tensor] = {}  # CUDA storage key -> its bytes (uint8)
+
+    def _add(self, key: Any, start: int, end: int, owner: Any) -> SpanRef:
+        self.spans.append(_Span(key, start, end))
+        self.keep.append(owner)
+        return SpanRef(len(self.spans) - 1)
+
+    def array(self, arr: np.ndarray[Any, Any]) -> Any:
+        """The reduction of a numpy array to its span."""
+        address = arr.__array_interface__["data"][0]
+        low = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides, strict=True) if s < 0)
+        high = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides, strict=True) if s > 0)
+        ref = self._add(None, address + low, address + high + arr.itemsize, arr)
+        return (_rebuild_array, (ref, -low, arr.dtype, arr.shape, arr.strides))
+
+    def tensor(self, tensor: torch.Tensor) -> Any:
+        """The reduction of a dense CPU or CUDA tensor to its span (detached)."""
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage()
+        size = tensor.element_size()
+        start = storage.data_ptr() + int(tensor.storage_offset()) * size
+        items = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        key = None
+        if tensor.device.type == "cuda":
+            key = (tensor.device, storage.data_ptr())
+            if key not in self.storages:
+                flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+                self.storages[key] = flat.set_(storage)
+        ref = self._add(key, start, start + int(items) * size, tensor)
+        flags = (tensor.is_conj(), tensor.is_neg())
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return (_rebuild_tensor, (ref, dtype, tuple(tensor.shape), tensor.stride(), flags))
+
+    def regions(self) -> Regions:
+        """Merge the spans; host regions are views of the objects' memory, CUDA regions
+        are staged to the host (see ``_staging``)."""
+        out = Regions(table=np.empty((len(self.spans), 2), np.int64))
+        spans = self.spans
+        order = sorted(range(len(spans)), key=lambda i: (str(spans[i].key), spans[i].start))
+        merged: list[tuple[Any, int, int]] = []  # key, start, end
+        for i in order:
+            span = self.spans[i]
+            if merged and merged[-1][0] == span.key and span.start <= merged[-1][2]:
+                key, start, end = merged[-1]
+                merged[-1] = (key, start, max(end, span.end))
+            else:
+                merged.append((span.key, span.start, span.end))
+            out.table[i] = (len(merged) - 1, span.start - merged[-1][1])
+        on_device = sum(end - start for key, start, end in merged if key is not None)
+        host = np.empty(on_device, np.uint8)  # one buffer for every CUDA region of the part
+        copies, used = [], 0
+        for key, start, end in merged:
+            if key is None:
+                memory = (ctypes.c_char * (end - start)).from_address(start)
+                out.segments.append(memoryview(memory).cast("B"))
+            else:
+                source = self.storages[key][start - key[1] : end - key[1]]
+                copies.append((source, host[used : used + end - start]))
+                out.segments.append(host[used : used + end - start].data)
+                used += end - start
+        if copies:
+            staging.to_host(copies)
+        return out
+
+
+class Loaded:
+    """The regions of a verified part and its span table, for the rebuild of views."""
+
+    def __init__(self, regions: list[memoryview], table: memoryview | None) -> None:
+        self.regions = regions
+        self.table = np.frombuffer(table, np.int64).reshape(-1, 2) if table is not None else None
+        self.arrays: dict[int, np.ndarray[Any, Any]] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+
+    def at(self, span: int) -> tuple[Loaded, int, int]:
+        """Where span ``span`` is: (these regions, its region, its offset there)."""
+        assert self.table is not None
+        region, offset = self.table[span]
+        return self, int(region), int(offset)
+
+    def array(self, region: int) -> np.ndarray[Any, Any]:
+        if region not in self.arrays:
+            self.arrays[region] = np.frombuffer(self.regions[region], np.uint8)
+        return self.arrays[region]
+
+    def tensor(self, region: int) -> torch.Tensor:
+        if region not in self.tensors:
+            view = self.regions[region]
+            if view.readonly:  # torch cannot honour read-only memory: copy once
+                view = memoryview(bytearray(view))
+            self.tensors[region] = torch.frombuffer(view, dtype=torch.uint8)
+        return self.tensors[region]
+
+
+def _rebuild_array(
+    at: tuple[Loaded, int, int], first: int, dtype: np.dtype[Any], shape: Any, strides: Any
+) -> np.ndarray[Any, Any]:
+    loaded, region, offset = at
+    base = loaded.array(region)
+    out: np.ndarray[Any, Any] = np.ndarray(
+        shape, dtype, buffer=base, offset=offset + first, strides=strides
+    )
+    return out
+
+
+def _rebuild_tensor(
+    at: tuple[Loaded, int, int],
+    dtype: str,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    flags: tuple[bool, bool],
+) -> torch.Tensor:
+    loaded, region, offset = at
+    kind = getattr(torch, dtype)
+    size = kind.itemsize
+    if 0 in shape:
+        return torch.empty(shape, dtype=kind)
+    span = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) * size
+    piece = loaded.tensor(region)[offset : offset + span]
+    if offset % size:  # a view that was not aligned to its dtype: copied into aligned memory
+        piece = piece.clone()
+    out = piece.view(kind).as_strided(shape, stride)
+    conj, neg = flags
+    if conj:
+        out = out.conj()
+    if neg:
+        out = out._neg_view()
+    return out.resolve_conj().resolve_neg() if conj or neg else out

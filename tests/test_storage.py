@@ -1,0 +1,251 @@
+"""Storage spans and record rebuilding: shared memory travels once and comes back shared;
+records are rebuilt the way their class says; CUDA tensors leave through pinned memory."""
+
+from __future__ import annotations
+
+import copyreg
+import dataclasses
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_serialize import assert_same, round_trip
+
+import gatherstore as gs
+from gatherstore import _config as config
+from gatherstore import _records as records
+from gatherstore import _serialize as serialize
+from gatherstore import _staging as staging
+
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine (checked on the GPU one)"
+)
+
+
+def _size(obj: Any) -> int:
+    return serialize.encode(obj).nbytes
+
+
+def _scored(count: int, floats: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """Records as detectors return them: ``boxes`` is a view of ``scores``' storage."""
+    out = []
+    for i in range(count):
+        scores = torch.arange(floats, dtype=torch.float32, device=device) + i
+        out.append({"id": i, "scores": scores, "boxes": scores.view(-1, 4)[:, 1:3]})
+    return out
+
+
+def test_views_of_one_storage_travel_once_and_arrive_as_views() -> None:
+    recs = _scored(16, 1 << 16)  # 256 KiB each
+    unique = 16 * (1 << 18)
+    assert _size(recs) < 1.02 * unique, "boxes shares scores' storage: its bytes travel once"
+    out = round_trip(recs)
+    assert_same(out, recs)
+    for rec in out:
+        scores, boxes = rec["scores"], rec["boxes"]
+        assert boxes.untyped_storage().data_ptr() == scores.untyped_storage().data_ptr()
+        assert boxes.stride() == (4, 1)
+        scores[1] = -7.0
+        assert boxes[0, 0] == -7.0, "boxes is a view of scores, as it was on the sender"
+
+
+def test_slices_of_one_batch_tensor_travel_as_one_span() -> None:
+    batch = torch.rand(64, 4096)
+    recs = [{"i": i, "row": batch[i], "pair": batch[i : i + 2]} for i in range(63)]
+    assert _size(recs) < 1.02 * batch.nbytes
+    out = round_trip(recs)
+    assert_same(out, recs)
+    ptrs = {rec["row"].untyped_storage().data_ptr() for rec in out}
+    assert len(ptrs) == 1, "every row is a view of one buffer"
+    assert out[5]["pair"][1].data_ptr() == out[6]["row"].data_ptr()
+
+
+@pytest.mark.parametrize("kb", [1, 1024], ids=["small", "large"])
+def test_an_array_many_records_hold_travels_once_and_stays_one_object(kb: int) -> None:
+    shared = np.arange(kb * 256, dtype=np.float32)
+    recs = [{"id": i, "meta": shared, "own": np.full(4, i, np.int64)} for i in range(200)]
+    assert _size(recs) < shared.nbytes + 200 * 32 + (16 << 10)
+    out = round_trip(recs)
+    assert_same(out, recs)
+    assert all(rec["meta"] is out[0]["meta"] for rec in out)
+
+
+def test_numpy_views_keep_strides_byte_order_and_shared_memory() -> None:
+    base = np.arange(1 << 16, dtype=">f8").reshape(256, 256)
+    tensor = torch.arange(1 << 14, dtype=torch.float32)
+    obj = {
+        "base": base,
+        "reversed": base[::-1, ::-2],
+        "fortran": np.asfortranarray(base[:64]),
+        "transposed": base.T,
+        "tensor": tensor,
+        "its array": tensor.numpy()[100:],
+    }
+    assert _size(obj) < base.nbytes * 1.3 + tensor.nbytes + (64 << 10)
+    out = round_trip(obj)
+    assert_same(out, obj)
+    assert out["reversed"].strides == obj["reversed"].strides
+    assert np.shares_memory(out["reversed"], out["base"])
+    assert out["fortran"].flags.f_contiguous
+
+
+@dataclasses.dataclass
+class Plain:
+    x: Any
+    y: int
+
+
+@dataclasses.dataclass
+class Reduced:
+    x: Any
+    y: int
+    calls = 0
+
+    def __reduce__(self) -> Any:
+        return (_reduced, (self.x, self.y))
+
+
+def _reduced(x: Any, y: int) -> Reduced:
+    Reduced.calls += 1
+    return Reduced(x, y)
+
+
+@dataclasses.dataclass
+class Stateful:
+    x: Any
+    y: int
+    restored: bool = False
+
+    def __getstate__(self) -> Any:
+        return {"x": self.x, "y": self.y}
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(state, restored=True)
+
+
+@dataclasses.dataclass
+class Extra:
+    x: Any
+    y: int
+
+    def __post_init__(self) -> None:
+        self.cache = self.y * 2  # an attribute that is no field
+
+
+@dataclasses.dataclass
+class Registered:
+    x: Any
+    y: int
+
+
+def _registered(x: Any, y: int) -> Registered:
+    return Registered(x, -y)  # a reducer of its own: the sign shows it ran
+
+
+copyreg.pickle(Registered, lambda r: (_registered, (r.x, r.y)))
+
+
+def test_dataclasses_with_a_pickling_protocol_are_rebuilt_by_it() -> None:
+    arr = np.ones(3)
+    assert records.structure(Plain(arr, 1)) == (Plain, ("x", "y"))
+    for cls in (Reduced, Stateful, Extra, Registered):
+        assert records.structure(cls(arr, 1)) is None, cls
+    Reduced.calls = 0
+    out = round_trip([Reduced(np.full(3, i), i) for i in range(20)])
+    assert Reduced.calls == 20 and [r.y for r in out] == list(range(20))
+    out = round_trip([Stateful(np.full(3, i), i) for i in range(20)])
+    assert all(r.restored for r in out)
+    out = round_trip([Extra(np.full(3, i), i) for i in range(20)])
+    assert [r.cache for r in out] == [2 * i for i in range(20)]
+    out = round_trip([Registered(np.full(3, i), i) for i in range(20)])
+    assert [r.y for r in out] == [-i for i in range(20)]
+
+
+CLASSES = st.sampled_from([Plain, Reduced, Stateful, Extra, Registered])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(CLASSES, st.integers(0, 3)), min_size=0, max_size=40), st.data())
+def test_random_runs_of_records_come_back_as_pickle_rebuilds_them(
+    kinds: list[tuple[type, int]], data: st.DataObject
+) -> None:
+    """Whatever mix of plain and protocol dataclasses, records shared between places,
+    the result equals plain pickle's, identity included."""
+    shared = [np.arange(n + 1) for n in range(4)]
+    items: list[Any] = [cls(shared[n], n) for cls, n in kinds]
+    if items:  # a record held twice, and one record's field held by others
+        items += [items[data.draw(st.integers(0, len(items) - 1))] for _ in range(3)]
+    expected = pickle.loads(pickle.dumps(items, protocol=5))
+    out = round_trip(items)
+    assert [type(r) for r in out] == [type(r) for r in expected]
+    assert [r.__dict__.keys() for r in out] == [r.__dict__.keys() for r in expected]
+    for got, want in zip(out, expected, strict=True):
+        assert got.y == want.y and np.array_equal(got.x, want.x)
+    same = [[a is b for b in items] for a in items]
+    assert [[a is b for b in out] for a in out] == same
+    fields = [[a.x is b.x for b in items] for a in items]
+    assert [[a.x is b.x for b in out] for a in out] == fields
+
+
+def test_a_record_held_twice_stays_one_object() -> None:
+    one = {"x": np.arange(3), "y": 1}
+    items = [one] * 10 + [{"x": np.arange(3), "y": i} for i in range(10)]
+    out = round_trip(items)
+    assert all(r is out[0] for r in out[:10])
+    out[0]["y"] = 5
+    assert out[9]["y"] == 5 and out[10]["y"] == 0
+
+
+# --- CUDA: through the pinned buffer -----------------------------------------------------------
+@CUDA
+def test_cuda_records_go_through_a_small_pinned_buffer_in_many_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks alternate between the two halves (here 64 KiB each), across tensors and
+    storages; every byte arrives, views of one storage arrive as views of one buffer."""
+    staging.release()
+    monkeypatch.setattr(config, "PINNED", 128 << 10)
+    try:
+        recs = _scored(24, 100_000, "cuda")  # 390 KiB each: several chunks per storage
+        out = round_trip(recs)
+        assert_same(out, [{k: v.cpu() if k != "id" else v for k, v in r.items()} for r in recs])
+        assert staging._pinned[0].numel() == 128 << 10
+        for rec in out:
+            storages = (rec["boxes"].untyped_storage(), rec["scores"].untyped_storage())
+            assert storages[0].data_ptr() == storages[1].data_ptr()
+    finally:
+        staging.release()
+
+
+@CUDA
+def test_a_tensor_a_kernel_still_writes_is_copied_after_that_kernel() -> None:
+    """The copy runs on a side stream that waits for the caller's current stream."""
+    x = torch.zeros(1 << 22, device="cuda")  # 16 MiB
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keep the current stream busy (~0.1 s)...
+    x.fill_(3.0)  # ...then write x on it
+    out = serialize.decode(_sealed({"x": x}))
+    assert torch.equal(out["x"], torch.full((1 << 22,), 3.0))
+
+
+def _sealed(obj: Any) -> bytearray:
+    frame = serialize.encode(obj).seal(None)
+    buf = bytearray(frame.nbytes)
+    frame.copy_into(memoryview(buf))
+    return buf
+
+
+@CUDA
+def test_pinned_memory_is_allocated_once_and_released_at_shutdown() -> None:
+    staging.release()
+    x = torch.ones(1 << 20, device="cuda")
+    serialize.encode([x])
+    first = staging._pinned[0].data_ptr()
+    serialize.encode([x * 2])
+    assert staging._pinned[0].data_ptr() == first, "one buffer per process, reused"
+    gs.shutdown()  # no process group: only releases what the process holds
+    assert not staging._pinned
