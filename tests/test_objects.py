@@ -342,6 +342,47 @@ def _different_calls() -> dict[int, str] | None:
     return None
 
 
+def _routes_taken() -> dict[str, Any]:
+    """Tiny auto gathers ride on the status exchange; one rank's larger part sends every
+    part another way (the small ones included); the routes each call logged."""
+    import logging
+
+    routes: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            routes.append(str(record.args[1]))  # type: ignore[index]
+
+    logger = logging.getLogger("gatherstore")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.DEBUG)
+    rank = gs.get_rank()
+    tiny = {"rank": rank}
+    mixed = np.full(60_000 if rank == 1 else 10, rank, dtype=np.int64)  # 480 kB on rank 1
+    out = {
+        "all": gs.all_gather_object(tiny),
+        "gather": gs.gather_object(tiny, dst=2),
+        "mixed": [int(a.sum()) for a in gs.all_gather_object(mixed)],
+        "mixed gather": gs.gather_object(mixed, dst=0),  # rank 1 sends its larger part
+    }
+    out["mixed gather"] = out["mixed gather"] and [int(a.sum()) for a in out["mixed gather"]]
+    out["routes"] = routes
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_tiny_auto_gathers_ride_on_the_status_exchange() -> None:
+    results = gs.launch(_routes_taken, nproc_per_node=3, backend="gloo")
+    sums = [10 * 0, 60_000 * 1, 10 * 2]
+    for rank, out in enumerate(results):
+        assert out["all"] == [{"rank": r} for r in range(3)]
+        assert out["gather"] == ([{"rank": r} for r in range(3)] if rank == 2 else None)
+        assert out["mixed"] == sums
+        assert out["mixed gather"] == (sums if rank == 0 else None)
+        assert out["routes"][:2] == ["auto (inline)", "auto (inline)"], out["routes"]
+        assert "inline" not in out["routes"][2] and "inline" not in out["routes"][3]
+
+
 @pytest.mark.timeout(120)
 def test_ranks_in_different_calls_fail_together() -> None:
     expected = {0: "barrier", 1: "all_gather_object"}

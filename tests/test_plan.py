@@ -36,6 +36,20 @@ def test_auto_picks_by_total_size_node_count_and_the_gloo_group(
     assert pick("auto", total=total, broken=broken, nodes=nodes, tmpdir_short=False) == route
 
 
+def test_auto_takes_the_status_exchange_when_every_part_rode_on_it() -> None:
+    assert pick("auto", total=SMALL, broken="", nodes=2, tmpdir_short=False, inlined=True) == (
+        "inline"
+    )
+    broken = "an earlier call broke it"  # no gloo group needed
+    assert pick("auto", total=SMALL, broken=broken, nodes=1, tmpdir_short=False, inlined=True) == (
+        "inline"
+    )
+    # a route the user named is the route taken
+    assert pick("collective", total=1, broken="", nodes=1, tmpdir_short=False, inlined=True) == (
+        "collective"
+    )
+
+
 def test_the_default_tmpdir_leaves_dev_shm_when_the_gather_does_not_fit_there() -> None:
     elsewhere = f"tmpdir://{tempfile.gettempdir()}"
     for spec in ("tmpdir", TmpdirStore()):

@@ -30,6 +30,7 @@ from ._errors import GatherError, MismatchError
 from ._plan import Facts, Plan, facts, settle
 from ._progress import log_call
 from ._report import failure, raise_failures, status
+from ._routes import INLINE_TOTAL
 from ._session import after_failure, note_timeout
 from ._specs import resolve
 from .stores.base import Store
@@ -73,13 +74,15 @@ class Call:
         send: bool = True,
         full: Sequence[int] | None = None,
         copy_own: bool = False,
+        inline: bool = False,
     ) -> Plan:
         """Build this rank's object, encode it when it is sent, and agree on the plan.
 
         ``receivers`` read parts (their memory is checked); ``full`` (default: every
         rank) need every rank's part size: only they get every rank's status, the
         others a summary (O(W) bytes in all for a gather, not W²).  ``copy_own``: the
-        plan holds a copy of this rank's object (see ``own_copies``).
+        plan holds a copy of this rank's object (see ``own_copies``).  ``inline``: with
+        ``"auto"``, a small part rides on the status exchange (see ``InlineRoute``).
 
         Raises:
             RemoteRankError / StoreUnavailableError: a rank failed to build or encode
@@ -100,6 +103,7 @@ class Call:
                 own = serialize.duplicate(self.frame or serialize.encode(own))
             avail = memory.headroom()
             budget = config.read_ahead(self.read_ahead, avail)
+            part = self._inlined() if inline and self.spec == "auto" else None
             mine = status(
                 True,
                 size=self.frame.nbytes if self.frame else 0,
@@ -110,13 +114,15 @@ class Call:
                 node=socket.gethostname(),
                 call=shape,
                 broken=gloo.broken(),
+                inline=part is not None,
             )
+            mine += b"\n" + (part or b"")
         except Exception as exc:
             error, mine = exc, failure(exc)
         root, iterated = self.root, self.iterated
 
         def summarize(raw: list[bytes]) -> bytes | None:
-            found = facts([json.loads(s) for s in raw], receivers, root, iterated)
+            found = facts([_status_of(s) for s in raw], receivers, root, iterated)
             return None if found is None else json.dumps(dataclasses.asdict(found)).encode()
 
         raw, summary = self.exchanging(
@@ -124,7 +130,7 @@ class Call:
                 mine, timeout=self.deadline.left(), what=self.what, summarize=summarize, full=full
             )
         )
-        statuses = None if raw is None else [json.loads(s) for s in raw]
+        statuses = None if raw is None else [_status_of(s) for s in raw]
         if summary is None:  # every rank has every status: a failure or mismatch raises here
             assert statuses is not None
             raise_failures(statuses, self.what, error)
@@ -142,7 +148,8 @@ class Call:
             if root is not None:
                 sizes[root] = found.root
             sizes[self.rank] = self.frame.nbytes if self.frame else 0
-        route = settle(self.spec, found, what=self.what, nodes=topology.get_nnodes())
+        parts = None if raw is None else [_part_of(s) for s in raw]
+        route = settle(self.spec, found, what=self.what, nodes=topology.get_nnodes(), parts=parts)
         self.route, self.total = str(route), found.total
         return Plan(route, tuple(sizes), found.total, found.longest, budget, own)
 
@@ -159,6 +166,18 @@ class Call:
                 "every rank must pass the same store and dst/src",
                 details=details,
             )
+
+    def _inlined(self) -> bytes | None:
+        """This rank's sealed part when it is small enough to ride on the status exchange
+        (empty when this rank sends nothing); None when it is not.  The frame stays: should
+        another rank's part be too large, a route of its own sends it."""
+        if self.frame is None:
+            return b""
+        if self.frame.nbytes > INLINE_TOTAL // self.world:
+            return None
+        out = bytearray(self.frame.nbytes)
+        self.frame.seal(None).copy_into(memoryview(out))
+        return bytes(out)
 
     def take_frame(self) -> serialize.Frame | None:
         """This rank's encoded part, handed to the route that sends it (the call keeps
@@ -197,3 +216,13 @@ class Call:
     def finish(self) -> None:
         """Log this call's one DEBUG line: route, bytes, seconds."""
         log_call(self.what, self.route, self.total, self.started)
+
+
+def _status_of(raw: bytes) -> Any:
+    """A rank's status, parsed (the JSON before the part it may carry)."""
+    return json.loads(raw.partition(b"\n")[0])
+
+
+def _part_of(raw: bytes) -> memoryview:
+    """The part a rank's status carries (empty when none)."""
+    return memoryview(raw)[raw.index(b"\n") + 1 :] if b"\n" in raw else memoryview(b"")

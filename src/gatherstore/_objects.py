@@ -115,7 +115,7 @@ def all_gather_object(
     if not topology.is_distributed():
         return [obj]
     call = Call("all_gather_object", store, timeout, progress)
-    plan = call.agree(lambda: obj, range(call.world), copy_own=_own_copies.get())
+    plan = call.agree(lambda: obj, range(call.world), copy_own=_own_copies.get(), inline=True)
     return plan.route.all_gather(call, plan)
 
 
@@ -206,7 +206,9 @@ def gather_prepared(
     and its exceptions are reported to every rank instead of raised alone."""
     call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, iterated=stream)
     copy_own = _own_copies.get() and call.rank == dst
-    plan = call.agree(prepare, [dst], send=call.rank != dst, full=[dst], copy_own=copy_own)
+    plan = call.agree(
+        prepare, [dst], send=call.rank != dst, full=[dst], copy_own=copy_own, inline=True
+    )
     return plan.route.gather(call, plan, dst, stream=stream)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from . import _config as config
 from . import _fit as fit
 from . import _gloo as gloo
-from ._routes import CollectiveRoute, Route, StoreRoute
+from ._routes import CollectiveRoute, InlineRoute, Route, StoreRoute
 from ._specs import resolve
 from ._stream import StreamRoute
 from .stores.base import Store
@@ -30,13 +30,15 @@ __all__ = ["Facts", "Plan", "facts", "pick", "settle"]
 class Facts:
     """What every rank decides a call's route and memory check from: the ``total`` and
     ``longest`` part, the ``root``'s part size, why gatherstore's gloo group is
-    ``broken`` (or ""), and each kind of route's per-node memory ``short``-falls."""
+    ``broken`` (or ""), each kind of route's per-node memory ``short``-falls, and
+    whether every part was ``inlined`` in the statuses."""
 
     total: int
     longest: int
     root: int
     broken: str
     short: dict[str, list[str]]
+    inlined: bool = False  # every rank's part rode on the status exchange
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ def facts(
         longest=max(sizes),
         root=0 if root is None else sizes[root],
         broken=next((s["broken"] for s in statuses if s["broken"]), ""),
+        inlined=all(s.get("inline", False) for s in statuses),
         short={
             need: fit.shortfalls(need, statuses, sizes, receivers, iterated=iterated)
             for need in fit.NEEDS
@@ -81,41 +84,64 @@ def facts(
 
 
 def pick(
-    spec: str | Store, *, total: int, broken: str, nodes: int, tmpdir_short: bool
+    spec: str | Store,
+    *,
+    total: int,
+    broken: str,
+    nodes: int,
+    tmpdir_short: bool,
+    inlined: bool = False,
 ) -> str | Store:
-    """The spec a call takes: ``"auto"`` is ``"collective"`` up to the auto threshold
+    """The spec a call takes: ``"auto"`` is ``"inline"`` when every part rode on the
+    status exchange (``inlined``), else ``"collective"`` up to the auto threshold
     (while gatherstore's gloo group works), else ``"stream"`` across nodes (``tmpdir``
     is node-local) or ``"tmpdir"`` on one; the default ``tmpdir`` is the temp dir
     instead when ``tmpdir_short`` (its base is gatherstore's choice, /dev/shm, and the
     gather does not fit there)."""
+    if spec == "auto" and inlined:
+        return "inline"
     if spec == "auto":
         small = total <= config.AUTO_THRESHOLD and not broken
         spec = "collective" if small else "stream" if nodes > 1 else "tmpdir"
-    is_default_tmpdir = spec == "tmpdir" or (isinstance(spec, Store) and spec.url == "tmpdir")
-    if is_default_tmpdir and tmpdir_short:
+    if _is_default_tmpdir(spec) and tmpdir_short:
         return f"tmpdir://{tempfile.gettempdir()}"
     return spec
 
 
-def settle(spec: str | Store, found: Facts, *, what: str, nodes: int) -> Route:
-    """The route for ``spec`` (see ``pick``), the same on every rank.
+def settle(
+    spec: str | Store,
+    found: Facts,
+    *,
+    what: str,
+    nodes: int,
+    parts: Sequence[memoryview] | None = None,
+) -> Route:
+    """The route for ``spec`` (see ``pick``), the same on every rank; ``parts``: every
+    rank's part as it rode on the status exchange (on the ranks that received them).
 
     Raises:
         GatherError: the route needs gatherstore's gloo group, which an earlier call broke.
         InsufficientMemoryError: the route would outgrow a node's memory (on every rank).
     """
-    tmpdir = resolve("tmpdir")
-    tmpdir_short = (
-        not config.tmpdir_base()
-        and isinstance(tmpdir, Store)
-        and tmpdir.shares_memory_with_host
-        and bool(found.short["shm"])
-    )
-    chosen = pick(
-        spec, total=found.total, broken=found.broken, nodes=nodes, tmpdir_short=tmpdir_short
-    )
+
+    def chosen_for(short: bool) -> str | Store:
+        return pick(
+            spec,
+            total=found.total,
+            broken=found.broken,
+            nodes=nodes,
+            tmpdir_short=short,
+            inlined=found.inlined,
+        )
+
+    chosen = chosen_for(False)
+    if _is_default_tmpdir(chosen) and found.short["shm"] and not config.tmpdir_base():
+        tmpdir = resolve("tmpdir")  # gatherstore's choice of base: /dev/shm when it is there
+        chosen = chosen_for(isinstance(tmpdir, Store) and tmpdir.shares_memory_with_host)
     if chosen in ("collective", "stream") and found.broken:
         raise gloo.refuse(what, found.broken)
+    if chosen == "inline":
+        return InlineRoute(parts)
     target = resolve(chosen)
     route: Route
     if target == "collective":
@@ -127,3 +153,8 @@ def settle(spec: str | Store, found: Facts, *, what: str, nodes: int) -> Route:
         route = StoreRoute(target)
     fit.check(what, route, found.total, found.short)
     return route
+
+
+def _is_default_tmpdir(spec: str | Store) -> bool:
+    """Whether ``spec`` is ``tmpdir`` with the base gatherstore chooses."""
+    return spec == "tmpdir" or (isinstance(spec, Store) and spec.url == "tmpdir")
