@@ -391,3 +391,27 @@ def test_bench_latency_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [line.split()[0] for line in lines[2:]] == list(latency.OPS)
     assert all(line.count(" ms") == 2 for line in lines[2:])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(300)
+def test_bench_soak_reports_each_store_s_first_and_last_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--soak``: random calls over the mix, each store's first and last medians, and
+    nothing left in the ranks' tmpdir base."""
+    from gatherstore._bench import soak
+
+    assert _cli._parser().parse_args(["bench", "--soak"]).soak == 1000
+    monkeypatch.setenv("GATHERSTORE_TMPDIR", str(tmp_path))
+    out = io.StringIO()
+    assert soak.main(24, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("W = 3 gloo processes") and "24 random calls" in lines[0]
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert (
+        set(rows)
+        == {"auto", "collective", "tmpdir", "file://<temp", "file://<temp dir>"} & (set(rows))
+        and len(rows) == 4
+    )
+    assert all(row.endswith("x") for row in rows.values())
+    assert list(tmp_path.iterdir()) == []

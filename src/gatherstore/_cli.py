@@ -121,6 +121,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import latency
 
         return latency.main(args.latency)
+    if args.soak:
+        from ._bench import soak
+
+        return soak.main(args.soak, redis=args.redis)
     if args.share_local and not args.hosts:
         raise ValueError("--share-local goes with --hosts 2")
     if args.hosts:
@@ -315,6 +319,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="WORLDS",
         help="instead: median and p90 latency of 1 KiB and 1 MiB gathers, gatherstore's and "
         "torch's, in one job of W processes each (32)",
+    )
+    p.add_argument(
+        "--soak",
+        type=int,
+        nargs="?",
+        const=1000,
+        metavar="CALLS",
+        help="instead: CALLS random 1 KiB calls over a mix of stores in one job of 3 processes; "
+        "each store's first and last 100 calls (1000)",
     )
     p.add_argument(
         "--hosts",
