@@ -46,7 +46,8 @@ Start = Callable[[Any, _dt.timedelta], Any]
 
 #: Seconds past the call's deadline that ranks wait for each other's reports.
 GRACE = 5.0
-_POLL_MAX = 0.01
+_POLL_FIRST = 0.001  # the longest pause between looks at a transfer, in its first second
+_POLL_MAX = 0.01  # ... and after
 
 
 _HOW_ON = (
@@ -137,10 +138,12 @@ def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
     try:
         left = max(deadline.ends - time.monotonic(), 0.001)
         work = start(group(), _dt.timedelta(seconds=left))
-        pause = 0.0002
+        pause, began = 0.0002, time.monotonic()
         while not work.is_completed() and time.monotonic() < deadline.ends + GRACE:
             time.sleep(pause)  # in Python, not in C++: signals are handled meanwhile
-            pause = min(pause * 2, _POLL_MAX)
+            # a short op is seen done within a millisecond; a long one costs few wakeups
+            longest = _POLL_FIRST if time.monotonic() - began < 1.0 else _POLL_MAX
+            pause = min(pause * 2, longest)
         if not work.is_completed():
             error = f"the transfer did not finish within {seconds(deadline.timeout)} s"
         else:
