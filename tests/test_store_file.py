@@ -94,3 +94,14 @@ def test_writes_race_deletes_that_prune_directories(tmp_path: Path) -> None:
         thread.join()
     assert errors == []
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_store_that_skips_the_base_init_is_told_how_to_fix_it(tmp_path: Path) -> None:
+    class Forgetful(FileStore):
+        def __init__(self, root: Path) -> None:  # no super().__init__()
+            self.root = root
+
+    with pytest.raises(TypeError, match=r"Forgetful.__init__ did not call super\(\).__init__"):
+        Forgetful(tmp_path).sign_parts  # noqa: B018
+    with pytest.raises(AttributeError):  # any other missing attribute stays an AttributeError
+        Forgetful(tmp_path).nonexistent  # noqa: B018

@@ -138,7 +138,7 @@ def gather_object(
     Raises:
         InsufficientMemoryError: the parts would not fit in ``dst``'s available
             memory (raised on every rank before any data moves).
-        and the errors of [`all_gather_object`][gatherstore.all_gather_object].
+        GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
     check_arguments("gather_object", store, timeout, rank=("dst", dst), progress=progress)
     if not topology.is_distributed():
@@ -172,7 +172,7 @@ def gather_iter(
     Raises:
         ValueError: a negative ``read_ahead``, and the bad arguments of
             [`all_gather_object`][gatherstore.all_gather_object].
-        and the errors of [`gather_object`][gatherstore.gather_object].
+        GatherError: the errors of [`gather_object`][gatherstore.gather_object].
     """
     check_arguments(
         "gather_iter", store, timeout, rank=("dst", dst), progress=progress, read_ahead=read_ahead
@@ -224,7 +224,7 @@ def broadcast_object(
         ValueError: a ``src`` outside the job, or a bad ``timeout`` or store URL.
         InsufficientMemoryError: the object would not fit in a receiving rank's
             available memory (raised on every rank before any data moves).
-        and the errors of [`all_gather_object`][gatherstore.all_gather_object].
+        GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
     check_arguments("broadcast_object", store, timeout, rank=("src", src))
     if not topology.is_distributed():

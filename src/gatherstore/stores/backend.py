@@ -30,6 +30,8 @@ from .layout import Buffer, nbytes
 __all__ = ["PRIMITIVES", "Backend"]
 
 _B = TypeVar("_B", bound="Backend")
+#: The instance state ``Backend.__init__`` and ``Store.__init__`` declare.
+_DECLARED = frozenset({"_sign", "_chunks"})
 
 #: Every primitive, by how it names keys: one ``key``, a list of ``keys``, a list of
 #: (key, value) ``pairs``, or a ``prefix`` (a view under a prefix forwards each by it).
@@ -74,6 +76,15 @@ class Backend(ABC):
     def __init__(self) -> None:
         #: Whether parts are signed: None follows ``reachable_by_others``.
         self._sign: bool | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for state ``__init__`` declares: a subclass that did not call it learns how."""
+        if name in _DECLARED:
+            raise TypeError(
+                f"{type(self).__name__}.__init__ did not call super().__init__(): a store "
+                f"declares its state ({name}) there; call it first in __init__"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def shares_memory_with_host(self) -> bool:
