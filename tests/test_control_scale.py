@@ -179,8 +179,7 @@ def _exchange_job(signals: str) -> dict[str, Any]:
         out["mismatch"] = type(exc).__name__
     out["after"] = control.exchange(b"%d" % rank, timeout=30, what="after")
     control.exchange(b"", timeout=30, what="sync")  # every earlier call has been tidied
-    steps = control._current()["step"]
-    store = control._current()["store"]
+    steps, store = control.step(), control.store()
     names = ["arrived", "all", "full", "read", "judge", "done"]
     names += [str(r) for r in range(gs.get_world_size())]
     out["left"] = [

@@ -60,7 +60,9 @@ def _outage_job(
     # the job's area is set up, and the server has made its first volume, before the fault:
     # on a loaded machine that alone can outlast TIMEOUT
     gs.gather_object(obj, store=store, timeout=120)
-    parts = gs.gather_iter(obj, store=store, timeout=TIMEOUT)
+    # no read-ahead: dst reads each part when it is asked for, from the frozen store (parts
+    # read before the fault are delivered, and only their deletes would fail)
+    parts = gs.gather_iter(obj, store=store, timeout=TIMEOUT, read_ahead=0)
     gs.barrier()
     if rank == 0:
         Path(signals, "written").touch()
