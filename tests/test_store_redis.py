@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import redis
 from _jobs import check_object_collectives, object_collectives_job
+from peak import round_trip_growth
 
 import gatherstore as gs
 from gatherstore._bench.measure import PeakMemory
@@ -491,23 +492,12 @@ def test_values_go_out_and_come_back_without_copies(redis_url: str, prefix: str)
     """A 256 MiB part: sent from its own buffer, received into one preallocated buffer."""
     store = RedisStore(redis_url, key_prefix=prefix)
     size = 256 << 20
-    part = np.random.default_rng(2).integers(0, 255, size=size, dtype=np.uint8)
-    crc = zlib.crc32(part.data)
     try:
-        with PeakMemory() as put:
-            store.put("part", part.data)
-        if not put.reset:
-            pytest.skip("/proc/self/clear_refs is not writable here")
-        del part
-        with PeakMemory() as get:
-            value = store.get("part")
-        assert value is not None and zlib.crc32(value) == crc
-        del value
+        put, get = round_trip_growth(store, size, seed=2)
     finally:
-        store.delete("")
         store.close()
-    assert put.growth < 0.05 * size, put.growth / size  # no join, no packed copy
-    assert get.growth < 1.05 * size, get.growth / size  # the value, nothing else
+    assert put < 0.05 * size, put / size  # no join, no packed copy
+    assert get < 1.05 * size, get / size  # the value, nothing else
 
 
 def test_large_values_never_use_hiredis_packer(redis_url: str) -> None:
