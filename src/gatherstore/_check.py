@@ -16,11 +16,12 @@ from . import _demo as demo
 from . import _objects as objects
 from . import _topology as topology
 from ._bench.measure import format_bytes
+from ._config import ROUTES
 from ._errors import GatherError, IntegrityError, StoreUnavailableError, first_line
 from ._launch import joined_from_env, launch
 from ._session import create_area
 from .stores.base import hide_password
-from .stores.registry import ROUTES, open_store
+from .stores.registry import open_store
 
 __all__ = ["CheckFailed", "run"]
 

@@ -23,11 +23,12 @@ from . import _topology as topology
 from ._bench.measure import parse_size
 from ._bench.payloads import KINDS, available
 from ._cleanup import collect, parse_duration
+from ._config import ROUTES
 from ._errors import first_line
 from ._launch import joined_from_env
 from ._version import version
 from .stores.base import hide_password
-from .stores.registry import ROUTES, _entry, _scheme, default_store, open_store
+from .stores.registry import _entry, _scheme, default_store, open_store
 from .stores.tmpdir import default_tmpdir_base
 
 __all__ = ["main"]

@@ -26,6 +26,7 @@ import re
 
 __all__ = [
     "AUTO_THRESHOLD",
+    "ROUTES",
     "SHM",
     "DEFAULT_READ_AHEAD",
     "DEFAULT_TIMEOUT",
@@ -95,6 +96,10 @@ def _seconds_setting(name: str, default: float) -> float:
 
 #: The node's shared memory (RAM), where ``tmpdir`` keeps its job folders when it can.
 SHM = "/dev/shm"
+
+#: What ``store=`` (and ``GATHERSTORE_STORE``) may name besides a store: the routes of the
+#: object collectives (``gatherstore._routes``), which move parts without one.
+ROUTES = ("auto", "collective", "stream")
 
 #: Seconds a collective waits by default (``GATHERSTORE_TIMEOUT`` overrides it).
 DEFAULT_TIMEOUT = _seconds_setting("GATHERSTORE_TIMEOUT", 1800.0)

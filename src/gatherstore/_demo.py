@@ -26,10 +26,11 @@ from ._bench import payloads
 from ._bench.baselines import torch_all_gather_object
 from ._bench.measure import PeakMemory, format_bytes
 from ._collectives import barrier
+from ._config import ROUTES
 from ._errors import IntegrityError
 from ._launch import launch
 from .stores.file import FileStore
-from .stores.registry import ROUTES, open_store
+from .stores.registry import open_store
 
 __all__ = ["DemoConfig", "describe_store", "run"]
 

@@ -8,9 +8,10 @@ are closed when the process group is shut down.
 
 from __future__ import annotations
 
+from ._config import ROUTES
 from ._job import STORES
 from .stores.base import Store
-from .stores.registry import ROUTES, default_store, open_store
+from .stores.registry import default_store, open_store
 
 __all__ = ["close_opened", "resolve"]
 

@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from .. import _objects as objects
 from .. import _topology as topology
+from .._config import ROUTES
 from .._errors import GatherError, RemoteRankError
 from .._launch import launch
-from ..stores.registry import ROUTES, open_store
+from ..stores.registry import open_store
 from . import baselines, payloads
 from .cases import BASELINE, Case
 from .measure import PeakMemory

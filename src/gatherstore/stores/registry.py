@@ -13,10 +13,10 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .. import _config as config
+from .._config import ROUTES
 from .base import Store, hide_password
 
 __all__ = [
-    "ROUTES",
     "default_store",
     "known_schemes",
     "open_store",
@@ -24,8 +24,6 @@ __all__ = [
     "set_default_store",
 ]
 
-#: Specs that are routes in ``objects.py``, not byte stores.
-ROUTES = ("auto", "collective", "stream")
 
 _FSSPEC = "gatherstore.stores.fsspec:FsspecStore"
 
