@@ -43,7 +43,7 @@ def test_an_unknown_scheme_names_gatherstore_s_stores_and_the_closest(
         with pytest.raises(ValueError) as caught:
             call(spec)
         message = str(caught.value)
-        assert message.startswith(f"unknown store scheme {spec.split(':')[0]!r}")
+        assert message.startswith(f"store {spec!r}: unknown store scheme {spec.split(':')[0]!r}")
         assert ("did you mean" in message) == (closest is not None)
         if closest:
             assert f"(did you mean {closest!r}?)" in message

@@ -254,7 +254,7 @@ def test_bench_hosts_prints_the_table() -> None:
     assert hostbench.main(size=2 << 20, out=out, subnet="10.77.2") == 0
     table = out.getvalue()
     assert "mounted over sshfs on both hosts" in table
-    assert "share ceiling, plain file I/O of 6.0 MiB" in table and "write+read" in table
+    assert "share ceiling, plain file I/O of 0.01 GB" in table and "write+read" in table
     for case in hostbench.CASES:
         assert case in table
     assert "wrong result" not in table

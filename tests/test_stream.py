@@ -92,8 +92,8 @@ def test_auto_streams_across_nodes() -> None:
         assert out["nnodes"] == 2
         assert out["gather"] == (_expected(4) if rank == 1 else None)
         assert out["all"] == _expected(4)
-        # large totals stream; the tiny last gather stays on the collective route
-        assert out["routes"] == ["stream", "stream", "stream", "stream", "collective"]
+        # large totals stream; the tiny last gather rides on the status exchange
+        assert out["routes"] == ["stream", "stream", "stream", "stream", "auto (inline)"]
 
 
 def _stall_one_sender(stall: float) -> Any:

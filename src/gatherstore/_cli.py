@@ -28,7 +28,7 @@ from ._errors import first_line
 from ._launch import joined_from_env
 from ._version import version
 from .stores.base import hide_password
-from .stores.registry import _entry, _scheme, default_store, open_store
+from .stores.registry import check_scheme, default_store, open_store
 from .stores.tmpdir import default_tmpdir_base
 
 __all__ = ["main"]
@@ -55,7 +55,7 @@ def _store_spec(spec: str) -> str:
     """A spec whose scheme gatherstore knows; the registry's error names its stores and
     the closest scheme.  Nothing is opened."""
     if spec not in ROUTES:
-        _entry(_scheme(spec))
+        check_scheme(spec)
     return spec
 
 

@@ -17,6 +17,7 @@ from .._config import ROUTES
 from .base import Store, hide_password
 
 __all__ = [
+    "check_scheme",
     "default_store",
     "known_schemes",
     "open_store",
@@ -107,6 +108,21 @@ def _missing(scheme: str, entry: dict[str, Any], exc: ImportError) -> ImportErro
     return ImportError(f"store scheme {scheme!r} needs {exc.name or exc}: {hint}", name=exc.name)
 
 
+def check_scheme(spec: str) -> None:
+    """Check that the URL ``spec`` names a store gatherstore knows, without importing or
+    opening it.
+
+    Raises:
+        ValueError: the URL cannot be parsed, or its scheme is unknown; names the URL
+            (passwords and secret query parameters hidden).
+    """
+    scheme = _scheme(spec)
+    try:
+        _entry(scheme)
+    except ValueError as exc:
+        raise ValueError(f"store {hide_password(spec)!r}: {exc}") from None
+
+
 def _resolve(scheme: str) -> type[Store]:
     entry = _entry(scheme)
     target = entry["class"]
@@ -165,6 +181,7 @@ def open_store(spec: str | Store, **options: Any) -> Store:
             "pass it as store= to the object collectives, or open tmpdir, file://, "
             "redis:// or an fsspec URL here"
         )
+    check_scheme(spec)
     cls = _resolve(_scheme(spec))
     try:
         return cls.from_url(spec, **options)
@@ -184,6 +201,7 @@ def set_default_store(spec: str | Store | None) -> None:
         TypeError: the scheme is registered to something that is not a Store.
     """
     if isinstance(spec, str) and spec not in ROUTES:
+        check_scheme(spec)
         _resolve(_scheme(spec))
     _default[0] = spec
 
