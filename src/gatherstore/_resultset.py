@@ -252,6 +252,10 @@ class ResultSet:
             IntegrityError: a chunk is damaged or sealed with another key (on ``dst``).
             and the errors of :meth:`flush` and of every collective.
         """
+        return self._gather(dst, timeout)
+
+    def _gather(self, dst: int, timeout: Timeout, *, keys: bool = False) -> list[Any] | None:
+        """:meth:`gather`; with ``keys``, (key, value) pairs."""
         world = job.world_size()
         if not isinstance(dst, int) or not 0 <= dst < world:
             raise ValueError(f"dst={dst!r} is not a rank of this job (world size {world})")
@@ -264,8 +268,8 @@ class ResultSet:
         if "infos" not in planned:
             return None
         with deadline(call.left()):
-            values = [v for _, v in merge.merged(planned["infos"], self._reader(), 1 << 62)]
-        return values
+            found = merge.merged(planned["infos"], self._reader(), 1 << 62)
+            return list(found) if keys else [v for _, v in found]
 
     def _plan(self, planned: dict[str, Any]) -> bytes:
         """On the destination: the chunks, and whether their values fit in memory."""
