@@ -30,7 +30,6 @@ from . import _rs_writer as writer
 from . import _serialize as serialize
 from ._config import Timeout, to_seconds
 from ._errors import (
-    GatherError,
     InsufficientMemoryError,
     IntegrityError,
     MismatchError,
@@ -157,9 +156,7 @@ class ResultSet:
                 StoreUnavailableError; raised once, the values stay buffered and a
                 later flush writes them) or dropped values that cannot be pickled.
         """
-        if self._closed:
-            raise GatherError(f"{self._what} is closed or discarded: open it again to add")
-        self._writer.add((order.check_key(key), value))
+        self._writer.add(key, value)
 
     def flush(self, *, timeout: Timeout = None) -> None:
         """Return once every value this rank added is durable in the store.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import _config as config
+from . import _rs_order as order
 from ._errors import GatherError, GatherTimeout
 
 __all__ = ["FlushEvery", "Unstorable", "Writer", "flush_policy"]
@@ -112,17 +113,20 @@ class Writer:
         self._thread.start()
 
     # --- the evaluation loop's side ------------------------------------------------------------
-    def add(self, item: Any) -> None:
-        """Queue ``item``; raise a failed write's error (once).
+    def add(self, key: Any, value: Any) -> None:
+        """Queue ``value`` under ``key``; raise a failed write's error (once).
 
         Raises:
-            GatherError: the last write in the background failed (e.g.
-                StoreUnavailableError); the values stay queued.
+            TypeError: ``key`` is not an int or a str.
+            GatherError: the writer is closed, or the last write in the background failed
+                (e.g. StoreUnavailableError; the values stay queued).
         """
-        if self._error is not None:
+        if type(key) is not int and type(key) is not str:  # the usual keys pass at once
+            key = order.check_key(key)
+        if self._error is not None or self._stop:
             self._raise_error()
         queue = self._queue
-        queue.append(item)
+        queue.append((key, value))
         if len(queue) >= self._threshold and not self._nudged:
             self._nudged = True
             with self._cond:
@@ -133,6 +137,8 @@ class Writer:
             error, self._error = self._error, None
         if error is not None:
             raise error
+        if self._stop:
+            raise GatherError(f"{self.what} is closed or discarded: open it again to add to it")
 
     def flush(self, timeout: float) -> None:
         """Return once every value queued before the call is written.
@@ -164,12 +170,15 @@ class Writer:
                         timeout=timeout,
                     )
                 self._cond.wait(left)
+            if self._error is not None and not self._retry:  # values dropped meanwhile
+                error, self._error = self._error, None
+                raise error
 
     def drain(self, timeout: float) -> None:
         """:meth:`flush`, errors logged instead of raised: for a stopping process."""
         try:
             self.flush(timeout)
-        except GatherError as exc:
+        except Exception as exc:
             _log.warning("gatherstore: %s: values added last were not written: %s", self.what, exc)
 
     def close(self, *, drop: bool = False, timeout: float = 10.0) -> None:
