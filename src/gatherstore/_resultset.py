@@ -8,12 +8,9 @@ that flushes in the background ``_rs_writer``'s, the merge in key order
 
 from __future__ import annotations
 
-import atexit
-import hashlib
 import itertools
 import json
 import os
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -22,6 +19,7 @@ import numpy as np
 from . import _config as config
 from . import _rs_job as job
 from . import _rs_layout as layout
+from . import _rs_lifetime as lifetime
 from . import _rs_lock as lock
 from . import _rs_merge as merge
 from . import _rs_order as order
@@ -41,10 +39,7 @@ from .stores.deadline import deadline
 
 __all__ = ["ResultSet"]
 
-#: Seconds a stopping process (a signal, or its exit) waits for its values to be written.
-STOP_FLUSH = 60.0
 _LIST_ENTRY = 8  # bytes a list holds per value it returns
-_live: weakref.WeakSet[ResultSet] = weakref.WeakSet()
 
 
 class ResultSet:
@@ -114,8 +109,7 @@ class ResultSet:
             raise
         self._seq = itertools.count()
         self._writer = writer.Writer(self._write_chunk, policy, self._what)
-        _live.add(self)
-        job.on_stop(_flush_all)
+        lifetime.opened(self)
 
     def __repr__(self) -> str:
         return f"<ResultSet {self.name!r} in {self._base}, run {self._run}>"
@@ -213,7 +207,7 @@ class ResultSet:
         call = job.Collective(f"{self._what}.pending", self._seconds(timeout))
         wanted = call.agree(lambda: self._flushed(order.sort_keys(keys), call))
         assert wanted is not None
-        digests = call.send(_digest(wanted).encode())
+        digests = call.send(order.digest(wanted).encode())
         if len(set(digests)) > 1:
             details = {r: d.decode()[:12] for r, d in enumerate(digests)}
             raise MismatchError(
@@ -327,7 +321,7 @@ class ResultSet:
     def _stop(self, *, drop: bool = False) -> None:
         self._closed = True
         self._writer.close(drop=drop)
-        _live.discard(self)
+        lifetime.closed(self)
 
     # --- reading on one rank ----------------------------------------------------------------
     def items(self, *, read_ahead: int | None = None) -> Iterator[tuple[Any, Any]]:
@@ -349,7 +343,7 @@ class ResultSet:
         self._writer.flush(self._timeout)
         reader = self._reader()
         infos = reader.infos(reader.names()[0])
-        return merge.merged(infos, reader, _budget(read_ahead, infos))
+        return merge.merged(infos, reader, merge.budget(read_ahead, infos))
 
     def export(self, path: str | os.PathLike[str], *, read_ahead: int | None = None) -> int:
         """Write every stored value with its key, in key order, to ``path``: Parquet
@@ -374,58 +368,15 @@ class ResultSet:
     def _seconds(self, timeout: Timeout) -> float:
         return self._timeout if timeout is None else to_seconds(timeout)
 
-    def _at_exit(self) -> None:
-        self._writer.drain(min(self._timeout, STOP_FLUSH))
+    def drain(self) -> None:
+        """Write what is buffered, errors logged: for a process that stops."""
+        self._writer.drain(min(self._timeout, lifetime.STOP_FLUSH))
+
+    def end(self) -> None:
+        """At exit: write what is buffered and end the run."""
+        self.drain()
         self._stop()
         self._release()
 
 
-def _budget(read_ahead: int | None, infos: list[layout.ChunkInfo]) -> int:
-    """The read-ahead budget of a merge: ``read_ahead``, else what overlapping chunks need
-    (see :func:`overlap`), at least the default, at most a quarter of the free memory."""
-    if read_ahead is not None:
-        return max(read_ahead, 1)
-    room = job.headroom()
-    wanted = max(config.read_ahead(None, room), 2 * overlap(infos))
-    return max(min(wanted, room // 4), 1)
-
-
-def overlap(infos: list[layout.ChunkInfo]) -> int:
-    """The most bytes of chunks whose key ranges overlap at one key."""
-    events = sorted(
-        [(order.order_key(i.first), 0, i.nbytes + i.rebuilt) for i in infos]
-        + [(order.order_key(i.last), 1, -(i.nbytes + i.rebuilt)) for i in infos]
-    )
-    most = held = 0
-    for _, _, cost in events:
-        held += cost
-        most = max(most, held)
-    return most
-
-
-def _digest(keys: order.Keys) -> str:
-    """A digest of sorted keys, to find ranks that passed different ones."""
-    if isinstance(keys, np.ndarray):
-        return hashlib.blake2b(keys.tobytes(), digest_size=16).hexdigest()
-    return hashlib.blake2b(repr(keys).encode(), digest_size=16).hexdigest()
-
-
-def _flush_all() -> None:
-    """On SIGTERM/SIGINT: write what every open set buffered."""
-    for rs in list(_live):
-        rs._writer.drain(min(rs._timeout, STOP_FLUSH))
-
-
-@atexit.register
-def _at_exit() -> None:
-    """At exit: write what every open set buffered, and end their runs."""
-    for rs in list(_live):
-        rs._at_exit()
-
-
-def _forget_in_child() -> None:
-    """A process forked from a rank (a DataLoader worker) writes nothing of the rank's sets."""
-    _live.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+ResultSet.__module__ = "gatherstore"  # its public home

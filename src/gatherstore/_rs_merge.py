@@ -28,12 +28,14 @@ from typing import IO, Any
 
 import numpy as np
 
+from . import _config as config
+from . import _memory as memory
 from . import _rs_order as order
 from . import _serialize as serialize
 from ._rs_layout import ChunkInfo
 from ._rs_read import SetReader
 
-__all__ = ["IN_FLIGHT", "merged"]
+__all__ = ["IN_FLIGHT", "budget", "merged", "overlap"]
 
 #: Chunks read ahead at most (when the budget allows).
 IN_FLIGHT = 8
@@ -241,3 +243,26 @@ def merged(infos: list[ChunkInfo], reader: SetReader, budget: int) -> Iterator[t
         yield from merge.run()
     finally:
         merge.close()
+
+
+def budget(read_ahead: int | None, infos: list[ChunkInfo]) -> int:
+    """The read-ahead budget of a merge: ``read_ahead``, else what overlapping chunks need
+    (see :func:`overlap`), at least the default, at most a quarter of the free memory."""
+    if read_ahead is not None:
+        return max(read_ahead, 1)
+    room = memory.headroom()
+    wanted = max(config.read_ahead(None, room), 2 * overlap(infos))
+    return max(min(wanted, room // 4), 1)
+
+
+def overlap(infos: list[ChunkInfo]) -> int:
+    """The most bytes of chunks whose key ranges overlap at one key."""
+    events = sorted(
+        [(order.order_key(i.first), 0, i.nbytes + i.rebuilt) for i in infos]
+        + [(order.order_key(i.last), 1, -(i.nbytes + i.rebuilt)) for i in infos]
+    )
+    most = held = 0
+    for _, _, cost in events:
+        held += cost
+        most = max(most, held)
+    return most

@@ -8,13 +8,24 @@ keys are held as int64 arrays, which sort, merge and compare at numpy's speed.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Key", "Keys", "check_key", "order_key", "pack", "sort_keys", "stored_mask", "unpack"]
+__all__ = [
+    "Key",
+    "Keys",
+    "check_key",
+    "digest",
+    "order_key",
+    "pack",
+    "sort_keys",
+    "stored_mask",
+    "unpack",
+]
 
 Key = int | str
 #: Keys as stored and merged: an int64 array when every key is an int that fits.
@@ -96,3 +107,10 @@ def _ints_of(keys: list[Key]) -> np.ndarray:
     """The int keys of a mixed list that fit int64 (only those can be in an int64 array)."""
     ints = [k for k in keys if type(k) is int and _INT64[0] <= k <= _INT64[1]]
     return np.asarray(ints, dtype=np.int64)
+
+
+def digest(keys: Keys) -> str:
+    """A digest of sorted keys, to find ranks that passed different ones."""
+    if isinstance(keys, np.ndarray):
+        return hashlib.blake2b(keys.tobytes(), digest_size=16).hexdigest()
+    return hashlib.blake2b(repr(keys).encode(), digest_size=16).hexdigest()
