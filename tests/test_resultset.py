@@ -288,8 +288,9 @@ def _fake_run(store: gs.Store, run: int, host: str, age: float, ended: bool = Fa
 def test_a_live_writer_is_refused_a_stale_one_taken_over(tmp_path: Path) -> None:
     store = gs.open_store(f"file://{tmp_path}")
     first = gs.ResultSet(NAME, store=store)
-    with pytest.raises(gs.GatherError, match=rf"job {first._held.job} on .*pid {os.getpid()}"):
-        gs.ResultSet(NAME, store=store)  # this process is alive: its run too
+    again = gs.ResultSet(NAME, store=store)  # the job that writes it may open it again
+    assert again._run == first._run + 1
+    again.close()
     first.close()
     gs.ResultSet(NAME, store=store).close()  # an ended run: taken over at once
     _fake_run(store, 3, "another-host", age=5)  # another host, beat 5 s ago: alive

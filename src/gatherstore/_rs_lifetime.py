@@ -1,8 +1,9 @@
 """What a stopping process does for the result sets it writes.
 
 On SIGTERM or SIGINT, whichever handler is in charge, every open set writes
-what it buffered (see ``_signals``' stop hooks); at exit each writes it and
-ends its run, so that the next job takes the set over at once.  A process
+what it buffered (see ``_signals``' stop hooks); at ``gs.shutdown()`` and at
+exit each writes it and ends its run, so that the next job takes the set over
+at once.  A process
 forked from a rank (a DataLoader worker) does neither for the rank's sets.
 """
 
@@ -15,7 +16,7 @@ from typing import Protocol
 
 from . import _rs_job as job
 
-__all__ = ["STOP_FLUSH", "closed", "opened"]
+__all__ = ["STOP_FLUSH", "closed", "end_all", "opened"]
 
 #: Seconds a stopping process (a signal, or its exit) waits for its values to be written.
 STOP_FLUSH = 60.0
@@ -47,7 +48,8 @@ def _drain_all() -> None:
 
 
 @atexit.register
-def _end_all() -> None:
+def end_all() -> None:
+    """Write what every open set buffered and end its run (``gs.shutdown``, and at exit)."""
     for rs in list(_live):
         rs.end()
 

@@ -7,7 +7,8 @@ and beats in ``runs/<run>/heartbeat`` with the heartbeat of job areas (see
 finds the last run alive is refused with an error naming that job.  A run
 counts as alive unless it ended, or its heartbeat (without one, its claim) is
 older than ``MISSED`` beat intervals, or, seen from the host that beat, the
-beating process no longer runs: a stale writer's set is taken over.
+beating process no longer runs: a stale writer's set is taken over.  The job
+that holds the last run may open the set again (a run of its own each time).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .stores.deadline import END_JOB_TIMEOUT, deadline
 __all__ = ["RUNS", "Held", "Run", "acquire", "last_run", "release", "runs", "stop_beating"]
 
 RUNS = "runs/"
+_mine: set[str] = set()  # the jobs of the runs this process holds: it may open a set again
 
 
 def _area(store: Store, run: int) -> Store:
@@ -110,7 +112,7 @@ def last_run(store: Store, run: int) -> Run | None:
 
 def _refuse_if_alive(store: Store, run: int, what: str) -> None:
     found = last_run(store, run)
-    if found is None or not found.alive:
+    if found is None or not found.alive or found.job in _mine:
         return
     now = time.time()
     raise GatherError(
@@ -145,12 +147,14 @@ def acquire(store: Store, what: str, world: int) -> Held:
     locator = f"result set {store} run {run}"
     area = _area(store, run)
     heartbeat.start(locator, area, job)
+    _mine.add(job)
     return Held(run, job, locator, area)
 
 
 def stop_beating(held: Held) -> None:
     """Stop the run's heartbeat (a beat under way lands first)."""
     heartbeat.stop(held.locator)
+    _mine.discard(held.job)
 
 
 def release(held: Held) -> None:
@@ -163,3 +167,6 @@ def release(held: Held) -> None:
             held.area.replace(heartbeat.HEARTBEAT, json.dumps(ended).encode())
     except GatherError:
         return
+
+
+os.register_at_fork(after_in_child=_mine.clear)
