@@ -124,6 +124,11 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import latency
 
         return latency.main(args.latency)
+    if args.result_sets:
+        from ._bench import resultsets
+
+        (_, add), (_, items) = (args.result_sets * 2)[:2]
+        return resultsets.main(add, items, args.repeats)
     if args.share_local and not args.hosts:
         raise ValueError("--share-local goes with --hosts 2")
     if args.hosts:
@@ -299,6 +304,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="WORLDS",
         help="instead: median and p90 latency of 1 KiB and 1 MiB gathers, gatherstore's and "
         "torch's, in one job of W processes each (32)",
+    )
+    p.add_argument(
+        "--result-sets",
+        type=_argtype(_sizes),
+        nargs="?",
+        const=_sizes("1GB,4GB"),
+        metavar="ADD,ITEMS",
+        help="instead: gs.ResultSet's add, gather, items() and export figures (1GB,4GB)",
     )
     p.add_argument(
         "--hosts",

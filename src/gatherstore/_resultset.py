@@ -345,11 +345,20 @@ class ResultSet:
         infos = reader.infos(reader.names()[0])
         return merge.merged(infos, reader, merge.budget(read_ahead, infos))
 
-    def export(self, path: str | os.PathLike[str], *, read_ahead: int | None = None) -> int:
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        compression: str | None = None,
+        read_ahead: int | None = None,
+    ) -> int:
         """Write every stored value with its key, in key order, to ``path``: Parquet
         (``.parquet``), Arrow IPC (``.arrow``; both need the ``arrow`` extra) or JSON lines
-        (``.jsonl``); streamed, in the memory of :meth:`items`.  The file appears whole
-        (written beside it, then renamed).  Returns the number of values written.
+        (``.jsonl``); streamed, in the memory of :meth:`items`.  A value that is a dict is a
+        column per field, another value one ``value`` column; arrays are lists.  Parquet and
+        Arrow are uncompressed unless ``compression`` says (``"zstd"``, ``"lz4"``, ...).
+        The file appears whole (written beside it, then renamed).  Returns the number of
+        values written.
 
         Raises:
             ValueError: an unknown extension, or values that do not fit the format.
@@ -358,8 +367,8 @@ class ResultSet:
         """
         from . import _rs_export as export
 
-        export.check(path)
-        return export.write(self.items(read_ahead=read_ahead), path)
+        export.check(path, compression)
+        return export.write(self.items(read_ahead=read_ahead), path, compression)
 
     # --- helpers ---------------------------------------------------------------------------
     def _reader(self) -> SetReader:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,19 +51,24 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def check(path: str | os.PathLike[str]) -> None:
+def check(path: str | os.PathLike[str], compression: str | None = None) -> None:
     """Fail before anything is read when ``path`` cannot be written as asked.
 
     Raises:
-        ValueError: an unknown extension.
+        ValueError: an unknown extension, or a compression for JSON lines.
         ImportError: Parquet or Arrow without pyarrow (with the pip line).
     """
     if _format(path) != ".jsonl":
         _pyarrow()
+    elif compression is not None:
+        raise ValueError("export: JSON lines take no compression= (compress the file after)")
 
 
-def write(rows: Iterable[tuple[Any, Any]], path: str | os.PathLike[str]) -> int:
+def write(
+    rows: Iterable[tuple[Any, Any]], path: str | os.PathLike[str], compression: str | None = None
+) -> int:
     """Write ``rows`` to ``path`` in the format its extension names; how many.
+    ``compression`` (Parquet and Arrow: e.g. ``"zstd"``, ``"lz4"``) is none by default.
 
     Raises:
         ValueError: an unknown extension, or values the format cannot hold.
@@ -73,7 +80,10 @@ def write(rows: Iterable[tuple[Any, Any]], path: str | os.PathLike[str]) -> int:
     handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
     os.close(handle)
     try:
-        count = _jsonl(rows, temp) if suffix == ".jsonl" else _arrow(rows, temp, suffix)
+        if suffix == ".jsonl":
+            count = _jsonl(rows, temp)
+        else:
+            count = _arrow(rows, temp, suffix, compression)
         os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -129,29 +139,28 @@ def _as_array(value: Any) -> Any:
 def _column(pa: Any, values: list[Any]) -> Any:
     """One Arrow column of ``values``: arrays of one dtype and trailing shape from their
     memory, anything else through pyarrow's conversion."""
-    values = [_as_array(v) for v in values]
-    first = values[0]
-    if isinstance(first, np.ndarray) and all(
-        isinstance(v, np.ndarray) and v.dtype == first.dtype and v.shape[1:] == first.shape[1:]
-        for v in values
-    ):
-        if first.ndim == 0:
-            return pa.array(np.stack(values))
-        flat = np.concatenate([v.reshape(-1) for v in values])
-        inner = pa.array(flat)
-        for size in reversed(first.shape[1:]):
-            inner = pa.FixedSizeListArray.from_arrays(inner, size)
-        offsets = np.zeros(len(values) + 1, dtype=np.int32)
-        np.cumsum([len(v) for v in values], out=offsets[1:])
-        return pa.ListArray.from_arrays(pa.array(offsets), inner)
+    if any(type(v).__module__ == "torch" for v in values):
+        values = [_as_array(v) for v in values]
+    if set(map(type, values)) == {np.ndarray}:
+        (dtype, ndim, inner), *others = {(v.dtype, v.ndim, v.shape[1:]) for v in values}
+        if not others and dtype.kind in "biufUS":
+            if ndim == 0:
+                return pa.array(np.stack(values))
+            column = pa.array(np.concatenate([v.reshape(-1) for v in values]))
+            for size in reversed(inner):
+                column = pa.FixedSizeListArray.from_arrays(column, size)
+            offsets = np.zeros(len(values) + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
+            return pa.LargeListArray.from_arrays(pa.array(offsets), column)
     return pa.array([v.tolist() if isinstance(v, np.ndarray | np.generic) else v for v in values])
 
 
 def _table(pa: Any, batch: list[tuple[Any, Any]], fields: list[str] | None) -> Any:
-    columns = {"key": pa.array([k for k, _ in batch])}
+    names, columns = ["key"], [pa.array([k for k, _ in batch])]
     values = [v for _, v in batch]
     if fields is None:
-        columns["value"] = _column(pa, values)
+        names.append("value")
+        columns.append(_column(pa, values))
     else:
         for name in fields:
             if not all(isinstance(v, dict) and name in v for v in values):
@@ -160,44 +169,92 @@ def _table(pa: Any, batch: list[tuple[Any, Any]], fields: list[str] | None) -> A
                     f"export: the value of key {key!r} has no field {name!r}, which the first "
                     "value has: export values of one shape"
                 )
-            columns[name] = _column(pa, [v[name] for v in values])
-    return pa.table(columns)
+            names.append(name)
+            columns.append(_column(pa, [v[name] for v in values]))
+    return pa.Table.from_arrays(columns, names=names)
 
 
-def _arrow(rows: Iterable[tuple[Any, Any]], path: str, suffix: str) -> int:
+class _Sink:
+    """Writes tables to a Parquet or Arrow file in a thread of its own (pyarrow encodes
+    without the GIL), while the next batch is merged and converted: at most two tables
+    wait."""
+
+    def __init__(self, pa: Any, path: str, suffix: str, compression: str | None) -> None:
+        self.pa, self.path, self.suffix, self.compression = pa, path, suffix, compression
+        self.tables: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self.error: BaseException | None = None
+        self.schema: Any = None
+        self.thread = threading.Thread(target=self._run, name="gatherstore-export", daemon=True)
+        self.thread.start()
+
+    def _open(self, schema: Any) -> Any:
+        pa = self.pa
+        if self.suffix == ".parquet":
+            return pa.parquet.ParquetWriter(
+                self.path, schema, compression=self.compression or "none", use_dictionary=False
+            )
+        options = pa.ipc.IpcWriteOptions(compression=self.compression)
+        return pa.ipc.new_file(self.path, schema, options=options)
+
+    def _run(self) -> None:
+        writer: Any = None
+        try:
+            while (table := self.tables.get()) is not None:
+                if writer is None:
+                    writer = self._open(table.schema)
+                writer.write_table(table)
+        except BaseException as exc:
+            self.error = exc
+            while self.tables.get() is not None:  # let the producer finish
+                continue
+        finally:
+            if writer is not None:
+                writer.close()
+
+    def put(self, table: Any) -> None:
+        """Queue ``table`` (cast to the first table's schema).
+
+        Raises:
+            the error of a write that failed.
+        """
+        if self.error is not None:
+            raise self.error
+        if self.schema is None:
+            self.schema = table.schema
+        self.tables.put(table.cast(self.schema))
+
+    def close(self) -> None:
+        """Write what is queued and close the file.
+
+        Raises:
+            the error of a write that failed.
+        """
+        self.tables.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _arrow(rows: Iterable[tuple[Any, Any]], path: str, suffix: str, compression: str | None) -> int:
     pa = _pyarrow()
     count = 0
-    sink: Any = None
     fields: list[str] | None = None
+    sink = _Sink(pa, path, suffix, compression)
     try:
         for batch in _batches(rows):
-            if sink is None:
+            if not count:
                 first = batch[0][1]
                 fields = [str(f) for f in first] if isinstance(first, dict) else None
             try:
-                table = _table(pa, batch, fields)
-                if sink is None:
-                    schema = table.schema
-                    sink = (
-                        pa.parquet.ParquetWriter(path, schema)
-                        if suffix == ".parquet"
-                        else pa.ipc.new_file(path, schema)
-                    )
-                sink.write_table(table.cast(schema))
+                sink.put(_table(pa, batch, fields))
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
                 raise ValueError(
                     f"export: values from key {batch[0][0]!r} on do not fit one table "
                     f"({exc}); export values of one shape, or to .jsonl"
                 ) from None
             count += len(batch)
+        if not count:  # an empty set: an empty table with a key column
+            sink.put(pa.table({"key": pa.array([], pa.int64())}))
     finally:
-        if sink is not None:
-            sink.close()
-    if sink is None:  # an empty set: an empty table with a key column
-        table = pa.table({"key": pa.array([], pa.int64())})
-        if suffix == ".parquet":
-            pa.parquet.write_table(table, path)
-        else:
-            with pa.ipc.new_file(path, table.schema) as empty:
-                empty.write_table(table)
+        sink.close()
     return count

@@ -8,7 +8,8 @@ earliest run, then the lowest rank, then the earliest flush) is kept, and of
 a key added twice in one chunk the first added: the choice is the same
 whoever reads.
 
-Memory: the chunks held open plus those read ahead stay within the budget;
+Memory: the chunks held open plus those read ahead (at most a quarter of it)
+stay within the budget;
 when the next chunk would not fit, the open chunk that holds the most is
 *spilled* (its values not merged yet go to an unlinked temporary file, read
 back one by one), so that at most the budget plus one chunk is held,
@@ -39,6 +40,8 @@ __all__ = ["IN_FLIGHT", "budget", "merged", "overlap"]
 
 #: Chunks read ahead at most (when the budget allows).
 IN_FLIGHT = 8
+#: Chunks read ahead take at most this share of the budget.
+READ_AHEAD_SHARE = 4
 _THREADS = 2
 _LENGTH = struct.Struct("<Q")
 _NOTHING = object()
@@ -151,9 +154,12 @@ class _Merge:
             self._read_ahead()
 
     def _read_ahead(self) -> None:
+        """Read the next chunks ahead, within a quarter of the budget (the chunks held
+        open come first: reading ahead must not make them spill)."""
         while self.next_fetch < len(self.plan) and len(self.futures) < IN_FLIGHT:
             info = self.plan[self.next_fetch]
-            if self.held + self.fetched + info.nbytes > self.budget:
+            fetched = self.fetched + info.nbytes
+            if fetched > self.budget // READ_AHEAD_SHARE or self.held + fetched > self.budget:
                 return
             self.futures[self.next_fetch] = self.pool.submit(self.reader.fetch, info)
             self.fetched += info.nbytes
