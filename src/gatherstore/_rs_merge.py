@@ -189,13 +189,20 @@ class _Merge:
     def _merge_below(self, bound: tuple[int, Any] | None) -> Iterator[tuple[order.Key, Any]]:
         spans = [(c, c.pos, c.end_before(bound)) for c in self.cursors]
         spans = [span for span in spans if span[2] > span[1]]
-        ordered = _merge_ints(spans) if all(c.ints for c, _, _ in spans) else _merge_any(spans)
-        for key, cursor, pos in ordered:
-            first = key != self.last
-            value = cursor.take(pos, keep=first)
-            cursor.pos = pos + 1
+        merge = _merge_ints if all(c.ints for c, _, _ in spans) else _merge_any
+        keys, which, positions = merge(spans)
+        cursors = [c for c, _, _ in spans]
+        held = [None if c.spill is not None else c.values for c in cursors]
+        last = self.last
+        for key, j, pos in zip(keys, which, positions, strict=True):
+            first = key != last
+            values = held[j]
+            if values is None:  # spilled: read in order, skipped ones too
+                value = cursors[j].take(pos, keep=first)
+            else:
+                value, values[pos] = values[pos], None
             if first:
-                self.last = key
+                last = self.last = key
                 yield key, value
         for cursor, _, end in spans:
             cursor.pos = end
@@ -209,30 +216,30 @@ class _Merge:
         self.cursors = []
 
 
-def _merge_ints(spans: list[tuple[_Cursor, int, int]]) -> list[tuple[int, _Cursor, int]]:
-    """(key, cursor, position) of int-keyed spans in key order, then chunk order."""
+Merged = tuple[list[Any], list[int], list[int]]
+
+
+def _merge_ints(spans: list[tuple[_Cursor, int, int]]) -> Merged:
+    """(keys, span of each, position of each) of int-keyed spans in key order, then
+    chunk order."""
     if not spans:
-        return []
+        return [], [], []
     keys = np.concatenate([c.keys[a:b] for c, a, b in spans])
     which = np.concatenate([np.full(b - a, j, dtype=np.int64) for j, (_, a, b) in enumerate(spans)])
     pos = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in spans])
     prio = np.asarray([c.prio for c, _, _ in spans], dtype=np.int64)[which]
     by = np.lexsort((pos, prio, keys))
-    cursors = [c for c, _, _ in spans]
-    return [
-        (k, cursors[j], p)
-        for k, j, p in zip(keys[by].tolist(), which[by].tolist(), pos[by].tolist(), strict=True)
-    ]
+    return keys[by].tolist(), which[by].tolist(), pos[by].tolist()
 
 
-def _merge_any(spans: list[tuple[_Cursor, int, int]]) -> list[tuple[Any, _Cursor, int]]:
-    """(key, cursor, position) of any spans in key order, then chunk order."""
+def _merge_any(spans: list[tuple[_Cursor, int, int]]) -> Merged:
+    """:func:`_merge_ints` for keys of any kind."""
     found = sorted(
-        (order.order_key(k), c.prio, p, k, c)
-        for c, start, end in spans
+        (order.order_key(k), c.prio, p, k, j)
+        for j, (c, start, end) in enumerate(spans)
         for p, k in zip(range(start, end), order.unpack(c.keys[start:end]), strict=True)
     )
-    return [(k, c, p) for _, _, p, k, c in found]
+    return [k for *_, k, _ in found], [j for *_, j in found], [p for _, _, p, _, _ in found]
 
 
 def merged(infos: list[ChunkInfo], reader: SetReader, budget: int) -> Iterator[tuple[Any, Any]]:
