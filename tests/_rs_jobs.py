@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,19 @@ import numpy as np
 import gatherstore as gs
 
 NAME = "eval/ckpt-1"
+
+
+@contextlib.contextmanager
+def redis_database(url: str, db: int) -> Iterator[str]:
+    """The URL of database ``db`` of the Redis at ``url``, empty before and after, whose
+    keys live a day (result sets outlive the store's default hour)."""
+    import redis
+
+    parts = urllib.parse.urlsplit(url)
+    with redis.Redis.from_url(urllib.parse.urlunsplit(parts._replace(path=f"/{db}"))) as client:
+        client.flushdb()
+        yield urllib.parse.urlunsplit(parts._replace(path=f"/{db}", query="ttl=86400"))
+        client.flushdb()
 
 
 def value(i: int) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _rs_jobs import NAME, same, value
+from _rs_jobs import NAME, redis_database, same, value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,15 +35,8 @@ KEY = b"k" * 32
 # --- the stores -----------------------------------------------------------------------------------
 @pytest.fixture
 def redis_url(gatherstore_redis_url: str) -> Iterator[str]:
-    """A Redis database of its own (db 8), empty before and after, with a day's ttl."""
-    import redis
-
-    parts = urllib.parse.urlsplit(gatherstore_redis_url)
-    url = urllib.parse.urlunsplit(parts._replace(path="/8", query="ttl=86400"))
-    with redis.Redis.from_url(url.split("?")[0]) as client:
-        client.flushdb()
+    with redis_database(gatherstore_redis_url, 8) as url:
         yield url
-        client.flushdb()
 
 
 @pytest.fixture(scope="module")

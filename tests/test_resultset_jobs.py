@@ -10,13 +10,12 @@ import os
 import signal
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _rs_jobs import NAME, add_until_stopped, evaluate, same, value
+from _rs_jobs import NAME, add_until_stopped, evaluate, redis_database, same, value
 from cgroups import run_in_memory_cgroup
 
 import gatherstore as gs
@@ -26,15 +25,8 @@ N = 300  # samples of the evaluation
 
 @pytest.fixture
 def redis_url(gatherstore_redis_url: str) -> Iterator[str]:
-    """A Redis database of its own (db 7), empty before and after, with a day's ttl."""
-    import redis
-
-    parts = urllib.parse.urlsplit(gatherstore_redis_url)
-    url = urllib.parse.urlunsplit(parts._replace(path="/7", query="ttl=86400"))
-    with redis.Redis.from_url(url.split("?")[0]) as client:
-        client.flushdb()
+    with redis_database(gatherstore_redis_url, 7) as url:
         yield url
-        client.flushdb()
 
 
 @pytest.fixture
@@ -208,21 +200,32 @@ def write_big(url: str, per_rank: int) -> int:
     return per_rank
 
 
+def gather_big(url: str) -> str:
+    """Every rank: gather the set (it does not fit); what each raised."""
+    try:
+        gs.ResultSet("big", store=url).gather()
+        return "no error"
+    except gs.GatherError as exc:
+        return type(exc).__name__
+
+
 _IN_CGROUP = """
 import os, sys
 with open(sys.argv[1], "w") as f:
     f.write(str(os.getpid()))
 from pathlib import Path
 import gatherstore as gs
+import test_resultset_jobs as t
 from gatherstore import _memory
 from gatherstore._bench.measure import PeakMemory
 limit_file, usage_file, url, count = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-rs = gs.ResultSet("big", store=url)
 stat = Path(limit_file).with_name("memory.stat")
 field = "inactive_file" if limit_file.endswith("memory.max") else "total_inactive_file"
 used = int(Path(usage_file).read_text()) - _memory._reclaimable(stat, field)
 limit = used + (160 << 20)  # 160 MiB more than it holds now
 Path(limit_file).write_text(str(limit))
+print(*gs.launch(t.gather_big, nproc_per_node=2, backend="gloo", args=(url,)), flush=True)
+rs = gs.ResultSet("big", store=url)
 seen = 0
 with PeakMemory() as peak:
     for key, array in rs.items():
@@ -234,12 +237,17 @@ print(seen, peak.growth, limit, flush=True)
 
 @pytest.mark.timeout(400)
 def test_items_reads_a_set_larger_than_its_memory_cgroup(tmp_path: Path) -> None:
+    """items() reads it all without an OOM kill; gather() of it is refused on every rank
+    (InsufficientMemoryError) before anything is read."""
     url = f"file://{tmp_path}"
     per_rank = 2500  # 4 ranks x 2500 x 64 KiB: 625 MiB, more than the cgroup's whole limit
     gs.launch(write_big, nproc_per_node=4, backend="gloo", args=(url, per_rank), timeout=300)
     done, oom = run_in_memory_cgroup(_IN_CGROUP, [url, str(4 * per_rank)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    seen, growth, limit = map(int, done.stdout.split())
+    refused, found = done.stdout.splitlines()
+    # a gather that cannot fit is refused on every rank before anything is read
+    assert refused.split() == ["InsufficientMemoryError"] * 2, done.stdout
+    seen, growth, limit = map(int, found.split())
     assert seen == 4 * per_rank
     assert 4 * per_rank * 8192 * 8 > limit
     assert "oom_kill 0" in oom, oom

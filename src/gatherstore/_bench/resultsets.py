@@ -89,6 +89,30 @@ def _add_loops(url: str, images: int, repeats: int, model: float) -> dict[str, l
     return out
 
 
+def _add_costs(url: str, images: int) -> dict[str, float]:
+    """In a process of its own: seconds per value of ``list.append``, of ``rs.add`` with
+    no flush due (what the loop pays), and of the flush after (what the thread pays)."""
+    import gatherstore as gs
+
+    rng = np.random.default_rng(0)
+    values = [_image(rng, i) for i in range(images)]
+    kept: list[Any] = []
+    began = time.perf_counter()
+    for value in values:
+        kept.append(value)
+    listed = time.perf_counter() - began
+    rs = gs.ResultSet("bench/costs", store=url, flush_every=(1 << 40, "1TB", "3600s"))
+    began = time.perf_counter()
+    for i, value in enumerate(values):
+        rs.add(i, value)
+    added = time.perf_counter() - began
+    began = time.perf_counter()
+    rs.flush()
+    flushed = time.perf_counter() - began
+    rs.discard()
+    return {"list": listed / images, "add": added / images, "flush": flushed / images}
+
+
 def _add_shard(url: str, name: str, images: int) -> None:
     """In a rank: add this rank's share of ``images`` detections to the set ``name``."""
     import gatherstore as gs
@@ -186,6 +210,57 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def _adding(url: str, add_bytes: int, repeats: int) -> list[str]:
+    images = image_count(add_bytes)
+    costs = launch(_add_costs, args=(url, images))[0]
+    lines = [
+        f"add: {format_bytes(add_bytes)} of detections ({images} images)",
+        f"  per value: list.append {costs['list'] * 1e6:.2f} us; rs.add "
+        f"{costs['add'] * 1e6:.2f} us in the loop, then {costs['flush'] * 1e6:.2f} us in "
+        f"the writer's thread ({add_bytes / (costs['flush'] * images) / 1e9:.2f} GB/s)",
+    ]
+    for model, label in [(0.0, "numpy makes the boxes, nothing else"), (MODEL, _MODEL)]:
+        added = launch(_add_loops, args=(url, images, repeats, model))[0]
+        listed, adding = _median(added["list"]), _median(added["add"])
+        lines += [
+            f"  {label}:",
+            f"    list.append loop  {listed:8.2f} s",
+            f"    rs.add loop       {adding:8.2f} s  {adding / listed - 1:+.1%} (goal: at most "
+            f"+5%); durable {_median(added['durable']):.2f} s after the loop",
+        ]
+    return lines
+
+
+def _gathering(url: str, add_bytes: int, repeats: int) -> list[str]:
+    images = image_count(add_bytes)
+    gathered = launch(_gather_rank, nproc_per_node=4, args=(url, images, repeats))[0]
+    own, auto, rs = (_median(gathered[k]) for k in ("gather_object", "gather_object auto", "rs"))
+    return [
+        f"gather: W=4, {format_bytes(add_bytes)}; the destination's seconds",
+        f"  gs.gather_object, same store   {own:6.2f} s",
+        f"  gs.gather_object, auto         {auto:6.2f} s",
+        f"  rs.gather                      {rs:6.2f} s  {rs / own:.2f}x the same store, "
+        f"{rs / auto:.2f}x auto (goal: at most 1.2x)",
+    ]
+
+
+def _reading(url: str, base: str, items_bytes: int) -> list[str]:
+    launch(_add_shard, nproc_per_node=4, args=(url, "bench/items", image_count(items_bytes)))
+    read = launch(_read_and_export, args=(url, "bench/items", base))[0]
+    disk = _disk_rate(base, int(read["parquet"]))
+    rate = read["parquet"] / read["export"]
+    return [
+        f"items: {format_bytes(items_bytes)} stored by 4 ranks, read in 1 process",
+        f"  {int(read['count'])} values in {read['read']:.2f} s "
+        f"({items_bytes / read['read'] / 1e9:.2f} GB/s); peak RSS grew "
+        f"{format_bytes(int(read['growth']))} (goal: at most 300 MiB)"
+        + ("" if read["reset"] else " (peak not reset: an upper bound)"),
+        f"export: {format_bytes(int(read['parquet']))} of Parquet in {read['export']:.2f} s: "
+        f"{rate / 1e9:.2f} GB/s; the disk writes {disk / 1e9:.2f} GB/s: {rate / disk:.0%} "
+        "(goal: at least 70%)",
+    ]
+
+
 def main(
     add_bytes: int,
     items_bytes: int,
@@ -196,53 +271,11 @@ def main(
     """Run the measurements and print them with their goals; 0."""
     base = tempfile.mkdtemp(prefix="gatherstore-bench-results-", dir=folder)
     url = f"file://{base}/store"
+    print(f"result sets: file:// store in {base}; medians of {repeats}", file=out, flush=True)
     try:
-        images = image_count(add_bytes)
-        print(f"result sets: file:// store in {base}; medians of {repeats}", file=out)
-        print(f"add: {format_bytes(add_bytes)} of detections ({images} images)", file=out)
-        for model, label in [
-            (0.0, "numpy makes each image's boxes, nothing else"),
-            (MODEL, _MODEL),
-        ]:
-            added = launch(_add_loops, args=(url, images, repeats, model))[0]
-            listed, adding = _median(added["list"]), _median(added["add"])
-            print(f"  {label}:", file=out)
-            print(f"    list.append loop  {listed:8.2f} s", file=out)
-            print(
-                f"    rs.add loop       {adding:8.2f} s  {adding / listed - 1:+.1%} (goal: at "
-                f"most +5%); durable {_median(added['durable']):.2f} s after the loop",
-                file=out,
-            )
-        gathered = launch(_gather_rank, nproc_per_node=4, args=(url, images, repeats))[0]
-        own, auto, rs = (
-            _median(gathered[k]) for k in ("gather_object", "gather_object auto", "rs")
-        )
-        print(f"gather: W=4, {format_bytes(add_bytes)}; the destination's seconds", file=out)
-        print(f"  gs.gather_object, same store   {own:6.2f} s", file=out)
-        print(f"  gs.gather_object, auto         {auto:6.2f} s", file=out)
-        print(
-            f"  rs.gather                      {rs:6.2f} s  {rs / own:.2f}x the same store, "
-            f"{rs / auto:.2f}x auto (goal: at most 1.2x)",
-            file=out,
-        )
-        launch(_add_shard, nproc_per_node=4, args=(url, "bench/items", image_count(items_bytes)))
-        read = launch(_read_and_export, args=(url, "bench/items", base))[0]
-        disk = _disk_rate(base, int(read["parquet"]))
-        growth = format_bytes(int(read["growth"]))
-        print(f"items: {format_bytes(items_bytes)} stored by 4 ranks, read in 1 process", file=out)
-        print(
-            f"  {int(read['count'])} values in {read['read']:.2f} s "
-            f"({items_bytes / read['read'] / 1e9:.2f} GB/s); peak RSS grew {growth} "
-            f"(goal: at most 300 MiB){'' if read['reset'] else ' (peak not reset: upper bound)'}",
-            file=out,
-        )
-        rate = read["parquet"] / read["export"]
-        print(
-            f"export: {format_bytes(int(read['parquet']))} of Parquet in {read['export']:.2f} s: "
-            f"{rate / 1e9:.2f} GB/s; the disk writes {disk / 1e9:.2f} GB/s: {rate / disk:.0%} "
-            "(goal: at least 70%)",
-            file=out,
-        )
+        print("\n".join(_adding(url, add_bytes, repeats)), file=out, flush=True)
+        print("\n".join(_gathering(url, add_bytes, repeats)), file=out, flush=True)
+        print("\n".join(_reading(url, base, items_bytes)), file=out, flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0
