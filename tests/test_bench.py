@@ -336,3 +336,19 @@ def test_bench_latency_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [line.split()[0] for line in lines[2:]] == list(latency.OPS)
     assert all(line.count(" ms") == 2 for line in lines[2:])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(400)
+def test_bench_result_sets_at_tiny_sizes(tmp_path: Path) -> None:
+    """``--result-sets``: every figure with its goal, in a folder that is removed after."""
+    from gatherstore._bench import resultsets
+
+    parsed = _cli._parser().parse_args(["bench", "--result-sets"]).result_sets
+    assert parsed == [("1GB", 1 << 30), ("4GB", 4 << 30)]
+    out = io.StringIO()
+    assert resultsets.main(1 << 20, 2 << 20, 1, folder=str(tmp_path), out=out) == 0
+    text = out.getvalue()
+    for figure in ("per value: list.append", "rs.add loop", "rs.gather", "peak RSS grew"):
+        assert figure in text, text
+    assert text.count("goal:") == 5, text
+    assert list(tmp_path.iterdir()) == []
