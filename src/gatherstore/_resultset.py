@@ -202,7 +202,9 @@ class ResultSet:
         Raises:
             TypeError: a key is not an int or a str (on every rank).
             MismatchError: ranks passed different keys.
-            and the errors of :meth:`flush` and of every collective.
+            GatherError / GatherTimeout: a write failed, or did not end in time (see
+                :meth:`flush`).
+            RemoteRankError: another rank failed (named), or did not come in time.
         """
         call = job.Collective(f"{self._what}.pending", self._seconds(timeout))
         wanted = call.agree(lambda: self._flushed(order.sort_keys(keys), call))
@@ -241,7 +243,9 @@ class ResultSet:
             InsufficientMemoryError: the values would not fit in ``dst``'s memory (raised on
                 every rank before any is read; use :meth:`items` or :meth:`export`).
             IntegrityError: a chunk is damaged or sealed with another key (on ``dst``).
-            and the errors of :meth:`flush` and of every collective.
+            GatherError / GatherTimeout: a write failed, or did not end in time (see
+                :meth:`flush`).
+            RemoteRankError: another rank failed (named), or did not come in time.
         """
         return self._gather(dst, timeout)
 
@@ -285,7 +289,7 @@ class ResultSet:
 
         Raises:
             StoreUnavailableError: the store failed (on every rank).
-            and the errors of every collective.
+            RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
         """
         call = job.Collective(f"{self._what}.discard", self._seconds(timeout))
         self._stop(drop=True)
@@ -304,7 +308,9 @@ class ResultSet:
         then open the set at once.
 
         Raises:
-            and the errors of :meth:`flush` and of every collective.
+            GatherError / GatherTimeout: a write failed, or did not end in time (see
+                :meth:`flush`).
+            RemoteRankError: another rank failed (named), or did not come in time.
         """
         if self._closed:
             return
