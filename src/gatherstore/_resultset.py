@@ -88,17 +88,15 @@ class ResultSet:
         flush_every: Any = None,
         timeout: Timeout = None,
     ) -> None:
-        self.name = layout.check_name(name)
-        self._what = f"result set {name!r}"
-        self._key = signing.resolve(key)
         self._timeout = to_seconds(timeout)
-        policy = writer.flush_policy(flush_every)
-        self._base = job.open_persistent(store)
-        self._store = self._base.scoped(layout.prefix(self.name))
+        self._what = f"result set {name!r}"
         self._rank = job.rank()
         self._held: lock.Held | None = None
         self._closed = False
         call = job.Collective(f"ResultSet({name!r})", self._timeout)
+        # what each rank reads of its arguments and settings, checked on every rank at once
+        policy = call.agree(lambda: self._arguments(name, store, key, flush_every))
+        assert policy is not None
         try:
             opened = json.loads(call.from_root(self._open_on_root))
             self._uid, self._run = str(opened["uid"]), int(opened["run"])
@@ -115,6 +113,13 @@ class ResultSet:
         return f"<ResultSet {self.name!r} in {self._base}, run {self._run}>"
 
     # --- opening ----------------------------------------------------------------------------
+    def _arguments(self, name: str, store: Any, key: Any, flush_every: Any) -> writer.FlushEvery:
+        self.name = layout.check_name(name)
+        self._key = signing.resolve(key)
+        self._base = job.open_persistent(store)
+        self._store = self._base.scoped(layout.prefix(self.name))
+        return writer.flush_policy(flush_every)
+
     def _open_on_root(self) -> bytes:
         meta = layout.open_meta(self._store, self._key, create=True)
         assert meta is not None
