@@ -284,17 +284,17 @@ def test_a_live_writer_is_refused_a_stale_one_taken_over(tmp_path: Path) -> None
     assert again._run == first._run + 1
     again.close()
     first.close()
-    gs.ResultSet(NAME, store=store).close()  # an ended run: taken over at once
-    _fake_run(store, 3, "another-host", age=5)  # another host, beat 5 s ago: alive
+    gs.ResultSet(NAME, store=store).close()  # run 3; an ended run: taken over at once
+    _fake_run(store, 4, "another-host", age=5)  # another host, beat 5 s ago: alive
     with pytest.raises(gs.GatherError, match="job ffffffffffffffff on another-host"):
         gs.ResultSet(NAME, store=store)
-    _fake_run(store, 4, "another-host", age=4 * 30 + 5)  # silent for 4 intervals: stale
+    _fake_run(store, 5, "another-host", age=4 * 30 + 5)  # silent for 4 intervals: stale
     taken = gs.ResultSet(NAME, store=store)
-    assert taken._run == 5
+    assert taken._run == 6
     taken.close()
-    _fake_run(store, 6, socket.gethostname(), age=1)  # this host, its process gone
+    _fake_run(store, 7, socket.gethostname(), age=1)  # this host, its process gone
     taken = gs.ResultSet(NAME, store=store)
-    assert taken._run == 7
+    assert taken._run == 8
     taken.close()
 
 

@@ -25,7 +25,6 @@ from . import _rs_merge as merge
 from . import _rs_order as order
 from . import _rs_signing as signing
 from . import _rs_writer as writer
-from . import _serialize as serialize
 from ._config import Timeout, to_seconds
 from ._errors import (
     InsufficientMemoryError,
@@ -171,30 +170,13 @@ class ResultSet:
         name = layout.chunk_name(self._run, self._rank, next(self._seq))
         try:
             data, index = layout.encode_chunk(items, name, self._key, self._uid)
-        except Exception:
-            return self._write_storable(items)
+        except Exception:  # write those that pickle, name the others
+            good, error = writer.picklable(items, self._what)
+            raise writer.Unstorable(error, self._write_chunk(good) if good else 0) from None
         with deadline(self._timeout):
             self._store.put(f"{layout.CHUNKS}{name}", data.segments)
             self._store.put(f"{layout.INDEX}{name}", index.segments)
         return data.nbytes
-
-    def _write_storable(self, items: list[tuple[order.Key, Any]]) -> int:
-        """Write the values that can be pickled; raise Unstorable naming the others."""
-        good, bad = [], []
-        for item in items:
-            try:
-                serialize.encode(item[1])
-                good.append(item)
-            except Exception as exc:
-                bad.append((item[0], exc))
-        nbytes = self._write_chunk(good) if good else 0
-        keys = ", ".join(repr(k) for k, _ in bad[:5]) + (", ..." if len(bad) > 5 else "")
-        first = bad[0][1]
-        error = TypeError(
-            f"{self._what}: the values of keys {keys} cannot be pickled "
-            f"({type(first).__name__}: {first}); they were not stored"
-        )
-        raise writer.Unstorable(error, nbytes)
 
     # --- collectives ----------------------------------------------------------------------
     @job.serialized

@@ -25,9 +25,10 @@ from typing import Any
 
 from . import _config as config
 from . import _rs_order as order
+from . import _serialize as serialize
 from ._errors import GatherError, GatherTimeout
 
-__all__ = ["FlushEvery", "Unstorable", "Writer", "flush_policy"]
+__all__ = ["FlushEvery", "Unstorable", "Writer", "flush_policy", "picklable"]
 
 #: Values in the first chunk, before bytes per value are known.
 FIRST_CHUNK = 64
@@ -86,6 +87,23 @@ class Unstorable(Exception):
     def __init__(self, error: BaseException, nbytes: int) -> None:
         super().__init__(str(error))
         self.error, self.nbytes = error, nbytes
+
+
+def picklable(items: list[tuple[Any, Any]], what: str) -> tuple[list[Any], TypeError]:
+    """The (key, value) items whose values pickle, and the error naming the others."""
+    good, bad = [], []
+    for key, value in items:
+        try:
+            serialize.encode(value)
+            good.append((key, value))
+        except Exception as exc:
+            bad.append((key, exc))
+    keys = ", ".join(repr(k) for k, _ in bad[:5]) + (", ..." if len(bad) > 5 else "")
+    first = bad[0][1] if bad else None
+    return good, TypeError(
+        f"{what}: the values of keys {keys} cannot be pickled ({type(first).__name__}: "
+        f"{first}); they were not stored"
+    )
 
 
 class Writer:
