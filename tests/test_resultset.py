@@ -267,13 +267,13 @@ def _dead_pid() -> int:
     return done.pid
 
 
-def _fake_run(store: gs.Store, run: int, host: str, age: float, ended: bool = False) -> None:
+def _fake_run(store: gs.Store, run: int, host: str, age: float, name: str = NAME) -> None:
     """Runs as another job left them: its claim and last beat ``age`` seconds ago."""
     beat = {"job": "f" * 16, "host": host, "pid": _dead_pid(), "at": time.time() - age}
     beat["every"] = 30.0
-    area = store.scoped(f"gatherstore-results/{NAME}/runs/{run:06d}")
+    area = store.scoped(f"gatherstore-results/{name}/runs/{run:06d}")
     area.put("claim", json.dumps(beat).encode())
-    area.replace("heartbeat", json.dumps({**beat, "ended": ended}).encode())
+    area.replace("heartbeat", json.dumps(beat).encode())
 
 
 @pytest.mark.timeout(60)
@@ -431,3 +431,41 @@ def test_items_spills_to_stay_within_its_budget(tmp_path: Path) -> None:
     out = list(rs.items(read_ahead=budget))
     assert [k for k, _ in out] == list(range(2000))
     assert all(int(v[0]) == k for k, v in out)
+
+
+# --- the command ----------------------------------------------------------------------------------
+def test_gc_removes_result_sets_only_when_asked_and_results_shows_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gatherstore import _cli
+
+    url = f"file://{tmp_path}"
+    for name in ("eval/a", "eval/b", "eval/live"):
+        rs = gs.ResultSet(name, store=url)
+        rs.add(1, {"x": 1})
+        rs.close()  # its run ended: gc may remove it, if asked
+    _fake_run(gs.open_store(url), 2, "another-host", age=1, name="eval/live")  # written now
+    assert _cli.main(["gc", "--store", url, "--older-than", "0s"]) == 0
+    assert sorted(p.name for p in (tmp_path / "gatherstore-results" / "eval").iterdir()) == [
+        "a",
+        "b",
+        "live",
+    ]
+    assert _cli.main(["results", "--store", url]) == 0
+    listing = capsys.readouterr().out
+    assert "eval/a: 1 chunks, 1 runs, ended" in listing
+    assert "eval/live: 1 chunks, 2 runs, written by job ffffffffffffffff on another-host" in listing
+    assert _cli.main(["results", "--store", url, "--name", "eval/a"]) == 0
+    assert json.loads(capsys.readouterr().out)["values"] == 1
+    assert (
+        _cli.main(
+            ["results", "--store", url, "--name", "eval/a", "--export", f"{tmp_path}/a.jsonl"]
+        )
+        == 0
+    )
+    assert (tmp_path / "a.jsonl").read_text() == '{"key": 1, "value": {"x": 1}}\n'
+    assert _cli.main(["results", "--store", url, "--name", "eval/live", "--discard"]) == 1
+    assert "is being written by another job" in capsys.readouterr().err
+    assert _cli.main(["gc", "--store", url, "--older-than", "0s", "--result-sets"]) == 0
+    assert "removed 2 result set(s)" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "gatherstore-results" / "eval").iterdir()] == ["live"]

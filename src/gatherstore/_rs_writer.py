@@ -115,7 +115,10 @@ class Writer:
 
     def __init__(self, write: Callable[[list[Any]], int], policy: FlushEvery, what: str) -> None:
         self._write, self.policy, self.what = write, policy, what
-        self._queue: deque[Any] = deque()
+        # keys and values apart: an add allocates no tuple (which would feed the garbage
+        # collector, whose passes over a loop's live objects cost more than the add)
+        self._keys: deque[Any] = deque()
+        self._values: deque[Any] = deque()
         self._cond = threading.Condition()
         self._threshold = min(policy.values, FIRST_CHUNK)
         self._per_value = 0.0
@@ -143,9 +146,10 @@ class Writer:
             key = order.check_key(key)
         if self._error is not None or self._stop:
             self._raise_error()
-        queue = self._queue
-        queue.append((key, value))
-        if len(queue) >= self._threshold and not self._nudged:
+        self._keys.append(key)
+        values = self._values
+        values.append(value)  # last: the thread takes as many values as there are
+        if len(values) >= self._threshold and not self._nudged:
             self._nudged = True
             with self._cond:
                 self._cond.notify_all()
@@ -171,7 +175,7 @@ class Writer:
             error, self._error = self._error, None  # a failed write is retried now
             if error is not None and not self._retry:  # values dropped: tell the program
                 raise error
-            target = self._popped + len(self._queue)
+            target = self._popped + len(self._values)
             self._wanted = max(self._wanted, target)
             self._cond.notify_all()
             while self._durable < target:
@@ -204,18 +208,19 @@ class Writer:
         with self._cond:
             self._stop = True
             if drop:
-                self._queue.clear()
+                self._values.clear()
+                self._keys.clear()
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def queued(self) -> int:
         """Values added and not yet written."""
-        return len(self._queue) + self._popped - self._durable
+        return len(self._values) + self._popped - self._durable
 
     # --- the thread ----------------------------------------------------------------------------
     def _due(self, now: float, last: float) -> bool:
-        waiting = len(self._queue)
+        waiting = len(self._values)
         if not waiting:
             return False
         if self._stop or self._wanted > self._popped:
@@ -232,8 +237,9 @@ class Writer:
                     if self._stop:
                         return
                     self._cond.wait(max(last + self.policy.seconds - now, 0.01))
-                count = min(len(self._queue), self._threshold)
-                items = [self._queue.popleft() for _ in range(count)]
+                count = min(len(self._values), self._threshold)
+                keys = [self._keys.popleft() for _ in range(count)]
+                items = list(zip(keys, [self._values.popleft() for _ in range(count)], strict=True))
                 self._popped += count
                 self._nudged = False
             self._write_one(items)
@@ -250,7 +256,8 @@ class Writer:
             return
         except BaseException as exc:
             with self._cond:
-                self._queue.extendleft(reversed(items))  # first again, in their order
+                self._keys.extendleft(reversed([k for k, _ in items]))  # first again, in order
+                self._values.extendleft(reversed([v for _, v in items]))
                 self._popped -= len(items)
                 self._wanted = min(self._wanted, self._popped)
                 self._error, self._retry = exc, True
