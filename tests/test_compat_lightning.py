@@ -229,3 +229,47 @@ def test_module_imports_without_lightning() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install pytorch-lightning" in run.stdout
+
+
+class Seen(Model):
+    """Records the samples it predicted."""
+
+    def __init__(self) -> None:
+        super().__init__("dict")
+        self.seen: list[int] = []
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.seen += batch[:, 0].long().tolist()
+        return super().predict_step(batch, batch_idx, dataloader_idx)
+
+
+def resumed_predict(url: str) -> dict[str, Any]:
+    """A predict stopped after one batch per rank, then one that predicts what is left."""
+
+    def run(**options: Any) -> tuple[Any, list[int]]:
+        writer = compat.GatherPredictions(resume="predict/ckpt-1", store=url)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=W, strategy="ddp", callbacks=[writer], **QUIET, **options
+        )
+        model, data = Seen(), Rows(10)
+        sampler = writer.remaining(data) if not options else None
+        batches = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+        trainer.predict(model, dataloaders=batches, return_predictions=False)
+        return writer.predictions, model.seen
+
+    first = outcome(lambda: run(limit_predict_batches=1))
+    predictions, seen = run()
+    return {"first": first[1].__name__, "seen": seen, "predictions": predictions}
+
+
+@pytest.mark.timeout(300)
+def test_a_predict_with_resume_continues_where_the_last_stopped(tmp_path: Path) -> None:
+    results = gs.launch(
+        resumed_predict, nproc_per_node=W, backend="gloo", args=(f"file://{tmp_path}",)
+    )
+    # the first run predicted one batch of 2 per rank: its teardown names what is missing
+    assert [r["first"] for r in results] == ["ValueError"] * W
+    # the second predicted only the 4 samples left, and rank 0 has all 10
+    assert sorted(s for r in results for s in r["seen"]) == [6, 7, 8, 9]
+    assert same(single_device("dict", loader(10, 2)), results[0]["predictions"], "resumed") == []
+    assert [r["predictions"] for r in results[1:]] == [None, None]

@@ -47,6 +47,8 @@ PUBLIC = {
     "gather_iter",
     "broadcast_object",
     "collect_results",
+    # result sets
+    "ResultSet",
     # stores
     "Store",
     "open_store",

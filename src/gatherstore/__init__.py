@@ -40,6 +40,7 @@ if _TYPE_CHECKING:
     from ._objects import all_gather_object, broadcast_object, gather_iter, gather_object
     from ._rank_filters import one_rank_only, rank_zero_only
     from ._results import collect_results
+    from ._resultset import ResultSet
     from ._topology import (
         backend,
         describe,
@@ -69,6 +70,7 @@ _LAZY = {
         ["all_gather_object", "broadcast_object", "gather_iter", "gather_object"], "._objects"
     ),
     "collect_results": "._results",
+    "ResultSet": "._resultset",
     **dict.fromkeys(
         [
             "backend",
@@ -99,6 +101,7 @@ __all__ = [
     "MismatchError",
     "ProcessGroupError",
     "RemoteRankError",
+    "ResultSet",
     "Store",
     "StoreNotSharedError",
     "StoreUnavailableError",

@@ -1,4 +1,4 @@
-"""The ``gatherstore`` command: demo, bench, check, gc, describe.
+"""The ``gatherstore`` command: demo, bench, check, gc, describe, results.
 
 Every failure ends in one line on stderr that names what to fix, and a
 non-zero exit: 2 for bad arguments, 1 for a failed run.
@@ -17,8 +17,10 @@ from typing import Any
 
 from . import _bench as bench
 from . import _check as check
+from . import _cli_results as results_cli
 from . import _demo as demo
 from . import _objects as objects
+from . import _rs_admin as result_sets
 from . import _topology as topology
 from ._bench.measure import parse_size
 from ._bench.payloads import KINDS, available
@@ -126,6 +128,11 @@ def _bench(args: argparse.Namespace) -> int:
         from ._bench import soak
 
         return soak.main(args.soak, redis=args.redis)
+    if args.result_sets:
+        from ._bench import resultsets
+
+        (_, add), (_, items) = (args.result_sets * 2)[:2]
+        return resultsets.main(add, items, args.repeats)
     if args.share_local and not args.hosts:
         raise ValueError("--share-local goes with --hosts 2")
     if args.hosts:
@@ -173,15 +180,24 @@ def _gc(args: argparse.Namespace) -> int:
         raise ValueError(f"gc needs a store URL, not the route {args.store!r}")
     with open_store(args.store) as store:
         removed, failed = collect(store, args.older_than, dry_run=args.dry_run)
+        sets, sets_failed = (
+            result_sets.collect(store, args.older_than, dry_run=args.dry_run)
+            if args.result_sets
+            else ([], [])
+        )
     verb = "would remove" if args.dry_run else "removed"
     now = time.time()
     for item in removed:
         quiet = _age(now - item.seen)
         print(f"{verb} {item.where} (job {item.job}, last {item.source} {quiet} ago)")
-    for item in failed:
-        print(f"could not remove {item.where}; check its permissions", file=sys.stderr)
+    for found in sets:
+        print(f"{verb} result set {found.name!r} (last run {_age(now - found.seen)} ago)")
+    for where in [item.where for item in failed] + [f"result set {f.name!r}" for f in sets_failed]:
+        print(f"could not remove {where}; check its permissions", file=sys.stderr)
     print(f"{verb} {len(removed)} job area(s) from {store}")
-    return 1 if failed else 0
+    if args.result_sets:
+        print(f"{verb} {len(sets)} result set(s) from {store}")
+    return 1 if failed or sets_failed else 0
 
 
 def _age(seconds: float) -> str:
@@ -331,6 +347,14 @@ def _parser() -> argparse.ArgumentParser:
         "each store's first and last 100 calls (1000)",
     )
     p.add_argument(
+        "--result-sets",
+        type=_argtype(_sizes),
+        nargs="?",
+        const=_sizes("1GB,4GB"),
+        metavar="ADD,ITEMS",
+        help="instead: gs.ResultSet's add, gather, items() and export figures (1GB,4GB)",
+    )
+    p.add_argument(
         "--hosts",
         type=int,
         choices=[2],
@@ -375,7 +399,14 @@ def _parser() -> argparse.ArgumentParser:
         help="silent for at least this long (and 4 heartbeat intervals), e.g. 1h, 2d",
     )
     p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    p.add_argument(
+        "--result-sets",
+        action="store_true",
+        help="also remove result sets no job writes, silent for --older-than (never otherwise)",
+    )
     p.set_defaults(handler=_gc)
+
+    results_cli.add_parser(sub, store)
 
     p = sub.add_parser("describe", help="topology and configuration as JSON")
     p.set_defaults(handler=_describe)

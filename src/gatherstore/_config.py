@@ -11,10 +11,15 @@
 | ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
 | ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
 | ``GATHERSTORE_PINNED`` | 128MiB | pinned memory CUDA tensors reach the host through |
+| ``GATHERSTORE_FLUSH_VALUES`` | 100000 | a result set writes a chunk once this many values wait |
+| ``GATHERSTORE_FLUSH_BYTES`` | 8MiB | ... or once the values waiting make about this many bytes |
+| ``GATHERSTORE_FLUSH_SECONDS`` | 30 | ... or once a value has waited this long |
+| ``GATHERSTORE_RESULTS_KEY`` | none | the signing key of result sets (text); unsigned when unset |
+| ``GATHERSTORE_RESULTS_KEY_FILE`` | none | a file holding that key (read first) |
 
 Sizes take units (``64MB``, ``1.5GiB``: binary).  Variables read once are read
-when gatherstore is imported; the others (store, tmpdir, progress, heartbeat)
-each time they are used.
+when gatherstore is imported; the others (store, tmpdir, progress, heartbeat, the
+result sets' flushes and key) each time they are used.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ __all__ = [
     "PINNED",
     "STREAM_CHUNK",
     "Timeout",
+    "flush_every",
     "heartbeat_interval",
     "parse_size",
     "progress",
     "read_ahead",
+    "results_key",
     "store_spec",
     "tmpdir_base",
     "to_seconds",
@@ -123,6 +130,7 @@ STREAM_CHUNK = _size_setting("GATHERSTORE_STREAM_CHUNK", "16MiB")
 #: (allocated at the first gather of a CUDA tensor, released at ``gs.shutdown()``).
 PINNED = _size_setting("GATHERSTORE_PINNED", "128MiB", at_least=2)
 _HEARTBEAT = 30.0
+_FLUSH_VALUES, _FLUSH_BYTES, _FLUSH_SECONDS = 100_000, "8MiB", 30.0
 
 
 def store_spec() -> str | None:
@@ -150,6 +158,47 @@ def heartbeat_interval() -> float:
         ValueError: the variable is not a positive number.
     """
     return _seconds_setting("GATHERSTORE_HEARTBEAT", _HEARTBEAT)
+
+
+def flush_every() -> tuple[int, int, float]:
+    """A result set's default flush triggers: (values, bytes, seconds) from
+    ``GATHERSTORE_FLUSH_VALUES``, ``_BYTES`` and ``_SECONDS``.
+
+    Raises:
+        ValueError: a variable holds no positive value; the message names it.
+    """
+    text = os.environ.get("GATHERSTORE_FLUSH_VALUES") or str(_FLUSH_VALUES)
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(
+            f"GATHERSTORE_FLUSH_VALUES={text!r} is not a positive integer: set it to e.g. "
+            f"1000, or unset it for the default {_FLUSH_VALUES}"
+        )
+    return (
+        int(text),
+        _size_setting("GATHERSTORE_FLUSH_BYTES", _FLUSH_BYTES),
+        _seconds_setting("GATHERSTORE_FLUSH_SECONDS", _FLUSH_SECONDS),
+    )
+
+
+def results_key() -> bytes | None:
+    """The signing key of result sets: the bytes of the file ``GATHERSTORE_RESULTS_KEY_FILE``
+    names, else the text of ``GATHERSTORE_RESULTS_KEY`` (UTF-8), else None.
+
+    Raises:
+        ValueError: the file cannot be read (the message names the variable, not the key).
+    """
+    path = os.environ.get("GATHERSTORE_RESULTS_KEY_FILE")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"GATHERSTORE_RESULTS_KEY_FILE={path!r} cannot be read ({exc.strerror}): "
+                "point it at a file holding the key, readable by every rank"
+            ) from None
+    text = os.environ.get("GATHERSTORE_RESULTS_KEY")
+    return text.encode() if text else None
 
 
 def read_ahead(explicit: int | None, headroom: int) -> int:

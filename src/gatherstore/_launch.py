@@ -21,6 +21,7 @@ from . import _control as control
 from . import _gloo as gloo
 from . import _job as job
 from . import _published as publication
+from . import _rs_lifetime as result_sets
 from . import _session as session
 from . import _shipping as shipping
 from . import _signals as signals
@@ -342,18 +343,20 @@ def joined_from_env(timeout: Timeout) -> Iterator[bool]:
 def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     """Leave and destroy the process group (no-op without one).
 
-    Rank 0 first removes the job areas gatherstore created in its stores; with
-    ``wait`` (the default) every rank meets first, so no rank is still reading.
-    That meeting waits at most ``timeout`` seconds (default: the timeout of the
-    job's last call that used a store) for ranks that are gone; if rank 0 is
-    gone (its rendezvous store with it), this rank removes the areas itself; a
-    rank 0 that is only late removes them when it gets here.  The pinned memory that
+    Open result sets first write what they buffered and end their runs (see
+    ``gatherstore.ResultSet``).  Rank 0 then removes the job areas gatherstore
+    created in its stores; with ``wait`` (the default) every rank meets first, so no
+    rank is still reading.  That meeting waits at most ``timeout`` seconds (default:
+    the timeout of the job's last call that used a store) for ranks that are gone; if
+    rank 0 is gone (its rendezvous store with it), this rank removes the areas itself;
+    a rank 0 that is only late removes them when it gets here.  The pinned memory that
     CUDA tensors were gathered through is released.
 
     Raises:
         ValueError: ``timeout`` is not a positive number of seconds.
     """
     seconds = to_seconds(timeout) if timeout is not None else session.last_timeout()
+    result_sets.end_all()  # the job ends: what its result sets buffered is written first
     if topology.is_distributed():
         if wait and session.has_sessions():
             try:

@@ -11,12 +11,12 @@ from ._objects import check_arguments, gather_prepared
 from ._topology import is_distributed
 from .stores.base import Store
 
-__all__ = ["collect_results"]
+__all__ = ["check_results", "collect_results"]
 
 Order = Literal["interleaved", "contiguous"]
 
 
-def _check(results: Any, indices: Sequence[int] | None, order: str) -> None:
+def check_results(results: Any, indices: Sequence[int] | None, order: str) -> None:
     if order not in ("interleaved", "contiguous"):
         raise ValueError(f"order={order!r}: use 'interleaved' (DistributedSampler) or 'contiguous'")
     if not isinstance(results, Sequence) or isinstance(results, (str, bytes)):
@@ -64,6 +64,7 @@ def collect_results(
     store: str | Store | None = None,
     timeout: Timeout = None,
     progress: bool | None = None,
+    resume: str | None = None,
 ) -> list[Any] | None:
     """Gather every rank's ``results`` on ``dst`` in dataset order; None elsewhere.
 
@@ -75,13 +76,24 @@ def collect_results(
     arrive on ``dst`` (None: when stderr is a terminal and the gather is long, or
     as ``GATHERSTORE_PROGRESS=0/1`` says).
 
+    With ``resume`` (a :class:`~gatherstore.ResultSet` name, in ``store``, which
+    must outlive the job), the results are kept in that set under their dataset
+    indices as well, and ``dst`` gets every index below ``size`` from this run or
+    an earlier one: a preempted evaluation continues on any number of ranks
+    (``ResultSet(name).pending(range(size))`` says which indices are left).
+
     Raises:
         ValueError: bad arguments (on every rank), or, with ``indices``, a
-            dataset index no rank returned.
+            dataset index no rank returned (with ``resume``: no run stored).
+        and, with ``resume``, the errors of :class:`~gatherstore.ResultSet`.
     """
+    if resume is not None:
+        from ._rs_collect import collect_into
+
+        return collect_into(resume, results, size, order, indices, dst, store, timeout)
 
     def payload() -> Any:
-        _check(results, indices, order)
+        check_results(results, indices, order)
         return (list(results), [int(i) for i in indices] if indices is not None else None)
 
     check_arguments("collect_results", store, timeout, rank=("dst", dst), progress=progress)

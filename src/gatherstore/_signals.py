@@ -19,6 +19,13 @@ signal's default action right away (the launcher's grace period is not spent
 waiting for a C++ call); for SIGINT the handler raises KeyboardInterrupt when
 the main thread gets to it.  Without a free wakeup fd (e.g. asyncio holds
 it) the handler alone cleans up.
+
+Stop hooks (:func:`on_stop`: a result set flushing what it buffered) run first on
+every SIGTERM/SIGINT, whichever handler is in charge: before the clean-up and the
+default action where gatherstore's handler is installed; where the program handles
+the signal itself, from the watcher as the signal arrives (the program's handler
+runs in the main thread meanwhile), and in gatherstore's handler when the
+program's calls it as the previous one.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["install", "uninstall"]
+__all__ = ["forget_stop", "install", "on_stop", "uninstall"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _DEFAULTS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
@@ -40,6 +47,8 @@ _DEFAULTS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_h
 # cleanup, the handlers we replaced, the watcher's pipe and thread
 _state: dict[str, Any] = {}
 _lock = threading.Lock()
+_stop_hooks: list[Callable[[], None]] = []
+_hooks_lock = threading.Lock()
 
 
 def install(cleanup: Callable[[], None]) -> None:
@@ -48,7 +57,7 @@ def install(cleanup: Callable[[], None]) -> None:
     Only in the main thread, and only for signals whose handler is still the default;
     a later call with another ``cleanup`` does nothing (the first one stays).
     """
-    if _state or threading.current_thread() is not threading.main_thread():
+    if "cleanup" in _state or threading.current_thread() is not threading.main_thread():
         return
     replaced = {
         sig: signal.signal(sig, _handle)
@@ -58,6 +67,35 @@ def install(cleanup: Callable[[], None]) -> None:
     if not replaced:
         return
     _state.update(cleanup=cleanup, replaced=replaced, done=False)
+    _start_watcher()
+
+
+def on_stop(hook: Callable[[], None]) -> None:
+    """Run ``hook`` first on every SIGTERM/SIGINT this process gets (see the module's
+    docstring), until :func:`forget_stop`; from the main thread, the watcher starts
+    here if it does not run yet."""
+    if hook not in _stop_hooks:
+        _stop_hooks.append(hook)
+    _start_watcher()
+
+
+def forget_stop(hook: Callable[[], None]) -> None:
+    """Stop running ``hook`` on signals."""
+    if hook in _stop_hooks:
+        _stop_hooks.remove(hook)
+
+
+def _run_stop_hooks() -> None:
+    with _hooks_lock:
+        for hook in list(_stop_hooks):
+            with contextlib.suppress(Exception):  # best effort: the process is stopping
+                hook()
+
+
+def _start_watcher() -> None:
+    """Watch the signals through the wakeup fd (only from the main thread, once)."""
+    if "pipe" in _state or threading.current_thread() is not threading.main_thread():
+        return
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -67,7 +105,7 @@ def install(cleanup: Callable[[], None]) -> None:
         os.close(write_end)
         return
     thread = threading.Thread(
-        target=_watch, args=(read_end, set(replaced)), name="gatherstore-signals", daemon=True
+        target=_watch, args=(read_end,), name="gatherstore-signals", daemon=True
     )
     _state.update(pipe=(read_end, write_end), thread=thread)
     thread.start()
@@ -77,7 +115,7 @@ def uninstall() -> None:
     """Put back the handlers ``install`` replaced and stop the watcher."""
     if not _state or threading.current_thread() is not threading.main_thread():
         return
-    for sig, previous in _state["replaced"].items():
+    for sig, previous in _state.get("replaced", {}).items():
         if signal.getsignal(sig) is _handle:
             signal.signal(sig, previous)
     if "pipe" in _state:
@@ -95,10 +133,11 @@ def _in_forked_child() -> None:
     """A forked child (a DataLoader worker, say) is not the rank: it gets back the
     handlers and wakeup fd the program had, so that a signal to it neither removes the
     rank's areas nor reaches the rank's watcher through the shared pipe."""
+    _stop_hooks.clear()
     if not _state:
         return
     with contextlib.suppress(ValueError):  # only the main thread may set handlers
-        for sig, previous in _state["replaced"].items():
+        for sig, previous in _state.get("replaced", {}).items():
             if signal.getsignal(sig) is _handle:
                 signal.signal(sig, previous)
         if "pipe" in _state:
@@ -121,14 +160,14 @@ def _ours(signum: int) -> bool:
 
 def _run_cleanup() -> None:
     with _lock:
-        if not _state or _state["done"]:
+        if "cleanup" not in _state or _state["done"]:
             return
         _state["done"] = True
         with contextlib.suppress(Exception):  # best effort: the launcher sweeps too
             _state["cleanup"]()
 
 
-def _watch(read_end: int, signals: set[int]) -> None:
+def _watch(read_end: int) -> None:
     while True:
         try:
             data = os.read(read_end, 64)
@@ -136,8 +175,10 @@ def _watch(read_end: int, signals: set[int]) -> None:
             return
         if not data:
             return
+        if any(sig in data for sig in _SIGNALS):
+            _run_stop_hooks()
         # a handler the program installed after ours is in charge: leave the signal to it
-        mine = [sig for sig in signals if sig in data and _ours(sig)]
+        mine = [sig for sig in _state.get("replaced", ()) if sig in data and _ours(sig)]
         if mine:
             _run_cleanup()
         if signal.SIGTERM in mine:
@@ -158,6 +199,7 @@ def _die(signum: int) -> None:
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
+    _run_stop_hooks()
     if not _ours(signum):  # called by the program's own handler, which replaced ours
         return
     _run_cleanup()

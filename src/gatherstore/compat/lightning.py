@@ -7,6 +7,12 @@ pairs them with the dataset indices Lightning recorded for the batch, and
 gathers them through gatherstore (``gs.collect_results`` with those indices) on
 ``dst``: one item per dataset sample, in dataset order, the repeats dropped.
 
+With ``resume`` (a :class:`gatherstore.ResultSet` name, in a ``store`` that
+outlives the job), every batch's samples are added to that set as the batch
+ends, and ``dst`` gets every dataset index from this run or earlier ones: a
+preempted ``trainer.predict`` continues on any number of ranks, and
+:meth:`GatherPredictions.remaining` is a sampler of the indices still to predict.
+
 The class derives from ``pytorch_lightning``'s ``BasePredictionWriter``, so it is
 defined on first use: importing this module does not import Lightning.
 """
@@ -14,7 +20,7 @@ defined on first use: importing this module does not import Lightning.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,6 +104,37 @@ def _samples(
     return samples, indices
 
 
+def _per_loader(merged: list[Any] | None, sizes: list[int]) -> Any:
+    """The predictions of all dataloaders as one list per dataloader (when several)."""
+    if merged is None or len(sizes) < 2:
+        return merged
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return [merged[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+class _Remaining:
+    """A sampler of the dataset indices the writer's set lacks (known once predict starts)."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def _todo(self) -> list[int]:
+        todo: list[int] | None = self.writer._todo
+        if todo is None:
+            raise RuntimeError(
+                "GatherPredictions.remaining(): the result set opens when trainer.predict "
+                "starts: give this sampler to the predict dataloader and the writer to the "
+                "trainer's callbacks"
+            )
+        return todo
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._todo())
+
+    def __len__(self) -> int:
+        return len(self._todo())
+
+
 def _define() -> type:
     writer: Any = _import("pytorch_lightning.callbacks", "pytorch-lightning").BasePredictionWriter
 
@@ -117,19 +154,66 @@ def _define() -> type:
             ValueError / TypeError: this rank's could not (see ``split_output``).
         """
 
-        def __init__(self, dst: int = 0, store: Any = None) -> None:
-            super().__init__("epoch")
+        def __init__(self, dst: int = 0, store: Any = None, resume: str | None = None) -> None:
+            super().__init__("epoch" if resume is None else "batch")
             if type(dst) is not int or dst < 0:
                 raise ValueError(f"dst={dst!r}: use a rank number")
             self.dst = dst
             self.store = store
+            self.resume = resume
             self.predictions: list[Any] | None = None
             self._mine: Any = None
+            self._set: Any = None
+            self._size: int | None = None  # remaining(): the dataset's size
+            self._todo: list[int] | None = None
+
+        def remaining(self, dataset: Any) -> _Remaining:
+            """With ``resume``: a sampler of ``dataset``'s indices that no run stored yet, for
+            the (one) predict dataloader, so that a requeued job predicts only those.
+
+            Raises:
+                ValueError: the writer has no ``resume``.
+                TypeError: ``dataset`` has no length.
+            """
+            if self.resume is None:
+                raise ValueError("remaining() needs GatherPredictions(resume=..., store=...)")
+            self._size = len(dataset)
+            return _Remaining(self)
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             super().setup(trainer, pl_module, stage)
             if stage == "predict":
                 self.predictions, self._mine = None, None
+                if self.resume is not None:  # every rank, the process group up: a collective
+                    self._set = gs.ResultSet(self.resume, store=self.store)
+                    if self._size is not None:
+                        self._todo = self._set.pending(range(self._size))
+
+        def write_on_batch_end(
+            self,
+            trainer: Any,
+            pl_module: Any,
+            prediction: Any,
+            batch_indices: Sequence[int] | None,
+            batch: Any,
+            batch_idx: int,
+            dataloader_idx: int = 0,
+        ) -> None:
+            """With ``resume``: add the batch's samples to the set (raised at teardown)."""
+            if isinstance(self._mine, Raising):
+                return
+            try:
+                offset = sum(_dataset_sizes(trainer)[:dataloader_idx])
+                items = split_output(prediction)
+                if batch_indices is None or len(items) != len(batch_indices):
+                    raise ValueError(
+                        "Lightning recorded no dataset indices for this batch, or not one per "
+                        "sample: GatherPredictions needs a torch DataLoader over a sized dataset"
+                    )
+                for item, index in zip(items, batch_indices, strict=True):
+                    self._set.add(offset + int(index), item)
+            except Exception as exc:
+                self._mine = Raising(exc)
 
         def write_on_epoch_end(
             self,
@@ -148,6 +232,9 @@ def _define() -> type:
             """Gather every rank's samples on ``dst`` in dataset order."""
             if stage != "predict":
                 return
+            if self.resume is not None:
+                self._settle(trainer)
+                return
             mine: Any = self._mine or ([], [])
             self._mine = None
             try:
@@ -160,10 +247,18 @@ def _define() -> type:
             merged = gs.collect_results(
                 samples, sum(sizes), indices=indices, dst=self.dst, store=self.store
             )
-            if merged is not None and len(sizes) > 1:
-                bounds = list(itertools.accumulate(sizes, initial=0))
-                merged = [merged[a:b] for a, b in itertools.pairwise(bounds)]
-            self.predictions = merged
+            self.predictions = _per_loader(merged, sizes)
+
+        def _settle(self, trainer: Any) -> None:
+            """With ``resume``: every dataset index's prediction, from any run, on ``dst``."""
+            from .._rs_collect import settle
+
+            rs, self._set, self._todo = self._set, None, None
+            failed = self._mine.error if isinstance(self._mine, Raising) else None
+            self._mine = None
+            sizes = _dataset_sizes(trainer)
+            merged = settle(rs, sum(sizes), self.dst, None, failed=failed, report=True)
+            self.predictions = _per_loader(merged, sizes)
 
     GatherPredictions.__module__ = __name__
     GatherPredictions.__qualname__ = "GatherPredictions"

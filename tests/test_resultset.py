@@ -1,0 +1,471 @@
+"""gs.ResultSet in one process, against real stores (file://, Redis, S3 on SeaweedFS,
+memory://): keys, order and duplicates, flushes, signing keys, damage, one writer job at
+a time, export, and the merge in bounded memory; with the pure logic unit-tested."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _rs_jobs import NAME, redis_database, same, value
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gatherstore as gs
+from gatherstore import _rs_layout as layout
+from gatherstore import _rs_merge as merge
+from gatherstore import _rs_order as order
+from gatherstore._rs_writer import FlushEvery, flush_policy
+
+SRC = str(Path(gs.__file__).resolve().parents[1])
+KEY = b"k" * 32
+
+
+# --- the stores -----------------------------------------------------------------------------------
+@pytest.fixture
+def redis_url(gatherstore_redis_url: str) -> Iterator[str]:
+    with redis_database(gatherstore_redis_url, 8) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(gatherstore_s3: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    from gatherstore._bench.clients import fresh_bucket
+
+    options = gatherstore_s3.storage_options
+    with fresh_bucket(options, "results") as bucket:
+        yield f"s3://{bucket}", options
+
+
+@pytest.fixture(params=["file", "redis", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[gs.Store]:
+    """A fresh place in each real store."""
+    if request.param == "file":
+        yield gs.open_store(f"file://{tmp_path}/store")
+    elif request.param == "redis":
+        yield gs.open_store(request.getfixturevalue("redis_url"))
+    else:
+        url, options = request.getfixturevalue("s3_bucket")
+        opened = gs.open_store(f"{url}/{uuid.uuid4().hex[:8]}", **options)
+        yield opened
+        opened.delete("")
+
+
+def stored_keys(rs: gs.ResultSet, n: int) -> set[int]:
+    return set(range(n)) - set(rs.pending(range(n)))
+
+
+# --- pure logic -----------------------------------------------------------------------------------
+def test_keys_are_ints_then_strs() -> None:
+    assert order.check_key(np.int64(3)) == 3 and type(order.check_key(np.int64(3))) is int
+    for bad in (True, 1.5, (1,), None, b"x"):
+        with pytest.raises(TypeError, match="int or a str"):
+            order.check_key(bad)
+    assert order.unpack(order.sort_keys(["b", 3, "a", 1, 3])) == [1, 3, "a", "b"]
+    assert isinstance(order.sort_keys(range(5, 0, -1)), np.ndarray)
+    assert order.unpack(order.sort_keys(range(5, 0, -1))) == [1, 2, 3, 4, 5]
+    mask = order.stored_mask(order.sort_keys(range(6)), [np.array([1, 4]), [5, "x"]])
+    assert mask.tolist() == [False, True, False, False, True, True]
+    assert order.stored_mask(["a", "b"], [np.array([1]), ["b"]]).tolist() == [False, True]
+
+
+def test_flush_every_takes_values_bytes_and_seconds() -> None:
+    default = flush_policy()
+    assert flush_policy(10) == FlushEvery(10, default.nbytes, default.seconds)
+    assert flush_policy("2MB").nbytes == 2 << 20
+    assert flush_policy("1.5s").seconds == 1.5
+    assert flush_policy(dt.timedelta(minutes=1)).seconds == 60
+    assert flush_policy((7, "1KB", "2s")) == FlushEvery(7, 1024, 2.0)
+    for bad in (0, -1, 1.5, "soon", True, "0s"):
+        with pytest.raises(ValueError, match="flush_every"):
+            flush_policy(bad)
+
+
+def test_names_are_checked() -> None:
+    assert layout.check_name("coco-val/ckpt-1200") == "coco-val/ckpt-1200"
+    for bad in ("", "/a", "a//b", "../a", ".hidden", "a b", "x.chunks", 3):
+        with pytest.raises(ValueError, match="result set name"):
+            layout.check_name(bad)
+
+
+# --- the contract, on every real store ------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_add_pending_gather_items_in_key_order_each_key_once(store: gs.Store) -> None:
+    rs = gs.ResultSet(NAME, store=store, key=KEY, flush_every=4)
+    assert rs.pending(range(20)) == list(range(20))
+    for i in [5, 3, 9, 0]:
+        rs.add(i, value(i))
+    rs.add(3, "second")  # a key added twice: the first value counts
+    rs.add("b", "B")
+    rs.add("a", "A")
+    assert rs.pending([9, "a", 7, 7, "z", 1]) == [1, 7, "z"]
+    got = rs.gather()
+    assert got is not None and [v if isinstance(v, str) else v["id"] for v in got] == [
+        0,
+        3,
+        5,
+        9,
+        "A",
+        "B",
+    ]
+    assert all(same(v, value(v["id"])) for v in got if isinstance(v, dict))
+    assert [k for k, _ in rs.items()] == [0, 3, 5, 9, "a", "b"]
+    rs.close()
+    # a second run: its value of key 5 loses to the first run's, new keys join in order
+    again = gs.ResultSet(NAME, store=store, key=KEY)
+    again.add(5, "later")
+    again.add(7, value(7))
+    assert [k for k, _ in again.items()] == [0, 3, 5, 7, 9, "a", "b"]
+    assert same(dict(again.items())[5], value(5))
+    again.discard()
+    # (SeaweedFS's listing may show the emptied folder itself: no key under it is left)
+    assert [k for k in store.list("gatherstore-results/") if "/" in k] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_set_written_with_one_key_is_refused_with_another(store: gs.Store) -> None:
+    rs = gs.ResultSet(NAME, store=store, key=KEY)
+    rs.add(1, "one")
+    rs.close()
+    for key, why in [
+        (b"o" * 32, "written with another signing key"),
+        (None, "it is signed: open it with its key"),
+    ]:
+        with pytest.raises(gs.IntegrityError, match=why):
+            gs.ResultSet(NAME, store=store, key=key)
+    plain = gs.ResultSet("plain", store=store)
+    plain.close()
+    with pytest.raises(gs.IntegrityError, match="written without a signing key"):
+        gs.ResultSet("plain", store=store, key=KEY)
+    assert [list(gs.ResultSet(NAME, store=store, key=KEY).items())] == [[(1, "one")]]
+
+
+def test_the_key_comes_from_the_settings_and_is_never_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "correct horse battery staple 42"
+    (tmp_path / "key").write_text(secret + "\n")
+    monkeypatch.setenv("GATHERSTORE_RESULTS_KEY_FILE", str(tmp_path / "key"))
+    url = f"file://{tmp_path}/store"
+    rs = gs.ResultSet(NAME, store=url, flush_every=1)
+    rs.add(1, "x")
+    rs.flush()
+    assert secret not in repr(rs)
+    rs.close()
+    monkeypatch.delenv("GATHERSTORE_RESULTS_KEY_FILE")
+    with pytest.raises(gs.IntegrityError, match="another signing key"):
+        gs.ResultSet(NAME, store=url, key=b"y" * 16)
+    with pytest.raises(gs.IntegrityError, match="it is signed"):
+        gs.ResultSet(NAME, store=url)
+    for path in (tmp_path / "store").rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    monkeypatch.setenv("GATHERSTORE_RESULTS_KEY", "short")
+    with pytest.raises(ValueError, match="fewer than 16"):
+        gs.ResultSet(NAME, store=url)
+
+
+@pytest.mark.timeout(60)
+def test_only_stores_that_outlive_the_job(tmp_path: Path) -> None:
+    for spec in ("tmpdir", f"tmpdir://{tmp_path}", "auto", "collective", "stream"):
+        with pytest.raises(ValueError, match=r"file:///<shared dir>, redis://.*s3://"):
+            gs.ResultSet(NAME, store=spec)
+    rs = gs.ResultSet(NAME, store="memory://results-test")  # one process: allowed
+    rs.add(1, 2)
+    assert rs.gather() == [2]
+    rs.discard()
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_chunk_is_named(tmp_path: Path) -> None:
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}", flush_every=3)
+    for i in range(6):
+        rs.add(i, value(i))
+    rs.flush()
+    chunks = sorted((tmp_path / "gatherstore-results" / NAME / "chunks").iterdir())
+    data = bytearray(chunks[1].read_bytes())
+    data[-5] ^= 0xFF
+    chunks[1].write_bytes(bytes(data))
+    with pytest.raises(gs.IntegrityError, match=f"chunk '{chunks[1].name}'"):
+        rs.gather()
+    chunks[1].unlink()  # a chunk whose index remains: gone, named
+    with pytest.raises(gs.GatherError, match=f"chunk '{chunks[1].name}'.*is gone"):
+        list(rs.items())
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_without_its_index_is_not_part_of_the_set(tmp_path: Path) -> None:
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}", flush_every=2)
+    for i in range(4):
+        rs.add(i, i)
+    rs.flush()
+    index = sorted((tmp_path / "gatherstore-results" / NAME / "index").iterdir())
+    index[0].unlink()  # as if the rank died between the chunk and its index
+    assert rs.gather() == [2, 3]
+    assert rs.pending(range(4)) == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_write_is_raised_once_and_retried_by_flush(tmp_path: Path) -> None:
+    base = tmp_path / "store"
+    rs = gs.ResultSet(NAME, store=f"file://{base}", flush_every=(2, "600s"))
+    chunks = base / "gatherstore-results" / NAME / "chunks"
+    rs.add(0, 0)
+    rs.add(1, 1)
+    rs.flush()
+    os.rename(chunks, tmp_path / "aside")
+    chunks.write_text("a file where the folder was")  # every write there fails
+    rs.add(2, 2)
+    rs.add(3, 3)
+    deadline = time.monotonic() + 30
+    with pytest.raises(gs.StoreUnavailableError):
+        while time.monotonic() < deadline:
+            rs.add(4, 4)  # raises once the write in the background failed
+            time.sleep(0.05)
+    chunks.unlink()
+    os.rename(tmp_path / "aside", chunks)
+    rs.flush()  # the values that failed are written now
+    assert [k for k, _ in rs.items()] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.timeout(60)
+def test_values_that_cannot_be_pickled_are_named_and_the_others_kept(tmp_path: Path) -> None:
+    import threading
+
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}", flush_every=10)
+    rs.add(1, "fine")
+    rs.add(2, threading.Lock())
+    rs.add(3, "fine too")
+    with pytest.raises(TypeError, match="keys 2 cannot be pickled"):
+        rs.flush()
+    assert rs.gather() == ["fine", "fine too"]
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_set_refuses_adds(tmp_path: Path) -> None:
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}")
+    rs.close()
+    with pytest.raises(gs.GatherError, match="closed"):
+        rs.add(1, 1)
+
+
+# --- one writer job at a time ---------------------------------------------------------------------
+def _dead_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+def _fake_run(store: gs.Store, run: int, host: str, age: float, name: str = NAME) -> None:
+    """Runs as another job left them: its claim and last beat ``age`` seconds ago."""
+    beat = {"job": "f" * 16, "host": host, "pid": _dead_pid(), "at": time.time() - age}
+    beat["every"] = 30.0
+    area = store.scoped(f"gatherstore-results/{name}/runs/{run:06d}")
+    area.put("claim", json.dumps(beat).encode())
+    area.replace("heartbeat", json.dumps(beat).encode())
+
+
+@pytest.mark.timeout(60)
+def test_a_live_writer_is_refused_a_stale_one_taken_over(tmp_path: Path) -> None:
+    store = gs.open_store(f"file://{tmp_path}")
+    first = gs.ResultSet(NAME, store=store)
+    again = gs.ResultSet(NAME, store=store)  # the job that writes it may open it again
+    assert again._run == first._run + 1
+    again.close()
+    first.close()
+    gs.ResultSet(NAME, store=store).close()  # run 3; an ended run: taken over at once
+    _fake_run(store, 4, "another-host", age=5)  # another host, beat 5 s ago: alive
+    with pytest.raises(gs.GatherError, match="job ffffffffffffffff on another-host"):
+        gs.ResultSet(NAME, store=store)
+    _fake_run(store, 5, "another-host", age=4 * 30 + 5)  # silent for 4 intervals: stale
+    taken = gs.ResultSet(NAME, store=store)
+    assert taken._run == 6
+    taken.close()
+    _fake_run(store, 7, socket.gethostname(), age=1)  # this host, its process gone
+    taken = gs.ResultSet(NAME, store=store)
+    assert taken._run == 8
+    taken.close()
+
+
+HOLD = """
+import sys, time, gatherstore as gs
+rs = gs.ResultSet(sys.argv[2], store=sys.argv[1])
+rs.add(1, "held")
+rs.flush()
+print(rs._held.job, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_live_job_is_refused_and_a_killed_one_taken_over(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    env = {**os.environ, "PYTHONPATH": SRC}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, url, NAME], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        job = holder.stdout.readline().strip()
+        with pytest.raises(gs.GatherError, match=f"job {job} .*pid {holder.pid}"):
+            gs.ResultSet(NAME, store=url)
+    finally:
+        holder.kill()
+        holder.wait()
+    rs = gs.ResultSet(NAME, store=url)  # its process is gone: taken over
+    assert rs.gather() == ["held"]
+
+
+# --- export ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_export_parquet_arrow_jsonl(tmp_path: Path) -> None:
+    import pyarrow.ipc
+    import pyarrow.parquet
+
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}/store", flush_every=3)
+    for i in reversed(range(10)):
+        rs.add(i, value(i))
+    for name in ("out.parquet", "out.arrow", "out.jsonl"):
+        assert rs.export(tmp_path / name) == 10
+    table = pyarrow.parquet.read_table(tmp_path / "out.parquet")
+    assert table.column_names == ["key", "id", "boxes", "score", "name"]
+    assert table.column("key").to_pylist() == list(range(10))
+    assert table.slice(3, 1).to_pylist()[0]["boxes"] == value(3)["boxes"].tolist()
+    with pyarrow.ipc.open_file(tmp_path / "out.arrow") as arrow:
+        assert arrow.read_all().equals(table)
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert json.loads(lines[2]) == {
+        "key": 2,
+        "value": {**value(2), "boxes": value(2)["boxes"].tolist()},
+    }
+    with pytest.raises(ValueError, match=r"unknown format '.csv'"):
+        rs.export(tmp_path / "out.csv")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "out.arrow",
+        "out.jsonl",
+        "out.parquet",
+        "store",
+    ]
+
+
+def test_arrow_export_without_pyarrow_names_the_pip_line(tmp_path: Path) -> None:
+    code = f"""
+import sys
+sys.modules["pyarrow"] = None
+import gatherstore as gs
+rs = gs.ResultSet("x", store="file://{tmp_path}")
+rs.add(1, 1)
+try:
+    rs.export("{tmp_path}/x.parquet")
+except ImportError as exc:
+    print(exc)
+rs.export("{tmp_path}/x.jsonl")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "pip install 'gatherstore[arrow]'" in done.stdout
+    assert (tmp_path / "x.jsonl").read_text() == '{"key": 1, "value": 1}\n'
+
+
+# --- the merge ------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    chunks=st.lists(
+        st.lists(st.one_of(st.integers(-5, 40), st.sampled_from("abc")), min_size=1, max_size=12),
+        min_size=1,
+        max_size=8,
+    ),
+    budget=st.sampled_from([1, 300, 1 << 30]),
+)
+def test_the_merge_keeps_key_order_and_the_first_chunks_value(
+    chunks: list[list[Any]], budget: int
+) -> None:
+    store = gs.open_store(f"memory://merge-{uuid.uuid4().hex}")
+    infos = []
+    for seq, keys in enumerate(chunks):
+        name = layout.chunk_name(1, seq % 3, seq)
+        items = [(k, (seq, pos)) for pos, k in enumerate(keys)]
+        data, index = layout.encode_chunk(items, name, None, "uid")
+        store.put(f"chunks/{name}", data.segments)
+        info, _ = layout.decode_index(b"".join(index.segments), name, None, "uid", name)
+        infos.append(info)
+    from gatherstore._rs_read import SetReader
+
+    got = list(merge.merged(infos, SetReader(store, None, "uid", "test"), budget))
+    first: dict[Any, Any] = {}
+    by_name = sorted(range(len(chunks)), key=lambda s: layout.chunk_name(1, s % 3, s))
+    for seq in by_name:
+        for pos, k in enumerate(chunks[seq]):
+            first.setdefault(k, (seq, pos))
+    assert got == sorted(first.items(), key=lambda kv: order.order_key(kv[0]))
+
+
+@pytest.mark.timeout(120)
+def test_items_spills_to_stay_within_its_budget(tmp_path: Path) -> None:
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}", flush_every=50)
+    rng = np.random.default_rng(0)
+    keys = rng.permutation(2000)  # every chunk spans the whole key range
+    for k in keys.tolist():
+        rs.add(k, np.full(256, k, np.int64))
+    rs.flush()
+    infos = rs._reader().infos(rs._reader().names()[0])
+    assert len(infos) == 40 and merge.IN_FLIGHT < 40
+    budget = 2 * max(i.nbytes + i.rebuilt for i in infos)  # two chunks of the forty
+    out = list(rs.items(read_ahead=budget))
+    assert [k for k, _ in out] == list(range(2000))
+    assert all(int(v[0]) == k for k, v in out)
+
+
+# --- the command ----------------------------------------------------------------------------------
+def test_gc_removes_result_sets_only_when_asked_and_results_shows_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gatherstore import _cli
+
+    url = f"file://{tmp_path}"
+    for name in ("eval/a", "eval/b", "eval/live"):
+        rs = gs.ResultSet(name, store=url)
+        rs.add(1, {"x": 1})
+        rs.close()  # its run ended: gc may remove it, if asked
+    _fake_run(gs.open_store(url), 2, "another-host", age=1, name="eval/live")  # written now
+    assert _cli.main(["gc", "--store", url, "--older-than", "0s"]) == 0
+    assert sorted(p.name for p in (tmp_path / "gatherstore-results" / "eval").iterdir()) == [
+        "a",
+        "b",
+        "live",
+    ]
+    assert _cli.main(["results", "--store", url]) == 0
+    listing = capsys.readouterr().out
+    assert "eval/a: 1 chunks, 1 runs, ended" in listing
+    assert "eval/live: 1 chunks, 2 runs, written by job ffffffffffffffff on another-host" in listing
+    assert _cli.main(["results", "--store", url, "--name", "eval/a"]) == 0
+    assert json.loads(capsys.readouterr().out)["values"] == 1
+    assert (
+        _cli.main(
+            ["results", "--store", url, "--name", "eval/a", "--export", f"{tmp_path}/a.jsonl"]
+        )
+        == 0
+    )
+    assert (tmp_path / "a.jsonl").read_text() == '{"key": 1, "value": {"x": 1}}\n'
+    assert _cli.main(["results", "--store", url, "--name", "eval/live", "--discard"]) == 1
+    assert "is being written by another job" in capsys.readouterr().err
+    assert _cli.main(["gc", "--store", url, "--older-than", "0s", "--result-sets"]) == 0
+    assert "removed 2 result set(s)" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "gatherstore-results" / "eval").iterdir()] == ["live"]
