@@ -357,11 +357,15 @@ def _routes_taken() -> dict[str, Any]:
     logger.addHandler(Keep())
     logger.setLevel(logging.DEBUG)
     rank = gs.get_rank()
-    tiny = {"rank": rank}
+    tiny = {"rank": rank, "small": np.full(4, rank)}
     mixed = np.full(60_000 if rank == 1 else 10, rank, dtype=np.int64)  # 480 kB on rank 1
+    everyone = gs.all_gather_object(tiny)
+    for got in everyone:
+        got["small"] += 1  # arrays that rode on the exchange are writable, as elsewhere
+    gathered = gs.gather_object(tiny, dst=2)
     out = {
-        "all": gs.all_gather_object(tiny),
-        "gather": gs.gather_object(tiny, dst=2),
+        "all": [{"rank": g["rank"], "small": int(g["small"].sum())} for g in everyone],
+        "gather": gathered and [g["rank"] for g in gathered],
         "mixed": [int(a.sum()) for a in gs.all_gather_object(mixed)],
         "mixed gather": gs.gather_object(mixed, dst=0),  # rank 1 sends its larger part
     }
@@ -375,8 +379,9 @@ def test_tiny_auto_gathers_ride_on_the_status_exchange() -> None:
     results = gs.launch(_routes_taken, nproc_per_node=3, backend="gloo")
     sums = [10 * 0, 60_000 * 1, 10 * 2]
     for rank, out in enumerate(results):
-        assert out["all"] == [{"rank": r} for r in range(3)]
-        assert out["gather"] == ([{"rank": r} for r in range(3)] if rank == 2 else None)
+        # rank's own entry is its object, which the loop above changed too
+        assert out["all"] == [{"rank": r, "small": 4 * (r + 1)} for r in range(3)]
+        assert out["gather"] == ([0, 1, 2] if rank == 2 else None)
         assert out["mixed"] == sums
         assert out["mixed gather"] == (sums if rank == 0 else None)
         assert out["routes"][:2] == ["auto (inline)", "auto (inline)"], out["routes"]

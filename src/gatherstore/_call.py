@@ -224,5 +224,6 @@ def _status_of(raw: bytes) -> Any:
 
 
 def _part_of(raw: bytes) -> memoryview:
-    """The part a rank's status carries (empty when none)."""
-    return memoryview(raw)[raw.index(b"\n") + 1 :] if b"\n" in raw else memoryview(b"")
+    """The part a rank's status carries (empty when none), in writable memory of its own:
+    arrays decoded from it are writable, as those of every other route are."""
+    return memoryview(bytearray(raw.partition(b"\n")[2]))
