@@ -32,6 +32,7 @@ GROUPS = [
     ("Launching a job", ["launch", "init_from_env", "shutdown"]),
     ("Ranks and topology", ["get_rank", "get_world_size", "is_main_process"]),
     ("Gathering objects", ["collect_results", "gather_object", "all_gather_object"]),
+    ("Result sets", ["ResultSet"]),
     ("Tensors and numbers", ["all_reduce"]),
     ("Synchronising and rank filters", ["barrier"]),
     ("Stores", ["open_store", "set_default_store", "register_store"]),

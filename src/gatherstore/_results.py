@@ -76,7 +76,7 @@ def collect_results(
     arrive on ``dst`` (None: when stderr is a terminal and the gather is long, or
     as ``GATHERSTORE_PROGRESS=0/1`` says).
 
-    With ``resume`` (a :class:`~gatherstore.ResultSet` name, in ``store``, which
+    With ``resume`` (a [`ResultSet`][gatherstore.ResultSet] name, in ``store``, which
     must outlive the job), the results are kept in that set under their dataset
     indices as well, and ``dst`` gets every index below ``size`` from this run or
     an earlier one: a preempted evaluation continues on any number of ranks
@@ -85,7 +85,7 @@ def collect_results(
     Raises:
         ValueError: bad arguments (on every rank), or, with ``indices``, a
             dataset index no rank returned (with ``resume``: no run stored).
-        and, with ``resume``, the errors of :class:`~gatherstore.ResultSet`.
+        GatherError: with ``resume``, the errors of [`ResultSet`][gatherstore.ResultSet].
     """
     if resume is not None:
         from ._rs_collect import collect_into

@@ -54,15 +54,15 @@ class ResultSet:
     in it.  Keys are ints or strs (a sample's index or id): ints first, in numeric
     order, then strs.
 
-    Values are buffered by :meth:`add` and written in the background as create-only
-    chunks, each sealed with ``key`` (a signature) or, without a key, a CRC-32:
-    ``flush_every`` values (an int), bytes (``"8MB"``) or seconds (``"30s"``, a
-    ``timedelta``), or a tuple of them (default: the ``GATHERSTORE_FLUSH_*`` settings);
-    by :meth:`flush`; at exit; and on SIGTERM/SIGINT before the program's handler or the
-    default action ends the process.  A rank killed with SIGKILL loses what it added
-    since its last flush.  ``key`` (bytes or str, at least 16 bytes; default:
-    ``GATHERSTORE_RESULTS_KEY_FILE``, else ``GATHERSTORE_RESULTS_KEY``) must be the same
-    for every job that opens the set.  ``timeout`` bounds each collective (default:
+    Values are buffered by [`add`][gatherstore.ResultSet.add] and written in the
+    background as create-only chunks, each sealed with ``key`` (a signature) or, without a
+    key, a CRC-32: ``flush_every`` values (an int), bytes (``"8MB"``) or seconds (``"30s"``,
+    a ``timedelta``), or a tuple of them (default: the ``GATHERSTORE_FLUSH_*`` settings); by
+    [`flush`][gatherstore.ResultSet.flush]; at exit; and on SIGTERM/SIGINT before the
+    program's handler or the default action ends the process.  A rank killed with SIGKILL
+    loses what it added since its last flush.  ``key`` (bytes or str, at least 16 bytes;
+    default: ``GATHERSTORE_RESULTS_KEY_FILE``, else ``GATHERSTORE_RESULTS_KEY``) must be the
+    same for every job that opens the set.  ``timeout`` bounds each collective (default:
     ``GATHERSTORE_TIMEOUT``).
 
     Raises:
@@ -190,7 +190,7 @@ class ResultSet:
             TypeError: a key is not an int or a str (on every rank).
             MismatchError: ranks passed different keys.
             GatherError / GatherTimeout: a write failed, or did not end in time (see
-                :meth:`flush`).
+                [`flush`][gatherstore.ResultSet.flush]).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         call = job.Collective(f"{self._what}.pending", self._seconds(timeout))
@@ -228,16 +228,17 @@ class ResultSet:
         Raises:
             ValueError: ``dst`` is not a rank of the job.
             InsufficientMemoryError: the values would not fit in ``dst``'s memory (raised on
-                every rank before any is read; use :meth:`items` or :meth:`export`).
+                every rank before any is read; use [`items`][gatherstore.ResultSet.items]
+                or [`export`][gatherstore.ResultSet.export]).
             IntegrityError: a chunk is damaged or sealed with another key (on ``dst``).
             GatherError / GatherTimeout: a write failed, or did not end in time (see
-                :meth:`flush`).
+                [`flush`][gatherstore.ResultSet.flush]).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         return self._gather(dst, timeout)
 
     def _gather(self, dst: int, timeout: Timeout, *, keys: bool = False) -> list[Any] | None:
-        """:meth:`gather`; with ``keys``, (key, value) pairs."""
+        """[`gather`][gatherstore.ResultSet.gather]; with ``keys``, (key, value) pairs."""
         world = job.world_size()
         if not isinstance(dst, int) or not 0 <= dst < world:
             raise ValueError(f"dst={dst!r} is not a rank of this job (world size {world})")
@@ -296,7 +297,7 @@ class ResultSet:
 
         Raises:
             GatherError / GatherTimeout: a write failed, or did not end in time (see
-                :meth:`flush`).
+                [`flush`][gatherstore.ResultSet.flush]).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         if self._closed:
@@ -329,7 +330,7 @@ class ResultSet:
         Raises:
             IntegrityError: a chunk is damaged or sealed with another key (names it).
             GatherError: a chunk is gone (deleted, or expired), or a value cannot be
-                rebuilt here; and the errors of :meth:`flush`.
+                rebuilt here; and the errors of [`flush`][gatherstore.ResultSet.flush].
             ValueError: a negative ``read_ahead``.
         """
         config.read_ahead(read_ahead, 0)  # a bad value fails here
@@ -346,17 +347,18 @@ class ResultSet:
         read_ahead: int | None = None,
     ) -> int:
         """Write every stored value with its key, in key order, to ``path``: Parquet
-        (``.parquet``), Arrow IPC (``.arrow``; both need the ``arrow`` extra) or JSON lines
-        (``.jsonl``); streamed, in the memory of :meth:`items`.  A value that is a dict is a
-        column per field, another value one ``value`` column; arrays are lists.  Parquet and
-        Arrow are uncompressed unless ``compression`` says (``"zstd"``, ``"lz4"``, ...).
-        The file appears whole (written beside it, then renamed).  Returns the number of
+        (``.parquet``), Arrow IPC (``.arrow``; both need the ``arrow`` extra) or JSON
+        lines (``.jsonl``); streamed, in the memory of
+        [`items`][gatherstore.ResultSet.items].  A value that is a dict is a column per
+        field, another value one ``value`` column; arrays are lists.  Parquet and Arrow
+        are uncompressed unless ``compression`` says (``"zstd"``, ``"lz4"``, ...).  The
+        file appears whole (written beside it, then renamed).  Returns the number of
         values written.
 
         Raises:
             ValueError: an unknown extension, or values that do not fit the format.
             ImportError: Parquet or Arrow without pyarrow (with the pip line).
-            and the errors of :meth:`items`.
+            GatherError: the errors of [`items`][gatherstore.ResultSet.items].
         """
         from . import _rs_export as export
 

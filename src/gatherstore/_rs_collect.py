@@ -80,7 +80,7 @@ def collect_into(
     """``collect_results(results, size, ..., resume=name)``: see the module's docstring.
 
     Raises:
-        ValueError: bad arguments (on every rank), or missing indices (see :func:`finish`).
+        ValueError: bad arguments (on every rank), or missing indices (see ``finish``).
         and the errors of ``ResultSet``.
     """
     from ._results import check_results
@@ -123,11 +123,11 @@ def settle(
     failed: BaseException | None = None,
     report: bool = False,
 ) -> list[Any] | None:
-    """:func:`finish`, then close the set; with ``report``, first raise ``failed`` (this
+    """``finish``, then close the set; with ``report``, first raise ``failed`` (this
     rank's error, if any) on every rank.
 
     Raises:
-        and the errors of :func:`finish` (and ``failed``, or RemoteRankError naming it).
+        and the errors of ``finish`` (and ``failed``, or RemoteRankError naming it).
     """
     with ended_on_error(rs):
         if report:

@@ -128,7 +128,7 @@ class Collective:
         """``work()`` run on ``root``, its bytes on every rank (its failure raised on all).
 
         Raises:
-            RemoteRankError / GatherTimeout / MismatchError: as :meth:`agree`.
+            RemoteRankError / GatherTimeout / MismatchError: as ``agree``.
         """
         mine = self.agree(work, root=root)
         return control.exchange(mine or b"", timeout=self.left(), what=self.what)[root]

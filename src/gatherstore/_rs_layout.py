@@ -133,7 +133,7 @@ def open_meta(store: Store, key: bytes | None, *, create: bool) -> Meta | None:
     is new (None: it does not exist and ``create`` is False).
 
     Raises:
-        IntegrityError: see :func:`_meta_of`.
+        IntegrityError: see ``_meta_of``.
         StoreUnavailableError: the store failed.
     """
     where = f"{store}"

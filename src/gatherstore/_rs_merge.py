@@ -233,7 +233,7 @@ def _merge_ints(spans: list[tuple[_Cursor, int, int]]) -> Merged:
 
 
 def _merge_any(spans: list[tuple[_Cursor, int, int]]) -> Merged:
-    """:func:`_merge_ints` for keys of any kind."""
+    """``_merge_ints`` for keys of any kind."""
     found = sorted(
         (order.order_key(k), c.prio, p, k, j)
         for j, (c, start, end) in enumerate(spans)
@@ -260,7 +260,7 @@ def merged(infos: list[ChunkInfo], reader: SetReader, budget: int) -> Iterator[t
 
 def budget(read_ahead: int | None, infos: list[ChunkInfo]) -> int:
     """The read-ahead budget of a merge: ``read_ahead``, else what overlapping chunks need
-    (see :func:`overlap`), at least the default, at most a quarter of the free memory."""
+    (see ``overlap``), at least the default, at most a quarter of the free memory."""
     if read_ahead is not None:
         return max(read_ahead, 1)
     room = memory.headroom()

@@ -24,7 +24,7 @@ def resolve(key: bytes | str | None) -> bytes | None:
     """The key in force: ``key`` (a str is UTF-8), else the settings, else None.
 
     Raises:
-        ValueError: a key shorter than :data:`MIN_KEY` bytes, a key of another type, or
+        ValueError: a key shorter than ``MIN_KEY`` bytes, a key of another type, or
             an unreadable key file; the message never shows the key.
     """
     if key is None:

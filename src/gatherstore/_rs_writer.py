@@ -5,7 +5,7 @@ check of the key and an append.  A daemon thread takes the values in the
 order they came and hands them to ``write`` (which encodes, seals and puts one
 chunk) once ``values`` wait, once they make about ``nbytes`` (how many values
 that is, is learned from the chunks written so far), once the oldest has
-waited ``seconds``, or when :meth:`Writer.flush` asks.  A failed write puts
+waited ``seconds``, or when ``flush`` asks.  A failed write puts
 its values back at the front: the next ``add`` raises the store's error once,
 and a later flush writes them.
 """
@@ -197,7 +197,7 @@ class Writer:
                 raise error
 
     def drain(self, timeout: float) -> None:
-        """:meth:`flush`, errors logged instead of raised: for a stopping process."""
+        """``flush``, errors logged instead of raised: for a stopping process."""
         try:
             self.flush(timeout)
         except Exception as exc:

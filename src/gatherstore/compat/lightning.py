@@ -7,11 +7,11 @@ pairs them with the dataset indices Lightning recorded for the batch, and
 gathers them through gatherstore (``gs.collect_results`` with those indices) on
 ``dst``: one item per dataset sample, in dataset order, the repeats dropped.
 
-With ``resume`` (a :class:`gatherstore.ResultSet` name, in a ``store`` that
+With ``resume`` (a [`ResultSet`][gatherstore.ResultSet] name, in a ``store`` that
 outlives the job), every batch's samples are added to that set as the batch
 ends, and ``dst`` gets every dataset index from this run or earlier ones: a
 preempted ``trainer.predict`` continues on any number of ranks, and
-:meth:`GatherPredictions.remaining` is a sampler of the indices still to predict.
+``GatherPredictions.remaining`` is a sampler of the indices still to predict.
 
 The class derives from ``pytorch_lightning``'s ``BasePredictionWriter``, so it is
 defined on first use: importing this module does not import Lightning.
