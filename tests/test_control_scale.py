@@ -11,7 +11,7 @@ import pytest
 
 import gatherstore as gs
 from gatherstore._bench import scale
-from gatherstore._exchange import Outcome, _pack, _unpack, exchange_on
+from gatherstore._exchange import Outcome, _pack, _unpack, exchange_on, wait_for_readers
 from gatherstore.testing.services import free_ports
 
 
@@ -207,3 +207,26 @@ def test_exchange_in_a_gloo_group_hosted_by_rank_0(tmp_path: Path) -> None:
         assert out["mismatch"] == "MismatchError"
         assert out["after"] == [b"0", b"1", b"2"]
         assert out["left"] == []
+
+
+def test_a_rank_0_that_hosts_the_store_does_not_wait_for_a_reader_that_died() -> None:
+    """Rank 2 counts itself in and dies before it reads: rank 0 (the store's host) and
+    rank 1 get the values at once, rank 0 with the key that says when all have read;
+    only rank 0's exit waits for it, and no longer than its timeout."""
+    world = 3
+
+    def body(store: Any, rank: int) -> Any:
+        if rank == 2:  # arrives, never reads
+            store.set("x/2", b"r2")
+            store.add("x/arrived", 1)
+            return None
+        time.sleep(0.2)  # after rank 2
+        return exchange_on(store, "x/", rank, world, b"r%d" % rank, timeout=600, rank0_hosts=True)
+
+    results, server = scale.simulate(world, body, timeout=60)
+    values = [b"r0", b"r1", b"r2"]
+    assert results[:2] == [Outcome(values=values, unread="x/done"), Outcome(values=values)]
+    wait_for_readers(server, "x/done", 0.2)  # never set: gives up after its timeout
+    server.set("x/done", b"")  # the last reader's mark: taken, and removed
+    wait_for_readers(server, "x/done", 600)
+    assert not server.check(["x/done"])

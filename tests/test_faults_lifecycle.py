@@ -143,6 +143,9 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
     if scenario == "stream-killed-sender":
         killed_sender_rank(out, rank)
         return
+    if scenario == "slow-reader":
+        slow_reader_rank(out, rank)
+        return
     if scenario == "own-handler" and rank == 1:
 
         def mine(signum: int, frame: Any) -> None:
@@ -205,6 +208,34 @@ def late_handler_rank(out: str, redis_url: str, rank: int) -> None:
             break
     gs.shutdown()
     Path(out, f"{rank}.json").write_text(json.dumps({"calls": calls, "at_init": at_init}))
+
+
+class _SlowReads:
+    """A rank's rendezvous store whose reads answer ``delay`` s late."""
+
+    def __init__(self, store: Any, delay: float) -> None:
+        self.store, self.delay = store, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def get(self, key: str) -> bytes:
+        time.sleep(self.delay)
+        return bytes(self.store.get(key))
+
+
+def slow_reader_rank(out: str, rank: int) -> None:
+    """One gather, then every rank leaves at once, without ``shutdown``; rank 2 reads
+    the gather's outcome from rank 0's store 3 s late, long after rank 0 is done."""
+    from gatherstore import _control as control
+
+    gs.init_from_env(backend="gloo")
+    if rank == 2:
+        state = control._current()
+        state.control_store = _SlowReads(state.control_store, 3.0)
+    Path(out, f"ready-{rank}").write_text(str(os.getpid()))
+    got = gs.all_gather_object(rank, timeout=30)
+    Path(out, f"{rank}.json").write_text(json.dumps(got))
 
 
 def killed_sender_rank(out: str, rank: int) -> None:
@@ -300,6 +331,17 @@ def test_collective_route_names_a_killed_or_frozen_rank_in_time(
             assert outcome["shutdown_seconds"] < 5 + MARGIN
             assert "Traceback" not in outcome["message"]
     assert leftovers(shm, redis_url) == []
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_leaves_only_once_every_rank_read_the_last_exchange(
+    shm: Path, redis_url: str
+) -> None:
+    """Rank 0 hosts the rendezvous store; no exchange waits for readers, its exit does."""
+    with running_job(3, "slow-reader", shm, redis_url) as procs:
+        for proc in procs:
+            assert proc.wait(timeout=60) == 0, stderr_of(shm, procs.index(proc))
+        assert outcomes(shm, [0, 1, 2]) == {r: [0, 1, 2] for r in range(3)}
 
 
 @pytest.mark.timeout(180)

@@ -22,6 +22,7 @@ against a frozen store host.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as _dt
 import functools
 import os
@@ -29,13 +30,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
 from . import _job as job
 from ._errors import GatherTimeout, MismatchError, RemoteRankError, seconds
-from ._exchange import HOST_GRACE, Outcome, Summarize, exchange_on, late_error, summary_of
+from ._exchange import (
+    HOST_GRACE,
+    Outcome,
+    Summarize,
+    exchange_on,
+    late_error,
+    summary_of,
+    wait_for_readers,
+)
 from ._job import GroupState
 
 __all__ = [
@@ -45,6 +54,7 @@ __all__ = [
     "hosts",
     "is_initialized",
     "launcher_hosts_store",
+    "outlive_readers",
     "serialized",
     "step",
     "store",
@@ -59,6 +69,18 @@ _calls = threading.RLock()
 _waiting: set[threading.Event] = set()
 #: Seconds the exit waits for store waits that an interrupted call left behind.
 EXIT_WAIT = 5.0
+
+
+class _Unread(NamedTuple):
+    """An exchange that ranks may still be reading from the store rank 0 hosts."""
+
+    store: Any
+    key: str  # set once every rank has read (see gatherstore._exchange.wait_for_readers)
+    ends: float  # monotonic time after which rank 0 waits no longer
+
+
+#: On a rank 0 that hosts the store: the job's last exchange, until every rank read it.
+_unread: _Unread | None = None
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -226,10 +248,36 @@ def exchange_summary(
             f"the job's rendezvous store (hosted by rank 0 or its launcher) is unreachable: {exc}",
             context=what,
         ) from exc
+    if rank == 0 and hosts:
+        _track_readers(state.control_store, outcome, timeout)
     if outcome.late is not None:
         raise late_error(what, outcome.late, timeout)
     values = None if outcome.values is None else _unlabel(outcome.values, what)
     return values, outcome.summary
+
+
+def _track_readers(store: Any, outcome: Outcome, timeout: float) -> None:
+    """Remember the exchange that rank 0 must outlive: this one, if ranks may still be
+    reading it.  Every rank that reached this exchange read the previous one, so the
+    previous one's key goes."""
+    global _unread
+    previous, _unread = _unread, None
+    if outcome.unread is not None:
+        _unread = _Unread(store, outcome.unread, time.monotonic() + timeout)
+    if previous is not None:
+        with contextlib.suppress(RuntimeError):
+            previous.store.delete_key(previous.key)
+
+
+@atexit.register
+def outlive_readers() -> None:
+    """Return once every rank has read the job's last exchange (within that exchange's
+    timeout): a rank 0 that hosts the rendezvous store calls it before it destroys the
+    store (``shutdown``) or leaves (at exit), so that no rank loses the store mid-read."""
+    global _unread
+    unread, _unread = _unread, None
+    if unread is not None:
+        wait_for_readers(unread.store, unread.key, unread.ends - time.monotonic())
 
 
 def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: bool) -> Any:

@@ -17,12 +17,20 @@ import datetime as _dt
 import json
 import struct
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import GatherTimeout, seconds
 
-__all__ = ["HOST_GRACE", "Outcome", "Summarize", "exchange_on", "late_error", "summary_of"]
+__all__ = [
+    "HOST_GRACE",
+    "Outcome",
+    "Summarize",
+    "exchange_on",
+    "late_error",
+    "wait_for_readers",
+    "summary_of",
+]
 
 # the verdict key's value: every rank's value, a summary of them, or the ranks that were late
 _VALUES, _SUMMARY, _LATE = b"V", b"S", b"L"
@@ -34,11 +42,14 @@ Summarize = Callable[[list[bytes]], bytes | None]
 @dataclass(frozen=True)
 class Outcome:
     """What one rank got from an exchange: every value (``values``; None where only
-    the summary was sent to it), the ``summary``, or the ranks that were ``late``."""
+    the summary was sent to it), the ``summary``, or the ranks that were ``late``.
+    ``unread``: on a rank 0 that hosts the store, the key the last reader sets once
+    every rank has read (see ``wait_for_readers``); None when they have already."""
 
     values: list[bytes] | None = None
     summary: bytes | None = None
     late: list[int] | None = None
+    unread: str | None = None
 
 
 # how long ranks that timed out wait for the one rank judging who is late
@@ -75,9 +86,12 @@ def exchange_on(
     Returns every rank's ``value`` in rank order (with ``summarize``: the summary,
     and the values only on the ranks in ``full``, default all), or the ranks missing
     at the first timeout: one verdict that every rank (a late one included, once
-    it arrives) returns.  Each rank deletes its own key once it has read the
-    values' verdict (so no rank deletes W keys in a row), and the last rank to read
-    deletes the rest (every key, after a timeout).
+    it arrives) returns.  A rank 0 that hosts the store returns without waiting for
+    the others to read: the store lives as long as rank 0 does, and only rank 0's
+    exit must wait (``wait_for_readers``, with the outcome's ``unread`` key).  Each
+    rank deletes its own key once it has read the values' verdict (so no rank
+    deletes W keys in a row), and the last rank to read deletes the rest (every key,
+    after a timeout).
 
     Raises:
         RuntimeError: the store failed (torch's ``DistStoreError``).
@@ -105,7 +119,7 @@ def exchange_on(
         if outcome.late is None and rank0_hosts and rank != 0:
             store.set(prefix + "done", b"")
     elif outcome.late is None and rank0_hosts and rank == 0:
-        _outlive_readers(store, prefix + "done", timeout)
+        return replace(outcome, unread=prefix + "done")
     return outcome
 
 
@@ -202,15 +216,17 @@ def _unpack(packed: bytes) -> list[bytes]:
     return values
 
 
-def _outlive_readers(store: Any, done: str, timeout: float) -> None:
-    """Return only once every rank has read: rank 0 often hosts the store, and a
-    rank 0 that exits right after the job's last exchange would take the store
-    away from ranks still reading it."""
+def wait_for_readers(store: Any, unread: str, timeout: float) -> None:
+    """Return once every rank has read an exchange (its outcome's ``unread`` key is
+    set), ``timeout`` s at most: a rank 0 that hosts the store and leaves right after
+    the job's last exchange would take the store away from ranks still reading it.
+    A rank that died before reading would hold every later exchange, so only the
+    exit waits; a later exchange that every rank reached proves the readers done."""
     try:
-        store.wait([done], _dt.timedelta(seconds=timeout))
+        store.wait([unread], _dt.timedelta(seconds=max(timeout, 0.001)))
     except RuntimeError:  # a rank died mid-read: its failure surfaces in the next call
         return
-    store.delete_key(done)
+    store.delete_key(unread)
 
 
 def late_error(what: str, late: list[int], timeout: float) -> GatherTimeout:

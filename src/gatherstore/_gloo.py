@@ -27,6 +27,7 @@ from . import _control as control
 from . import _job as job
 from ._config import DEFAULT_TIMEOUT
 from ._errors import GatherError, GatherTimeout, RemoteRankError, seconds
+from ._exchange import late_error
 from .stores.deadline import Deadline
 
 __all__ = [
@@ -46,6 +47,9 @@ Start = Callable[[Any, _dt.timedelta], Any]
 
 #: Seconds past the call's deadline that ranks wait for each other's reports.
 GRACE = 5.0
+#: Seconds past the call's deadline that a gloo op (whose own timeout is the deadline)
+#: may take to say it is over, before it counts as not finished.
+_OP_SLACK = 1.0
 _POLL_FIRST = 0.001  # the longest pause between looks at a transfer, in its first second
 _POLL_MAX = 0.01  # ... and after
 
@@ -129,8 +133,8 @@ def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
     """Run one gloo op (``all_gather_op``, ...) until it ends, by ``deadline`` at the latest.
 
     Raises:
-        GatherTimeout: ranks that did not report within the deadline plus
-            ``GRACE`` (killed, frozen, or in another call), named.
+        GatherTimeout: ranks that did not report within ``GRACE`` s past the end of
+            the op (killed, frozen, or in another call), named.
         RemoteRankError: a rank's op failed; or rank 0's rendezvous store is gone.
         GatherError: every rank reported, but the op failed or timed out here.
     """
@@ -139,7 +143,7 @@ def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
         left = max(deadline.ends - time.monotonic(), 0.001)
         work = start(group(), _dt.timedelta(seconds=left))
         pause, began = 0.0002, time.monotonic()
-        while not work.is_completed() and time.monotonic() < deadline.ends + GRACE:
+        while not work.is_completed() and time.monotonic() < deadline.ends + _OP_SLACK:
             time.sleep(pause)  # in Python, not in C++: signals are handled meanwhile
             # a short op is seen done within a millisecond; a long one costs few wakeups
             longest = _POLL_FIRST if time.monotonic() - began < 1.0 else _POLL_MAX
@@ -160,9 +164,10 @@ def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
     remaining = max(deadline.ends - time.monotonic(), 0.0) + GRACE
     try:
         reports = control.exchange(error.encode(), timeout=remaining, what=f"{what} (transfer)")
-    except GatherTimeout as exc:
+    except GatherTimeout as exc:  # named with the call's timeout, not the reports' own
+        named = late_error(f"{what} (transfer)", exc.ranks, deadline.timeout)
         note = f"; {_HOW_ON}" if error else ""
-        raise GatherTimeout(f"{exc}{note}", ranks=exc.ranks, timeout=deadline.timeout) from None
+        raise GatherTimeout(f"{named}{note}", ranks=exc.ranks, timeout=deadline.timeout) from None
     failed = [r for r, report in enumerate(reports) if report]
     if failed and not error:
         raise RemoteRankError(failed[0], reports[failed[0]].decode(), ranks=failed, context=what)

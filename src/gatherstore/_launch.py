@@ -369,6 +369,7 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
                 session.after_failure(exc, late_counts=False)
         session.end_sessions()
         signals.uninstall()
+        control.outlive_readers()
         dist.destroy_process_group()
     specs.close_opened()
     staging.release()
