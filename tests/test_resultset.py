@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from _rs_jobs import NAME, redis_database, same, value
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -357,6 +358,44 @@ def test_export_parquet_arrow_jsonl(tmp_path: Path) -> None:
         "out.parquet",
         "store",
     ]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [np.arange(6, dtype=np.float32).reshape(3, 2), np.ones((1, 2), np.float32)],  # ragged rows
+        [torch.arange(4).reshape(2, 2), torch.zeros((0, 2), dtype=torch.int64)],  # tensors
+        [np.float64(1.5), np.array(2.5)],  # numpy scalars
+        [np.array(3), np.array(4)],  # 0-d arrays
+        [np.ones((2, 2)), np.ones((2, 3))],  # trailing shapes differ: one list per row
+        [np.ones(2, np.int8), np.ones(2, np.int64)],  # dtypes differ
+        [1, None, 3],
+        ["a", "b"],
+        [[1, 2], [3]],
+    ],
+    ids=lambda v: type(v[0]).__name__ + str(len(v)),
+)
+def test_an_exported_column_holds_each_value_as_a_list_would(values: list[Any]) -> None:
+    """The columns built from the arrays' memory equal pyarrow's own conversion of the
+    same values as Python lists."""
+    import pyarrow as pa
+
+    from gatherstore import _rs_export as export
+
+    plain = [v.tolist() if hasattr(v, "tolist") else v for v in values]
+    assert export._column(pa, values).to_pylist() == plain
+
+
+def test_an_export_names_the_first_value_without_a_field(tmp_path: Path) -> None:
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}/store")
+    for i in range(5):
+        rs.add(i, {"a": i, "b": i} if i != 3 else {"a": i})
+    with pytest.raises(ValueError, match=r"the value of key 3 has no field 'b'"):
+        rs.export(tmp_path / "out.parquet")
+    rs.add(9, [1])  # not a dict: it has no field at all
+    with pytest.raises(ValueError, match=r"the value of key 9 has no field 'a'"):
+        rs.export(tmp_path / "out.arrow")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
 
 
 def test_arrow_export_without_pyarrow_names_the_pip_line(tmp_path: Path) -> None:

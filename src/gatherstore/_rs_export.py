@@ -12,7 +12,9 @@ reader never sees half of it and a failure leaves nothing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import operator
 import os
 import queue
 import tempfile
@@ -119,13 +121,8 @@ def _jsonl(rows: Iterable[tuple[Any, Any]], path: str) -> int:
 
 # --- Arrow and Parquet -------------------------------------------------------------------------
 def _batches(rows: Iterable[tuple[Any, Any]]) -> Iterator[list[tuple[Any, Any]]]:
-    batch: list[tuple[Any, Any]] = []
-    for row in rows:
-        batch.append(row)
-        if len(batch) == ROWS:
-            yield batch
-            batch = []
-    if batch:
+    it = iter(rows)
+    while batch := list(itertools.islice(it, ROWS)):
         yield batch
 
 
@@ -136,41 +133,58 @@ def _as_array(value: Any) -> Any:
     return value
 
 
+#: Types whose values pyarrow converts as they are.
+_PLAIN = {int, float, str, bool, bytes, type(None)}
+_dtype, _shape = operator.attrgetter("dtype"), operator.attrgetter("shape")
+
+
 def _column(pa: Any, values: list[Any]) -> Any:
     """One Arrow column of ``values``: arrays of one dtype and trailing shape from their
-    memory, anything else through pyarrow's conversion."""
-    if any(type(v).__module__ == "torch" for v in values):
-        values = [_as_array(v) for v in values]
-    if set(map(type, values)) == {np.ndarray}:
-        (dtype, ndim, inner), *others = {(v.dtype, v.ndim, v.shape[1:]) for v in values}
-        if not others and dtype.kind in "biufUS":
-            if ndim == 0:
+    memory, anything else through pyarrow's conversion.  Every look at the values is a
+    pass in C (``map``), not a Python loop: a batch holds thousands of rows."""
+    kinds = set(map(type, values))
+    if any(kind.__module__ == "torch" for kind in kinds):
+        values = list(map(_as_array, values))
+        kinds = set(map(type, values))
+    if kinds <= _PLAIN:
+        return pa.array(values)
+    if kinds == {np.ndarray}:
+        (dtype, *others), shapes = set(map(_dtype, values)), list(map(_shape, values))
+        ndims = set(map(len, shapes))
+        if not others and dtype.kind in "biufUS" and len(ndims) == 1:
+            if ndims == {0}:
                 return pa.array(np.stack(values))
-            column = pa.array(np.concatenate([v.reshape(-1) for v in values]))
-            for size in reversed(inner):
-                column = pa.FixedSizeListArray.from_arrays(column, size)
-            offsets = np.zeros(len(values) + 1, dtype=np.int64)
-            np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
-            return pa.LargeListArray.from_arrays(pa.array(offsets), column)
+            (inner, *ragged) = {shape[1:] for shape in shapes}
+            if not ragged:
+                column = pa.array(np.concatenate(values).reshape(-1))
+                for size in reversed(inner):
+                    column = pa.FixedSizeListArray.from_arrays(column, size)
+                offsets = np.zeros(len(values) + 1, dtype=np.int64)
+                np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
+                return pa.LargeListArray.from_arrays(pa.array(offsets), column)
     return pa.array([v.tolist() if isinstance(v, np.ndarray | np.generic) else v for v in values])
 
 
 def _table(pa: Any, batch: list[tuple[Any, Any]], fields: list[str] | None) -> Any:
-    names, columns = ["key"], [pa.array([k for k, _ in batch])]
-    values = [v for _, v in batch]
+    keys, values = zip(*batch, strict=True)
+    names, columns = ["key"], [pa.array(keys)]
     if fields is None:
         names.append("value")
-        columns.append(_column(pa, values))
+        columns.append(_column(pa, list(values)))
     else:
         for name in fields:
-            if not all(isinstance(v, dict) and name in v for v in values):
+            try:
+                if set(map(type, values)) != {dict}:
+                    raise KeyError(name)
+                field = list(map(operator.itemgetter(name), values))
+            except KeyError:
                 key = next(k for k, v in batch if not (isinstance(v, dict) and name in v))
                 raise ValueError(
                     f"export: the value of key {key!r} has no field {name!r}, which the first "
                     "value has: export values of one shape"
-                )
+                ) from None
             names.append(name)
-            columns.append(_column(pa, [v[name] for v in values]))
+            columns.append(_column(pa, field))
     return pa.Table.from_arrays(columns, names=names)
 
 
