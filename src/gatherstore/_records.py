@@ -28,6 +28,7 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
@@ -51,6 +52,8 @@ VIEW_VALUE = 4 << 10
 #: Values of a column looked at to choose how it travels.
 _SAMPLE = 16
 _PROTOCOL = ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
+# a column's looks at its values are passes in C (map), not Python loops over thousands
+_dtype, _ndim = operator.attrgetter("dtype"), operator.attrgetter("ndim")
 
 
 Kind = tuple[Any, ...]
@@ -110,10 +113,10 @@ def _joinable(values: list[Any], nbytes: Callable[[Any], int], view: Callable[[A
 
 def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
     """One raw-bytes column for small arrays of one plain dtype and trailing shape, else None."""
-    if not all(type(v) is np.ndarray for v in values):
+    if type(values[0]) is not np.ndarray or set(map(type, values)) != {np.ndarray}:
         return None
-    dtypes = {v.dtype for v in values}
-    ndims = {v.ndim for v in values}
+    dtypes = set(map(_dtype, values))
+    ndims = set(map(_ndim, values))
     if len(dtypes) != 1 or len(ndims) != 1:
         return None
     (dtype,), (ndim,) = dtypes, ndims
@@ -197,7 +200,7 @@ class Batch:
         self.columns: list[Any] = []
         for name in self.names:
             if self.cls is dict:
-                values = [r[name] for r in records]
+                values = list(map(operator.itemgetter(name), records))
             else:
                 values = [r.__dict__[name] for r in records]
             packed = _numpy_column(values) or _tensor_column(values)
@@ -292,6 +295,13 @@ def _distinct(items: list[Any]) -> bool:
 
 
 def _pack_list(items: list[Any]) -> Any:
+    kinds = set(map(type, items))
+    if dict not in kinds and all(_plain_fields(k) is None for k in kinds):  # no records
+        return items
+    if kinds == {dict}:  # the usual list of dicts: one run when they share their keys
+        names = list(map(tuple, items))
+        if names.count(names[0]) == len(names) and _distinct(items):
+            return Batch(items, (dict, names[0]))
     signatures = [structure(item) for item in items]
     chunks: list[Any] = []
     start = 0
