@@ -135,7 +135,7 @@ def _as_array(value: Any) -> Any:
 
 #: Types whose values pyarrow converts as they are.
 _PLAIN = {int, float, str, bool, bytes, type(None)}
-_dtype, _shape = operator.attrgetter("dtype"), operator.attrgetter("shape")
+_dtype, _ndim = operator.attrgetter("dtype"), operator.attrgetter("ndim")
 
 
 def _column(pa: Any, values: list[Any]) -> Any:
@@ -148,21 +148,29 @@ def _column(pa: Any, values: list[Any]) -> Any:
         kinds = set(map(type, values))
     if kinds <= _PLAIN:
         return pa.array(values)
-    if kinds == {np.ndarray}:
-        (dtype, *others), shapes = set(map(_dtype, values)), list(map(_shape, values))
-        ndims = set(map(len, shapes))
-        if not others and dtype.kind in "biufUS" and len(ndims) == 1:
-            if ndims == {0}:
+    if kinds == {np.ndarray}:  # no object made per value: the collector stays idle
+        first, count = values[0], len(values)
+        if (
+            first.dtype.kind in "biufUS"
+            and list(map(_dtype, values)).count(first.dtype) == count
+            and list(map(_ndim, values)).count(first.ndim) == count
+        ):
+            if first.ndim == 0:
                 return pa.array(np.stack(values))
-            (inner, *ragged) = {shape[1:] for shape in shapes}
-            if not ragged:
-                column = pa.array(np.concatenate(values).reshape(-1))
-                for size in reversed(inner):
-                    column = pa.FixedSizeListArray.from_arrays(column, size)
-                offsets = np.zeros(len(values) + 1, dtype=np.int64)
-                np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
-                return pa.LargeListArray.from_arrays(pa.array(offsets), column)
+            with contextlib.suppress(ValueError):  # trailing shapes differ: lists
+                return _lists(pa, values, np.concatenate(values))
     return pa.array([v.tolist() if isinstance(v, np.ndarray | np.generic) else v for v in values])
+
+
+def _lists(pa: Any, values: list[Any], joined: Any) -> Any:
+    """The arrays ``values`` (joined: ``joined``) as Arrow lists of their first dimension,
+    nested fixed-size lists for the others."""
+    column = pa.array(joined.reshape(-1))
+    for size in reversed(joined.shape[1:]):
+        column = pa.FixedSizeListArray.from_arrays(column, size)
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), column)
 
 
 def _table(pa: Any, batch: list[tuple[Any, Any]], fields: list[str] | None) -> Any:
