@@ -30,6 +30,17 @@ def test_simulated_ranks_agree_and_leave_no_key() -> None:
     assert server.num_keys() == 0
 
 
+def test_a_rank_0_that_hosts_the_store_returns_once_every_rank_read() -> None:
+    world = 5
+
+    def body(store: Any, rank: int) -> Any:
+        return exchange_on(store, "h/", rank, world, b"r%d" % rank, timeout=30, rank0_hosts=True)
+
+    results, server = scale.simulate(world, body)
+    assert results == [Outcome(values=[b"r%d" % r for r in range(world)])] * world
+    assert server.num_keys() == 0
+
+
 def test_equal_values_are_sent_once() -> None:
     values = [b"same"] * 1000 + [b"other"] + [b"same"] * 23
     packed = _pack(values)
@@ -123,9 +134,9 @@ class _Stalls:
 @pytest.mark.timeout(60)
 def test_a_last_arriver_that_stalls_past_the_judge_still_gets_the_verdict() -> None:
     """Every key is in, but the last arriver stalls before it gathers until the others
-    have their verdict: the judge (timeouts of 1 s) publishes after its 5 s grace; the
-    stalled rank's own gathering must still find every key, every rank gets the values,
-    and nothing remains."""
+    have their verdict: the judge (timeouts of 1 s) gathers and publishes them itself;
+    the stalled rank's own gathering must still find every key, every rank gets the
+    values, and nothing remains."""
     world = 6
     judged = threading.Event()
 
@@ -210,9 +221,9 @@ def test_exchange_in_a_gloo_group_hosted_by_rank_0(tmp_path: Path) -> None:
 
 
 def test_a_rank_0_that_hosts_the_store_does_not_wait_for_a_reader_that_died() -> None:
-    """Rank 2 counts itself in and dies before it reads: rank 0 (the store's host) and
-    rank 1 get the values at once, rank 0 with the key that says when all have read;
-    only rank 0's exit waits for it, and no longer than its timeout."""
+    """Rank 2 counts itself in and dies before it reads: rank 0 (the store's host) waits
+    for the readers a second at most, not the exchange's timeout, and gets the values
+    with the key that says when all have read; only its exit waits for that key."""
     world = 3
 
     def body(store: Any, rank: int) -> Any:

@@ -79,7 +79,8 @@ class _Unread(NamedTuple):
     ends: float  # monotonic time after which rank 0 waits no longer
 
 
-#: On a rank 0 that hosts the store: the job's last exchange, until every rank read it.
+#: On a rank 0 that hosts the store: the last exchange that some rank had not read in
+#: time (it died or froze before its read), which rank 0's exit waits for.
 _unread: _Unread | None = None
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -258,8 +259,8 @@ def exchange_summary(
 
 def _track_readers(store: Any, outcome: Outcome, timeout: float) -> None:
     """Remember the exchange that rank 0 must outlive: this one, if ranks may still be
-    reading it.  Every rank that reached this exchange read the previous one, so the
-    previous one's key goes."""
+    reading it.  Every rank that reached this exchange read the earlier ones, so an
+    earlier one's key goes."""
     global _unread
     previous, _unread = _unread, None
     if outcome.unread is not None:

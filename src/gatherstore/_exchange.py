@@ -12,7 +12,6 @@ job-level use of it (steps, labels, bounds against a frozen store host) is
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import struct
@@ -24,6 +23,7 @@ from ._errors import GatherTimeout, seconds
 
 __all__ = [
     "HOST_GRACE",
+    "READ_WAIT",
     "Outcome",
     "Summarize",
     "exchange_on",
@@ -44,7 +44,8 @@ class Outcome:
     """What one rank got from an exchange: every value (``values``; None where only
     the summary was sent to it), the ``summary``, or the ranks that were ``late``.
     ``unread``: on a rank 0 that hosts the store, the key the last reader sets once
-    every rank has read (see ``wait_for_readers``); None when they have already."""
+    every rank has read, when they had not within ``READ_WAIT`` (see
+    ``wait_for_readers``); None when they have."""
 
     values: list[bytes] | None = None
     summary: bytes | None = None
@@ -54,6 +55,8 @@ class Outcome:
 
 # how long ranks that timed out wait for the one rank judging who is late
 _JUDGE_GRACE = 5.0
+#: Seconds a rank 0 that hosts the store waits, in an exchange, for the others to read it.
+READ_WAIT = 1.0
 #: Seconds past an exchange's timeout after which its store host counts as frozen
 #: (an exchange may take up to _JUDGE_GRACE more than its timeout to agree on a verdict).
 HOST_GRACE = 2 * _JUDGE_GRACE
@@ -86,9 +89,11 @@ def exchange_on(
     Returns every rank's ``value`` in rank order (with ``summarize``: the summary,
     and the values only on the ranks in ``full``, default all), or the ranks missing
     at the first timeout: one verdict that every rank (a late one included, once
-    it arrives) returns.  A rank 0 that hosts the store returns without waiting for
-    the others to read: the store lives as long as rank 0 does, and only rank 0's
-    exit must wait (``wait_for_readers``, with the outcome's ``unread`` key).  Each
+    it arrives) returns.  A rank 0 that hosts the store waits for the others to read,
+    :data:`READ_WAIT` at most (a quarter of ``timeout`` if less): a program may
+    destroy the group, and the store, right after.  Past that (a rank died before
+    its read) it goes on, so as not to be late for the next exchange, and its exit
+    waits instead (the outcome's ``unread`` key, see ``wait_for_readers``).  Each
     rank deletes its own key once it has read the values' verdict (so no rank
     deletes W keys in a row), and the last rank to read deletes the rest (every key,
     after a timeout).
@@ -119,7 +124,9 @@ def exchange_on(
         if outcome.late is None and rank0_hosts and rank != 0:
             store.set(prefix + "done", b"")
     elif outcome.late is None and rank0_hosts and rank == 0:
-        return replace(outcome, unread=prefix + "done")
+        done = prefix + "done"
+        if not wait_for_readers(store, done, min(timeout / 4, READ_WAIT)):
+            return replace(outcome, unread=done)
     return outcome
 
 
@@ -155,7 +162,10 @@ def _judge(
 
     One rank checks the W keys while the others wait a little for its verdict
     (so a timeout costs O(W) requests too); the first proposal wins, so every
-    rank agrees even when a late rank arrives between two ranks' timeouts.
+    rank agrees even when a late rank arrives between two ranks' timeouts.  When
+    every key is in, the last arriver died or stalled between counting itself in
+    and publishing: the judge gathers the values itself, at once (both would
+    publish the same verdict, and the first to land wins).
     """
     verdict = prefix + "all"
     first = store.add(prefix + "judge", 1) == 1
@@ -169,12 +179,6 @@ def _judge(
     if late:
         store.compare_set(verdict, "", _LATE + json.dumps(late).encode())
         return
-    # every rank arrived, so the last of them publishes: the first judge gives it a
-    # grace before gathering itself (a later judge has waited that grace already)
-    if first:
-        with contextlib.suppress(RuntimeError):
-            store.wait([verdict], _dt.timedelta(seconds=_JUDGE_GRACE))
-            return
     store.compare_set(verdict, "", _proposal(store, prefix, keys, summarize, full))
 
 
@@ -216,17 +220,16 @@ def _unpack(packed: bytes) -> list[bytes]:
     return values
 
 
-def wait_for_readers(store: Any, unread: str, timeout: float) -> None:
-    """Return once every rank has read an exchange (its outcome's ``unread`` key is
-    set), ``timeout`` s at most: a rank 0 that hosts the store and leaves right after
-    the job's last exchange would take the store away from ranks still reading it.
-    A rank that died before reading would hold every later exchange, so only the
-    exit waits; a later exchange that every rank reached proves the readers done."""
+def wait_for_readers(store: Any, unread: str, timeout: float) -> bool:
+    """Whether every rank read an exchange (the key ``unread`` its last reader sets)
+    within ``timeout`` s: a rank 0 that hosts the store and leaves right after an
+    exchange would take the store away from ranks still reading it."""
     try:
         store.wait([unread], _dt.timedelta(seconds=max(timeout, 0.001)))
-    except RuntimeError:  # a rank died mid-read: its failure surfaces in the next call
-        return
+    except RuntimeError:  # not yet: a rank died before its read, or is frozen
+        return False
     store.delete_key(unread)
+    return True
 
 
 def late_error(what: str, late: list[int], timeout: float) -> GatherTimeout:
