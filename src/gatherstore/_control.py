@@ -273,12 +273,14 @@ def _track_readers(store: Any, outcome: Outcome, timeout: float) -> None:
 @atexit.register
 def outlive_readers() -> None:
     """Return once every rank has read the job's last exchange (within that exchange's
-    timeout): a rank 0 that hosts the rendezvous store calls it before it destroys the
-    store (``shutdown``) or leaves (at exit), so that no rank loses the store mid-read."""
+    timeout, and :data:`EXIT_WAIT` at most: a rank that died never reads): a rank 0
+    that hosts the rendezvous store calls it before it destroys the store
+    (``shutdown``) or leaves (at exit), so that no rank loses the store mid-read."""
     global _unread
     unread, _unread = _unread, None
     if unread is not None:
-        wait_for_readers(unread.store, unread.key, unread.ends - time.monotonic())
+        left = min(unread.ends - time.monotonic(), EXIT_WAIT)
+        wait_for_readers(unread.store, unread.key, left)
 
 
 def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: bool) -> Any:
