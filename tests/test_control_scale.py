@@ -30,6 +30,7 @@ def test_simulated_ranks_agree_and_leave_no_key() -> None:
     assert server.num_keys() == 0
 
 
+@pytest.mark.timeout(60)
 def test_a_rank_0_that_hosts_the_store_returns_once_every_rank_read() -> None:
     world = 5
 
@@ -220,6 +221,7 @@ def test_exchange_in_a_gloo_group_hosted_by_rank_0(tmp_path: Path) -> None:
         assert out["left"] == []
 
 
+@pytest.mark.timeout(60)
 def test_a_rank_0_that_hosts_the_store_does_not_wait_for_a_reader_that_died() -> None:
     """Rank 2 counts itself in and dies before it reads: rank 0 (the store's host) waits
     for the readers a second at most, not the exchange's timeout, and gets the values

@@ -28,8 +28,8 @@ __all__ = [
     "Summarize",
     "exchange_on",
     "late_error",
-    "wait_for_readers",
     "summary_of",
+    "wait_for_readers",
 ]
 
 # the verdict key's value: every rank's value, a summary of them, or the ranks that were late

@@ -21,12 +21,10 @@ consumer works.
 from __future__ import annotations
 
 import bisect
-import operator
 import struct
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import compress
 from typing import IO, Any
 
 import numpy as np
@@ -194,18 +192,18 @@ class _Merge:
         merge = _merge_ints if all(c.ints for c, _, _ in spans) else _merge_any
         keys, which, positions = merge(spans)
         cursors = [c for c, _, _ in spans]
-        firsts = list(map(operator.ne, keys, [self.last, *keys[:-1]]))  # each key once
-        if keys:
-            self.last = keys[-1]
-        if any(c.spill is not None for c in cursors):
-            yield from _spilled(cursors, keys, which, positions, firsts)
-        else:  # all in memory: taken in one pass, handed out by C iterators
-            held = [c.values for c in cursors]
-            values = list(map(list.__getitem__, map(held.__getitem__, which), positions))
-            for cursor, start, end in spans:  # the cursors let go of them (the caller decides)
-                cursor.values[start:end] = [None] * (end - start)
-            del held
-            yield from zip(compress(keys, firsts), compress(values, firsts), strict=True)
+        held = [None if c.spill is not None else c.values for c in cursors]
+        last = self.last
+        for key, j, pos in zip(keys, which, positions, strict=True):
+            first = key != last
+            values = held[j]
+            if values is None:  # spilled: read in order, skipped ones too
+                value = cursors[j].take(pos, keep=first)
+            else:
+                value, values[pos] = values[pos], None
+            if first:
+                last = self.last = key
+                yield key, value
         for cursor, _, end in spans:
             cursor.pos = end
 
@@ -219,26 +217,6 @@ class _Merge:
 
 
 Merged = tuple[list[Any], list[int], list[int]]
-
-
-def _spilled(
-    cursors: list[_Cursor],
-    keys: list[Any],
-    which: list[int],
-    positions: list[int],
-    firsts: list[bool],
-) -> Iterator[tuple[order.Key, Any]]:
-    """The merged rows where some cursors spilled: values taken one by one, in order (a
-    spill is read in order, skipped values too)."""
-    held = [None if c.spill is not None else c.values for c in cursors]
-    for key, j, pos, first in zip(keys, which, positions, firsts, strict=True):
-        values = held[j]
-        if values is None:
-            value = cursors[j].take(pos, keep=first)
-        else:
-            value, values[pos] = values[pos], None
-        if first:
-            yield key, value
 
 
 def _merge_ints(spans: list[tuple[_Cursor, int, int]]) -> Merged:
