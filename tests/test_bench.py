@@ -280,6 +280,10 @@ def test_bench_every_case_as_json_lines() -> None:
         assert case["seconds"] > 0 and case["gbps"] > 0
         assert case["dst_peak"] >= 0 and case["other_peak"] >= 0
         assert case["time_ratio"] > 0 and case["mem_ratio"] is not None
+        # the destination's phases, from each gatherstore call's DEBUG line
+        phases = case["dst_phases"]
+        assert (phases == {}) == (case["impl"] != "gatherstore"), case
+        assert all(seconds >= 0 for seconds in phases.values())
     assert cases[0]["time_ratio"] == 1.0
     mmengine = cases[ALL_CASES.index("mmengine.collect_results_cpu")]["impl"]
     assert mmengine == "re-implementation" or mmengine.startswith("mmengine ")

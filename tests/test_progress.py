@@ -43,7 +43,12 @@ def test_progress_and_one_debug_line_per_call(spec: str, monkeypatch: Any) -> No
         calls = ["gather_object", "gather_iter", "collect_results", "all_gather_object"]
         assert [line.split(":")[0] for line in lines] == calls, out["log"]
         assert all(f"route {spec}" in line or "[" in line for line in lines)
-        assert " bytes, " in lines[0] and lines[0].endswith(" s")
+        assert " bytes, " in lines[0] and lines[0].endswith(" s)")
+        # each phase's seconds: what a sender encodes, the agreement, the move, the reading
+        sent = "write" if spec == "tmpdir" else "transfer"
+        phases = [p.split(" ")[0] for p in lines[0].partition(" s (")[2][:-1].split(", ")]
+        assert phases == (["agree", sent, "read"] if out is ranks[0] else
+                          ["encode", "agree", sent, "read"])  # fmt: skip
         progress = [line for line in out["log"].splitlines() if "parts," in line]
         # tqdm is installed here: the destination draws bars on stderr, not log lines;
         # without tqdm the same calls log "k/n parts, ... of ..." lines (next test)

@@ -65,6 +65,8 @@ class Call:
         self.frame: serialize.Frame | None = None
         self.route = str(self.spec)  # named in the log line; the plan's route once agreed
         self.total = 0
+        #: (phase, when it ended), in order; what follows the last one is the reading
+        self.laps: list[tuple[str, float]] = []
 
     def agree(
         self,
@@ -99,6 +101,7 @@ class Call:
             own = prepare()
             if send:
                 self.frame = serialize.encode(own)
+                self.lap("encode")
             if copy_own:
                 own = serialize.duplicate(self.frame or serialize.encode(own))
             avail = memory.headroom()
@@ -130,6 +133,7 @@ class Call:
                 mine, timeout=self.deadline.left(), what=self.what, summarize=summarize, full=full
             )
         )
+        self.lap("agree")
         statuses = None if raw is None else [_status_of(s) for s in raw]
         if summary is None:  # every rank has every status: a failure or mismatch raises here
             assert statuses is not None
@@ -213,9 +217,13 @@ class Call:
         finally:
             self.deadline = self.deadline.later(time.monotonic() - started)
 
+    def lap(self, phase: str) -> None:
+        """Note that ``phase`` of this call (say ``"encode"``, ``"write"``) ends now."""
+        self.laps.append((phase, time.perf_counter()))
+
     def finish(self) -> None:
-        """Log this call's one DEBUG line: route, bytes, seconds."""
-        log_call(self.what, self.route, self.total, self.started)
+        """Log this call's one DEBUG line: route, bytes, seconds, and its phases' seconds."""
+        log_call(self.what, self.route, self.total, self.started, self.laps)
 
 
 def _status_of(raw: bytes) -> Any:

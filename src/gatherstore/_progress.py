@@ -87,10 +87,26 @@ class Progress:
             self.bar = None
 
 
-def log_call(what: str, route: str, nbytes: int, started: float) -> None:
-    """The DEBUG line every rank logs once per call."""
+def log_call(
+    what: str, route: str, nbytes: int, started: float, laps: list[tuple[str, float]]
+) -> None:
+    """The DEBUG line every rank logs once per call, with the seconds of each phase that
+    ended at a lap (``(phase, perf_counter())``, in order) and of the reading after the
+    last one; a handler finds them as a dict in the record's ``gatherstore_phases``."""
+    ended = time.perf_counter()
+    phases: dict[str, float] = {}
+    last = started
+    for phase, at in [*laps, ("read", ended)]:
+        phases[phase] = phases.get(phase, 0.0) + at - last
+        last = at
     logger.debug(
-        "%s: route %s, %d bytes, %.3f s", what, route, nbytes, time.perf_counter() - started
+        "%s: route %s, %d bytes, %.3f s (%s)",
+        what,
+        route,
+        nbytes,
+        ended - started,
+        ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in phases.items()),
+        extra={"gatherstore_phases": phases},
     )
 
 

@@ -143,6 +143,7 @@ def _transfer(call: Call, start: gloo.Start) -> None:
     except GatherError as exc:
         after_failure(exc)
         raise
+    call.lap("transfer")
 
 
 def _packed(call: Call, size: int) -> torch.Tensor:
@@ -247,6 +248,7 @@ class StoreRoute(Route):
             if wrote:
                 self._tidy(call, session, part_key(prefix, call.rank))
             raise
+        call.lap("write")
         return session, prefix
 
     @staticmethod

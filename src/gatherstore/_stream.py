@@ -235,6 +235,7 @@ class StreamRoute(Route):
             parts = _gathered(call, plan, dst, group, halt)
             return parts if stream else iter(list(parts))
         reason = send(_segments(call), plan.sizes[call.rank], dst, group, halt, **_limits(call))
+        call.lap("send")
         call.finish()
         if reason is not None and reason["kind"] != "closed":
             raise _halted(reason, dst, call)

@@ -159,6 +159,9 @@ def _floor_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             f"decode the other parts {f['decode_s']:.3f} s); checksum "
             f"{f['checksum_gbps']:.1f} GB/s, digest share {100 * digest / r['seconds']:.1f}%"
         )
+        if r.get("dst_phases"):
+            spent = ", ".join(f"{k} {v:.3f} s" for k, v in r["dst_phases"].items())
+            line += f"; rank 0's phases: {spent}"
         if "d2h_gbps" in f:
             line += (
                 f"; device to host {f['d2h_gbps']:.1f} GB/s = "

@@ -8,7 +8,8 @@ under the temp dir (``TMPDIR`` picks another disk).
   the interpreter all the time, so that the set's encoding in the background competes
   with it for the GIL: an upper bound), and with a model step off the interpreter, as
   evaluation loops have (a GPU's 1 ms per 16 images).  Reported: each loop's seconds,
-  the overhead, and how long the last values take to be durable after the loop.
+  the overhead (the median of each add loop against the list loop just before it, and
+  every pair), and how long the last values take to be durable after the loop.
 - **gather**: W=4 ranks hold those detections (a DistributedSampler's split);
   ``rs.gather()`` after the adds against ``gs.gather_object`` of each rank's list,
   through the same store and through the default store; the destination's seconds.
@@ -255,11 +256,14 @@ def _adding(url: str, add_bytes: int, repeats: int) -> list[str]:
     for model, label in [(0.0, "numpy makes the boxes, nothing else"), (MODEL, _MODEL)]:
         added = launch(_add_loops, args=(url, images, repeats, model))[0]
         listed, adding = _median(added["list"]), _median(added["add"])
+        # each add loop against the list loop just before it: a neighbour's load moves both
+        pairs = sorted(a / b - 1 for a, b in zip(added["add"], added["list"], strict=True))
         lines += [
             f"  {label}:",
             f"    list.append loop  {listed:8.2f} s",
-            f"    rs.add loop       {adding:8.2f} s  {adding / listed - 1:+.1%} (goal: at most "
-            f"+5%); durable {_median(added['durable']):.2f} s after the loop",
+            f"    rs.add loop       {adding:8.2f} s  {_median(pairs):+.1%} (goal: at most +5%; "
+            f"each pair {', '.join(f'{p:+.1%}' for p in pairs)}); durable "
+            f"{_median(added['durable']):.2f} s after the loop",
         ]
     return lines
 

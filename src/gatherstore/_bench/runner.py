@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import os
 import statistics
 import sys
@@ -91,20 +93,57 @@ def _worker(case: Case, kind: str, nbytes: int, repeats: int, workdir: str, time
     del warm
     obj = payloads.make(kind, nbytes, rank, world)
     size, expected = _expected(case, kind, nbytes, world)
-    times, peaks, reset = [], [], True
+    times, peaks, reset, phases = [], [], True, []
     gpu = _GpuMemory(kind, rank)
     for _ in range(repeats):
         gc.collect()
         dist.barrier()
-        with PeakMemory() as mem:
+        with PeakMemory() as mem, _Phases() as calls:
             start = time.perf_counter()
             count = op(obj, size)
             times.append(time.perf_counter() - start)
         peaks.append(mem.growth)
+        phases.append(calls.total())
         reset = reset and mem.reset
         if rank == 0 and count != expected:
             raise GatherError(f"{case.name}: rank 0 got {count} items, expected {expected}")
-    return {"times": times, "peaks": peaks, "reset": reset, **gpu.measured()}
+    measured = {"times": times, "peaks": peaks, "reset": reset, "phases": phases}
+    return {**measured, **gpu.measured()}
+
+
+class _Phases(logging.Handler, contextlib.AbstractContextManager["_Phases"]):
+    """The seconds of each phase of the gatherstore calls made inside the ``with``
+    (encode, agree, write, read...: the DEBUG line each call logs carries them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.calls: list[dict[str, float]] = []
+        self.logger = logging.getLogger("gatherstore")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        phases = getattr(record, "gatherstore_phases", None)
+        if phases is not None:
+            self.calls.append(phases)
+
+    def __enter__(self) -> _Phases:
+        self.level, self.propagate = self.logger.level, self.logger.propagate
+        self.logger.setLevel(logging.DEBUG)
+        self.logger.propagate = False  # only here: nothing more is printed
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+        self.logger.propagate = self.propagate
+
+    def total(self) -> dict[str, float]:
+        """Each phase's seconds, summed over the calls."""
+        out: dict[str, float] = {}
+        for phases in self.calls:
+            for phase, seconds in phases.items():
+                out[phase] = out.get(phase, 0.0) + seconds
+        return out
 
 
 class _GpuMemory:
@@ -131,9 +170,15 @@ def _summarise(ranks: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
     per_repeat = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     seconds = statistics.median(per_repeat)
     peaks = [max(r["peaks"]) for r in ranks]
+    phases = ranks[0]["phases"]
     out = {
         "seconds": seconds,
         "times": per_repeat,
+        # the destination's phases, medians over repeats (a phase missing in one counts 0)
+        "dst_phases": {
+            name: statistics.median(p.get(name, 0.0) for p in phases)
+            for name in dict.fromkeys(name for p in phases for name in p)
+        },
         "gbps": nbytes / seconds / 1e9,
         "dst_peak": peaks[0],
         "other_peak": max(peaks[1:], default=0),
