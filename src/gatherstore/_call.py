@@ -101,9 +101,10 @@ class Call:
             own = prepare()
             if send:
                 self.frame = serialize.encode(own)
-                self.lap("encode")
             if copy_own:
                 own = serialize.duplicate(self.frame or serialize.encode(own))
+            if send or copy_own:
+                self.lap("encode")
             avail = memory.headroom()
             budget = config.read_ahead(self.read_ahead, avail)
             part = self._inlined() if inline and self.spec == "auto" else None

@@ -81,7 +81,6 @@ class CollectiveRoute(Route):
     def all_gather(self, call: Call, plan: Plan) -> list[Any]:
         slots = [torch.empty(plan.longest, dtype=torch.uint8) for _ in plan.sizes]
         _transfer(call, gloo.all_gather_op(slots, _packed(call, plan.longest)))
-        call.finish()
         return _decoded(call, plan, slots)
 
     def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
@@ -91,16 +90,17 @@ class CollectiveRoute(Route):
             return None
         slots = [torch.empty(plan.longest, dtype=torch.uint8) for _ in plan.sizes]
         _transfer(call, gloo.gather_op(slots, slots[dst], dst))
-        call.finish()
         return iter(_decoded(call, plan, slots))
 
     def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
         buf = _packed(call, plan.sizes[src])
         _transfer(call, gloo.broadcast_op(buf, src))
-        call.finish()
-        if call.rank == src:
-            return plan.own
-        return serialize.decode(buf.numpy().data[: plan.sizes[src]], rank=src, where=call.what)
+        try:
+            if call.rank == src:
+                return plan.own
+            return serialize.decode(buf.numpy().data[: plan.sizes[src]], rank=src, where=call.what)
+        finally:
+            call.finish()
 
 
 class InlineRoute(Route):
@@ -118,22 +118,27 @@ class InlineRoute(Route):
         return "auto (inline)"
 
     def all_gather(self, call: Call, plan: Plan) -> list[Any]:
-        call.finish()
         return self._decoded(call, plan)
 
     def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
-        call.finish()
-        return None if call.rank != dst else iter(self._decoded(call, plan))
+        if call.rank != dst:
+            call.finish()
+            return None
+        return iter(self._decoded(call, plan))
 
     def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
         raise AssertionError("a broadcast's parts do not ride on its status exchange")
 
     def _decoded(self, call: Call, plan: Plan) -> list[Any]:
+        """Every part's object, this rank's own in place; then the call ends."""
         assert self.parts is not None
-        return [
-            plan.own if r == call.rank else serialize.decode(part, rank=r, where=call.what)
-            for r, part in enumerate(self.parts)
-        ]
+        try:
+            return [
+                plan.own if r == call.rank else serialize.decode(part, rank=r, where=call.what)
+                for r, part in enumerate(self.parts)
+            ]
+        finally:
+            call.finish()
 
 
 def _transfer(call: Call, start: gloo.Start) -> None:
@@ -156,13 +161,17 @@ def _packed(call: Call, size: int) -> torch.Tensor:
 
 
 def _decoded(call: Call, plan: Plan, slots: list[torch.Tensor]) -> list[Any]:
-    """Every slot's object, this rank's own in place."""
-    return [
-        plan.own
-        if r == call.rank
-        else serialize.decode(slot.numpy().data[: plan.sizes[r]], rank=r, where=call.what)
-        for r, slot in enumerate(slots)
-    ]
+    """Every slot's object, this rank's own in place; then the call ends (its DEBUG line
+    counts the decoding as reading)."""
+    try:
+        return [
+            plan.own
+            if r == call.rank
+            else serialize.decode(slot.numpy().data[: plan.sizes[r]], rank=r, where=call.what)
+            for r, slot in enumerate(slots)
+        ]
+    finally:
+        call.finish()
 
 
 class StoreRoute(Route):

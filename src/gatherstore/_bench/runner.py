@@ -126,16 +126,14 @@ class _Phases(logging.Handler, contextlib.AbstractContextManager["_Phases"]):
             self.calls.append(phases)
 
     def __enter__(self) -> _Phases:
-        self.level, self.propagate = self.logger.level, self.logger.propagate
-        self.logger.setLevel(logging.DEBUG)
-        self.logger.propagate = False  # only here: nothing more is printed
+        self.saved_level = self.logger.level
+        self.logger.setLevel(logging.DEBUG)  # no handler prints DEBUG in a bench process
         self.logger.addHandler(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.logger.removeHandler(self)
-        self.logger.setLevel(self.level)
-        self.logger.propagate = self.propagate
+        self.logger.setLevel(self.saved_level)
 
     def total(self) -> dict[str, float]:
         """Each phase's seconds, summed over the calls."""
