@@ -94,9 +94,12 @@ def _add_loops(url: str, images: int, repeats: int, model: float) -> dict[str, l
 
 def _add_costs(url: str, images: int) -> dict[str, float]:
     """In a process of its own, seconds per value: of ``list.append``; of ``rs.add`` with
-    no flush due (what the loop pays); and of writing them as the writer's thread does,
-    chunk by chunk of the default size, here in this thread (what that thread pays)."""
+    no flush due (what the loop pays); of writing them as the writer's thread does, chunk
+    by chunk of the default size, here in this thread (what that thread pays); and of
+    encoding those chunks alone (about what it holds the interpreter for: the checksum
+    and the write let go of it)."""
     import gatherstore as gs
+    from gatherstore import _rs_layout as layout
 
     rng = np.random.default_rng(0)
     values = [_image(rng, i) for i in range(images)]
@@ -113,12 +116,18 @@ def _add_costs(url: str, images: int) -> dict[str, float]:
     rs.discard()
     rs = gs.ResultSet("bench/costs", store=url)
     per_chunk = max(1, rs._writer.policy.nbytes // rs._write_chunk([(0, values[0])]))
+    chunks = [list(enumerate(values[i : i + per_chunk], i)) for i in range(0, images, per_chunk)]
     began = time.perf_counter()
-    for start in range(0, images, per_chunk):
-        rs._write_chunk(list(enumerate(values[start : start + per_chunk], start)))
+    for chunk in chunks:
+        rs._write_chunk(chunk)
     written = time.perf_counter() - began
+    began = time.perf_counter()
+    for chunk in chunks:
+        layout.encode_chunk(chunk, "bench", None, "bench")
+    encoded = time.perf_counter() - began
     rs.discard()
-    return {"list": listed / images, "add": added / images, "write": written / images}
+    return {k: v / images for k, v in [("list", listed), ("add", added), ("write", written),
+                                       ("encode", encoded)]}  # fmt: skip
 
 
 def _add_shard(url: str, name: str, images: int) -> None:
@@ -251,11 +260,13 @@ def _adding(url: str, add_bytes: int, repeats: int) -> list[str]:
         f"add: {format_bytes(add_bytes)} of detections ({images} images)",
         f"  per value: list.append {costs['list'] * 1e6:.2f} us; rs.add "
         f"{costs['add'] * 1e6:.2f} us in the loop, and {costs['write'] * 1e6:.2f} us in the "
-        f"writer's thread ({add_bytes / (costs['write'] * images) / 1e9:.2f} GB/s)",
+        f"writer's thread ({add_bytes / (costs['write'] * images) / 1e9:.2f} GB/s), of "
+        f"which encoding, which holds the interpreter, {costs['encode'] * 1e6:.2f} us",
     ]
     for model, label in [(0.0, "numpy makes the boxes, nothing else"), (MODEL, _MODEL)]:
         added = launch(_add_loops, args=(url, images, repeats, model))[0]
         listed, adding = _median(added["list"]), _median(added["add"])
+        held = costs["encode"] * images / listed  # the writer's share with a core to spare
         # each add loop against the list loop just before it: a neighbour's load moves both
         pairs = sorted(a / b - 1 for a, b in zip(added["add"], added["list"], strict=True))
         lines += [
@@ -264,6 +275,8 @@ def _adding(url: str, add_bytes: int, repeats: int) -> list[str]:
             f"    rs.add loop       {adding:8.2f} s  {_median(pairs):+.1%} (goal: at most +5%; "
             f"each pair {', '.join(f'{p:+.1%}' for p in pairs)}); durable "
             f"{_median(added['durable']):.2f} s after the loop",
+            f"    the writer's encoding holds the interpreter {held:.1%} of the list loop's "
+            "time: the most the loop pays where a core is free for the writer's writes",
         ]
     return lines
 
