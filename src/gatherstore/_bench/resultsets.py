@@ -266,7 +266,7 @@ def _adding(url: str, add_bytes: int, repeats: int) -> list[str]:
     for model, label in [(0.0, "numpy makes the boxes, nothing else"), (MODEL, _MODEL)]:
         added = launch(_add_loops, args=(url, images, repeats, model))[0]
         listed, adding = _median(added["list"]), _median(added["add"])
-        held = costs["encode"] * images / listed  # the writer's share with a core to spare
+        held = costs["encode"] * images / listed
         # each add loop against the list loop just before it: a neighbour's load moves both
         pairs = sorted(a / b - 1 for a, b in zip(added["add"], added["list"], strict=True))
         lines += [
@@ -275,8 +275,8 @@ def _adding(url: str, add_bytes: int, repeats: int) -> list[str]:
             f"    rs.add loop       {adding:8.2f} s  {_median(pairs):+.1%} (goal: at most +5%; "
             f"each pair {', '.join(f'{p:+.1%}' for p in pairs)}); durable "
             f"{_median(added['durable']):.2f} s after the loop",
-            f"    the writer's encoding holds the interpreter {held:.1%} of the list loop's "
-            "time: the most the loop pays where a core is free for the writer's writes",
+            f"    the writer's encoding alone holds the interpreter for {held:.1%} of the "
+            "list loop's time",
         ]
     return lines
 
