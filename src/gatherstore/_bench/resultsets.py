@@ -116,7 +116,9 @@ def _add_costs(url: str, images: int) -> dict[str, float]:
     rs.discard()
     rs = gs.ResultSet("bench/costs", store=url)
     per_chunk = max(1, rs._writer.policy.nbytes // rs._write_chunk([(0, values[0])]))
-    chunks = [list(enumerate(values[i : i + per_chunk], i)) for i in range(0, images, per_chunk)]
+    chunks: list[list[tuple[int | str, Any]]] = [
+        list(enumerate(values[i : i + per_chunk], i)) for i in range(0, images, per_chunk)
+    ]
     began = time.perf_counter()
     for chunk in chunks:
         rs._write_chunk(chunk)
@@ -126,8 +128,8 @@ def _add_costs(url: str, images: int) -> dict[str, float]:
         layout.encode_chunk(chunk, "bench", None, "bench")
     encoded = time.perf_counter() - began
     rs.discard()
-    return {k: v / images for k, v in [("list", listed), ("add", added), ("write", written),
-                                       ("encode", encoded)]}  # fmt: skip
+    seconds = {"list": listed, "add": added, "write": written, "encode": encoded}
+    return {name: spent / images for name, spent in seconds.items()}
 
 
 def _add_shard(url: str, name: str, images: int) -> None:

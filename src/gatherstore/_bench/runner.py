@@ -9,6 +9,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,11 +138,10 @@ class _Phases(logging.Handler, contextlib.AbstractContextManager["_Phases"]):
 
     def total(self) -> dict[str, float]:
         """Each phase's seconds, summed over the calls."""
-        out: dict[str, float] = {}
+        out: Counter[str] = Counter()
         for phases in self.calls:
-            for phase, seconds in phases.items():
-                out[phase] = out.get(phase, 0.0) + seconds
-        return out
+            out.update(phases)
+        return dict(out)
 
 
 class _GpuMemory:
