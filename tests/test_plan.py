@@ -3,6 +3,7 @@ agrees on, what a route needs of memory, the read-ahead window and the deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from typing import Any
@@ -11,8 +12,10 @@ import pytest
 
 from gatherstore import _config as config
 from gatherstore._fit import route_need
+from gatherstore._handover import HandoverRoute
 from gatherstore._parts import BATCH_BYTES, Window
-from gatherstore._plan import facts, pick
+from gatherstore._plan import Facts, facts, pick, settle
+from gatherstore._routes import StoreRoute
 from gatherstore.stores.deadline import MIN_TIMEOUT, REPORT_TIME, Deadline, time_left
 from gatherstore.stores.tmpdir import TmpdirStore
 
@@ -95,6 +98,42 @@ def test_a_node_short_of_memory_is_named_for_the_routes_it_cannot_take() -> None
     assert found is not None
     assert found.short["store"] and "on a need" in found.short["store"][0]
     assert found.short["collective"] and not any("on b" in s for s in found.short["store"])
+
+
+def _handing(*tokens: str) -> bool:
+    statuses = [_status(1) for _ in tokens]
+    for status, token in zip(statuses, tokens, strict=True):
+        if token != "absent":
+            status["hand"] = token
+    found = facts(statuses, [0], root=0)
+    assert found is not None
+    return found.handover
+
+
+def test_parts_are_handed_over_only_when_every_rank_takes_them_in_one_place() -> None:
+    assert _handing("h:1:0", "h:1:0", "h:1:0")
+    assert not _handing("h:1:0", "h:1:0", "")  # one rank cannot (turned off, no memfd)
+    assert not _handing("h:1:0", "absent")  # one rank's store could not be handed over
+    assert not _handing("h:1:0", "g:1:0")  # another machine
+    assert not _handing("h:1:0", "h:2:0")  # another network namespace
+    assert not _handing("h:1:0", "h:1:1000")  # another user
+
+
+def test_only_gatherstore_s_own_tmpdir_in_ram_is_handed_over(monkeypatch: Any) -> None:
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    short: dict[str, list[str]] = {"collective": [], "shm": [], "store": []}
+    found = Facts(total=LARGE, longest=LARGE, root=0, broken="", short=short, handover=True)
+    ram = TmpdirStore()  # `tmpdir`: in /dev/shm where it is writable
+    if not ram.shares_memory_with_host:
+        pytest.skip("/dev/shm is not writable here")
+    assert isinstance(settle(ram, found, what="gather_object", nodes=1), HandoverRoute)
+    for store in (TmpdirStore("/dev/shm"), TmpdirStore(tempfile.gettempdir())):
+        assert isinstance(settle(store, found, what="gather_object", nodes=1), StoreRoute)
+    monkeypatch.setenv("GATHERSTORE_TMPDIR", "/dev/shm")  # a base the user named: files
+    assert isinstance(settle(ram, found, what="gather_object", nodes=1), StoreRoute)
+    monkeypatch.delenv("GATHERSTORE_TMPDIR")
+    unable = dataclasses.replace(found, handover=False)
+    assert isinstance(settle(ram, unable, what="gather_object", nodes=1), StoreRoute)
 
 
 # --- what a route needs ----------------------------------------------------------------------

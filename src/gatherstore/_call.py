@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import _config as config
 from . import _control as control
 from . import _gloo as gloo
+from . import _handover as handover
 from . import _memory as memory
 from . import _serialize as serialize
 from . import _topology as topology
@@ -119,6 +120,7 @@ class Call:
                 call=shape,
                 broken=gloo.broken(),
                 inline=part is not None,
+                hand=handover.token() if self._may_hand_over() else "",
             )
             mine += b"\n" + (part or b"")
         except Exception as exc:
@@ -171,6 +173,11 @@ class Call:
                 "every rank must pass the same store and dst/src",
                 details=details,
             )
+
+    def _may_hand_over(self) -> bool:
+        """Whether this call's store may become a handover (``auto`` or a ``tmpdir`` in RAM):
+        only then does this rank report where it takes parts (see ``_handover``)."""
+        return self.spec == "auto" or (isinstance(self.spec, Store) and handover.suits(self.spec))
 
     def _inlined(self) -> bytes | None:
         """This rank's sealed part when it is small enough to ride on the status exchange

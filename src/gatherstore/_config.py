@@ -8,6 +8,7 @@
 | ``GATHERSTORE_AUTO_THRESHOLD`` | 128KiB | ``auto``: totals up to this go over the process group |
 | ``GATHERSTORE_STREAM_CHUNK`` | 16MiB | bytes per message of the ``stream`` route |
 | ``GATHERSTORE_TMPDIR`` | /dev/shm, else the temp dir | the base folder of ``tmpdir`` |
+| ``GATHERSTORE_HANDOVER`` | 1 | ``0``: ``tmpdir`` in RAM moves parts as files, not sealed memfds |
 | ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
 | ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
 | ``GATHERSTORE_PINNED`` | 128MiB | pinned memory CUDA tensors reach the host through |
@@ -39,6 +40,7 @@ __all__ = [
     "STREAM_CHUNK",
     "Timeout",
     "flush_every",
+    "handover",
     "heartbeat_interval",
     "parse_size",
     "progress",
@@ -141,6 +143,12 @@ def store_spec() -> str | None:
 def tmpdir_base() -> str | None:
     """The base folder of ``tmpdir`` named by ``GATHERSTORE_TMPDIR``, if any."""
     return os.environ.get("GATHERSTORE_TMPDIR") or None
+
+
+def handover() -> bool:
+    """``GATHERSTORE_HANDOVER``: False (0/false/no) keeps ``tmpdir``'s parts in files even
+    between the ranks of one machine (see ``gatherstore._handover``); else True."""
+    return os.environ.get("GATHERSTORE_HANDOVER", "").strip().lower() not in ("0", "false", "no")
 
 
 def progress() -> bool | None:

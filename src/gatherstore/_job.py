@@ -36,6 +36,7 @@ class GroupState:
     gloo_group: Any = None  # gatherstore's own gloo group
     gloo_broken: str = ""  # why that group is unusable, once a transfer did not finish
     layout: Any = None  # the job's layout (nodes, local ranks)
+    handover: bytes = b""  # the socket this rank takes handed-over parts on, as published
 
 
 _by_group: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import _control as control
 from . import _gloo as gloo
+from . import _handover as handover
 from . import _job as job
 from . import _published as publication
 from . import _rs_lifetime as result_sets
@@ -373,4 +374,5 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
         dist.destroy_process_group()
     specs.close_opened()
     staging.release()
+    handover.close()
     job.forget_groups()

@@ -4,8 +4,9 @@ Every rank reports (status, part size, free memory, node) in one exchange; one r
 summarises the reports into ``Facts`` for all, and every rank turns them into
 the same frozen ``Plan``: the part sizes, the route (``"auto"`` settled by total
 size and node count, the default ``tmpdir`` moved off ``/dev/shm`` when the gather
-does not fit there), checked to fit in every node's memory.  ``pick`` is the
-route decision alone, pure, so that it can be tested without processes.
+does not fit there, a ``tmpdir`` in RAM handed over as memfds where every rank can),
+checked to fit in every node's memory.  ``pick`` is the route decision alone, pure,
+so that it can be tested without processes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from . import _config as config
 from . import _fit as fit
 from . import _gloo as gloo
+from . import _handover as handover
 from ._routes import CollectiveRoute, InlineRoute, Route, StoreRoute
 from ._specs import resolve
 from ._stream import StreamRoute
@@ -39,6 +41,7 @@ class Facts:
     broken: str
     short: dict[str, list[str]]
     inlined: bool = False  # every rank's part rode on the status exchange
+    handover: bool = False  # every rank can take parts handed over (one machine, one user)
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,17 @@ def facts(
         root=0 if root is None else sizes[root],
         broken=next((s["broken"] for s in statuses if s["broken"]), ""),
         inlined=all(s.get("inline", False) for s in statuses),
+        handover=_one_place({s.get("hand", "") for s in statuses}),
         short={
             need: fit.shortfalls(need, statuses, sizes, receivers, iterated=iterated)
             for need in fit.NEEDS
         },
     )
+
+
+def _one_place(tokens: set[str]) -> bool:
+    """Whether every rank reported the same place to take handed-over parts (none "")."""
+    return len(tokens) == 1 and "" not in tokens
 
 
 def pick(
@@ -150,7 +159,8 @@ def settle(
         route = StreamRoute()
     else:
         assert isinstance(target, Store)
-        route = StoreRoute(target)
+        suits = found.handover and handover.suits(target)
+        route = handover.HandoverRoute(target) if suits else StoreRoute(target)
     fit.check(what, route, found.total, found.short)
     return route
 

@@ -1,0 +1,462 @@
+"""``tmpdir`` between the processes of one machine: parts handed over as sealed memfds.
+
+When ``tmpdir`` keeps its folders in this machine's RAM (/dev/shm, the base gatherstore
+chooses) and every rank runs here, as one user and in one network namespace, a part
+need not be a file that each reader copies into memory of its own (the copy that keeps
+a verified part from changing under its reader, see ``stores._fileio``).  The sender
+writes its part into a ``memfd`` and seals it (``F_SEAL_WRITE``, ``SHRINK``, ``GROW``:
+nobody, the sender included, can change, truncate or grow it again), then hands the
+descriptor to each reader over the reader's Unix socket (``SCM_RIGHTS``).  The reader
+maps it privately and verifies it: arrays decoded from it are views of the memfd's
+pages, writable (copied on write), and a part several readers hold
+(``all_gather_object``) is in RAM once.
+
+- Each process listens on an abstract Unix socket of a random name, published on the
+  job's rendezvous store; both ends check that the other runs as this user
+  (``SO_PEERCRED``).
+- A descriptor in flight outlives its sender: a sender may exit once its send
+  returned.  The call's confirmation exchange follows every send, so once it is
+  over every part waits on its reader's socket.  A call that fails closes what was
+  handed over for it (one sent too late: the reader's next call does).
+- ``GATHERSTORE_HANDOVER=0`` turns it off: parts are then files in the job's folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import logging
+import mmap
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from . import _config as config
+from . import _control as control
+from . import _job as job
+from . import _serialize as serialize
+from ._errors import GatherError, GatherTimeout, IntegrityError
+from ._progress import Progress, wanted
+from ._report import failure, status
+from ._routes import Route
+from .stores._fileio import write_all
+from .stores.base import Store
+from .stores.deadline import Deadline
+from .stores.tmpdir import TmpdirStore
+
+if TYPE_CHECKING:
+    from ._call import Call
+    from ._plan import Plan
+
+__all__ = ["HandoverRoute", "close", "suits", "token"]
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_KEY = "handover/"  # + rank: where a rank's socket is named on the rendezvous store
+_HEAD = 1024  # bytes a handover's header may take
+_log = logging.getLogger("gatherstore")
+
+
+class _Listener:
+    """This process's socket, on which other ranks hand it their parts."""
+
+    def __init__(self) -> None:
+        self.name = f"\0gatherstore-{os.getpid()}-{secrets.token_hex(8)}".encode()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.bind(self.name)
+            self.sock.listen(socket.SOMAXCONN)
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+
+    def accept(self, until: Deadline | None) -> tuple[bytes, list[int]] | None:
+        """The next handover (its header and descriptors) from a process of this user; None
+        when none is waiting (``until`` None) or none came before ``until``."""
+        while True:
+            left = 0.0 if until is None else max(until.left(), 0.0)
+            if not select.select([self.sock], [], [], left)[0]:
+                return None
+            try:
+                conn, _ = self.sock.accept()
+            except BlockingIOError:
+                continue
+            with conn:
+                conn.setblocking(True)
+                conn.settimeout(1.0)  # a sender writes its header with its connect
+                try:
+                    if _peer_uid(conn) != os.getuid():
+                        _log.warning("gatherstore: a part handed over by another user refused")
+                        continue
+                    head, fds, _, _ = socket.recv_fds(conn, _HEAD, 1)
+                except OSError:
+                    continue  # a sender that gave up: its call fails on its own
+            return head, fds
+
+    def drop(self) -> None:
+        """Close every handover waiting here (parts of calls that failed)."""
+        while (handed := self.accept(None)) is not None:
+            _close_all(handed[1])
+
+
+_listener: _Listener | None = None
+_lock = threading.Lock()
+
+
+def _listening() -> _Listener:
+    """This process's listener, created at first use and named on the rendezvous store
+    of the current job (once per process group: a new group starts with nothing left
+    from an earlier one waiting on the socket).
+
+    Raises:
+        OSError: no socket could be created here.
+    """
+    global _listener
+    with _lock:
+        if _listener is None:
+            _listener = _Listener()
+        state = job.group_state()
+        if state.handover != _listener.name:
+            _listener.drop()
+            control.store().set(f"{_KEY}{dist.get_rank()}", _listener.name)
+            state.handover = _listener.name
+        return _listener
+
+
+def token() -> str:
+    """Where this rank can take parts handed over: ``host:netns:uid`` (ranks that report
+    the same token can hand each other parts), or "" when it cannot (turned off, or no
+    socket or memfd here)."""
+    if not config.handover():
+        return ""
+    try:
+        _listening()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError as exc:
+        _log.debug("gatherstore: parts are not handed over here: %s", exc)
+        return ""
+    return f"{socket.gethostname()}:{netns}:{os.getuid()}"
+
+
+def suits(store: Store) -> bool:
+    """Whether parts for ``store`` may be handed over instead: a ``tmpdir`` whose base is
+    gatherstore's choice, /dev/shm (a base the user named, in the URL or in
+    ``GATHERSTORE_TMPDIR``, is a folder the parts go to as files, checked as such)."""
+    return (
+        isinstance(store, TmpdirStore)
+        and not store.explicit_base
+        and config.tmpdir_base() is None
+        and store.shares_memory_with_host
+    )
+
+
+def close() -> None:
+    """Close this process's listener (``gs.shutdown``): what waits there is dropped."""
+    global _listener
+    with _lock:
+        if _listener is not None:
+            _listener.sock.close()
+            _listener = None
+
+
+def _forget_in_child() -> None:
+    """A forked child does not take its parent's parts (its copy of the socket is closed)."""
+    global _listener
+    if _listener is not None:
+        _listener.sock.close()
+        _listener = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The user the process at the other end of ``conn`` runs as (from the kernel)."""
+    _, uid, _ = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+    return int(uid)
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _binding(call_id: str, rank: int) -> bytes:
+    """What a handed-over part is sealed with: its call and rank (a part handed to the
+    wrong call or as another rank's fails its checksum)."""
+    return f"handover\0{call_id}\0{rank}".encode()
+
+
+def hand(
+    segments: Sequence[memoryview], readers: Sequence[int], call_id: str, deadline: Deadline
+) -> None:
+    """Write this rank's part into a sealed memfd and hand it to each of ``readers``.
+
+    Raises:
+        GatherTimeout: a reader's socket took no connection before ``deadline``.
+        GatherError: a reader's socket is gone (its process ended) or belongs to another
+            user; the memfd could not be made (e.g. out of memory).
+    """
+    rank = dist.get_rank()
+    head = json.dumps({"call": call_id, "rank": rank}).encode()
+    try:
+        fd = os.memfd_create(f"gatherstore-part-{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise _unwritten(segments, exc) from exc
+    try:
+        try:
+            write_all(fd, segments)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+        except OSError as exc:
+            raise _unwritten(segments, exc) from exc
+        for reader in readers:
+            _send(reader, head, fd, deadline)
+    finally:
+        os.close(fd)
+
+
+def _unwritten(segments: Sequence[memoryview], exc: OSError) -> GatherError:
+    """The error of a part that could not be put into memory to hand over."""
+    nbytes = sum(memoryview(s).nbytes for s in segments)
+    return GatherError(
+        f"this rank's part ({nbytes} bytes) could not be put in memory to hand over: {exc}; "
+        "free memory on this machine, or gather through a store on disk "
+        "(store='tmpdir:///var/tmp')"
+    )
+
+
+def _send(reader: int, head: bytes, fd: int, deadline: Deadline) -> None:
+    """Hand ``fd`` with ``head`` to ``reader``'s listener."""
+    name = control.store().get(f"{_KEY}{reader}")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(max(deadline.left(), 0.001))
+        try:
+            conn.connect(name)
+            if _peer_uid(conn) != os.getuid():
+                raise GatherError(
+                    f"the socket rank {reader} takes parts on belongs to another user: "
+                    "run every rank as one user, or set GATHERSTORE_HANDOVER=0"
+                )
+            socket.send_fds(conn, [head], [fd])
+        except TimeoutError:
+            raise GatherTimeout(
+                f"rank {reader} took no part within the call's timeout", ranks=[reader]
+            ) from None
+        except OSError as exc:
+            raise GatherError(
+                f"could not hand this rank's part to rank {reader} ({exc}): its process "
+                "ended, or it left the job"
+            ) from exc
+
+
+def take(call_id: str, ranks: Sequence[int], deadline: Deadline, what: str) -> dict[int, int]:
+    """The descriptors of ``ranks``' parts of the call ``call_id``, off this process's
+    socket; handovers of earlier calls that failed are closed on the way.
+
+    Raises:
+        GatherTimeout: parts still missing at ``deadline`` (every sender's send ended
+            before the call's confirmation exchange, so this is not a wait).
+    """
+    listener = _listening()
+    got: dict[int, int] = {}
+    try:
+        while len(got) < len(ranks):
+            handed = listener.accept(deadline)
+            if handed is None:
+                missing = [r for r in ranks if r not in got]
+                raise GatherTimeout(
+                    f"{what}: the parts of ranks {missing} were never handed over",
+                    ranks=missing,
+                    timeout=deadline.timeout,
+                )
+            head, fds = handed
+            found = _header(head)
+            if len(fds) == 1 and found is not None and found[0] == call_id and found[1] in ranks:
+                got.setdefault(found[1], fds[0])
+            else:
+                _close_all(fds)
+    except BaseException:
+        _close_all(list(got.values()))
+        raise
+    return got
+
+
+def _header(head: bytes) -> tuple[str, int] | None:
+    """A handover's (call, rank), None when it is not one of ours."""
+    try:
+        found = json.loads(head)
+        return str(found["call"]), int(found["rank"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def mapped(fd: int, size: int, rank: int, what: str) -> memoryview:
+    """The sealed part in ``fd``, mapped privately (writable, copied on write); closes ``fd``.
+
+    Raises:
+        IntegrityError: the memfd is not sealed, or not of the size its sender agreed.
+        GatherError: it cannot be mapped (no address space or memory left).
+    """
+    try:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        actual = os.fstat(fd).st_size
+        if seals & _SEALS != _SEALS or actual != size:
+            raise IntegrityError(
+                f"{what}: the part of rank {rank} was handed over unsealed or of {actual} "
+                f"bytes (agreed: {size})",
+                rank=rank,
+            )
+        return _map_private(fd, size, rank, what)
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+_libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_private(fd: int, size: int, rank: int, what: str) -> memoryview:
+    """``size`` bytes of ``fd`` mapped privately, unmapped once nothing views them.
+
+    ``mmap.mmap`` would keep a duplicate of ``fd`` open for as long as the mapping
+    lives: one descriptor per part a program keeps, until it runs out of them.
+    """
+    flags, prot = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
+    address = _libc.mmap(None, size, prot, flags, fd, 0)
+    if address in (None, _MAP_FAILED):
+        error = os.strerror(ctypes.get_errno())
+        raise GatherError(f"{what}: the part of rank {rank} cannot be mapped: {error}")
+    pages = (ctypes.c_ubyte * size).from_address(address)
+    weakref.finalize(pages, _libc.munmap, address, size)
+    return memoryview(pages).cast("B")
+
+
+class HandoverRoute(Route):
+    """``tmpdir`` in RAM between the ranks of this machine: parts as sealed memfds,
+    handed over a Unix socket (see the module's docstring)."""
+
+    need = "shm"
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __str__(self) -> str:
+        return f"{self.store} (handed over)"
+
+    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
+        others = [r for r in range(call.world) if r != call.rank]
+        call_id = self._hand(call, others)
+        return self._read_and_confirm(call, plan, call_id, others, "all_gather_object (read)")
+
+    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+        call_id = self._hand(call, [dst] if call.rank != dst else [])
+        if call.rank != dst:
+            call.finish()
+            return None
+        parts = self._objects(call, plan, call_id, [r for r in range(call.world) if r != dst])
+        return parts if stream else iter(list(parts))
+
+    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
+        readers = [r for r in range(call.world) if r != src] if call.rank == src else []
+        call_id = self._hand(call, readers)
+        senders = [src] if call.rank != src else []
+        got = self._read_and_confirm(
+            call, plan, call_id, senders, "broadcast_object (read)", with_own=False
+        )
+        return got[0] if call.rank != src else plan.own
+
+    def _hand(self, call: Call, readers: Sequence[int]) -> str:
+        """Hand this rank's part to ``readers``; confirm every rank's handover.  The call's
+        id: the control plane's step, the same on every rank after the plan's exchange."""
+        call_id = str(control.step())
+        error: BaseException | None = None
+        mine = status(True)
+        frame = call.take_frame()
+        try:
+            if frame is not None and readers:
+                sealed = frame.seal(None, _binding(call_id, call.rank))
+                hand(sealed.segments, readers, call_id, call.deadline)
+        except Exception as exc:
+            error, mine = exc, failure(exc)
+        del frame
+        try:
+            call.confirm(mine, what=call.what, error=error)
+        except BaseException:
+            _listening().drop()  # what others handed this rank for the failed call
+            raise
+        call.lap("write")
+        return call_id
+
+    def _read_and_confirm(
+        self,
+        call: Call,
+        plan: Plan,
+        call_id: str,
+        senders: list[int],
+        what: str,
+        *,
+        with_own: bool = True,
+    ) -> list[Any]:
+        """Every part of ``senders`` (``with_own``: this rank's own object in its place),
+        then an exchange: a rank that could not read one raises on every rank."""
+        error: BaseException | None = None
+        mine = status(True)
+        out: list[Any] = []
+        try:
+            out = list(self._objects(call, plan, call_id, senders, with_own=with_own))
+        except Exception as exc:
+            error, mine = exc, failure(exc)
+        call.confirm(mine, what=what, error=error)
+        return out
+
+    @staticmethod
+    def _objects(
+        call: Call, plan: Plan, call_id: str, senders: list[int], *, with_own: bool = True
+    ) -> Iterator[Any]:
+        """The parts of ``senders``, taken now, as an iterator that decodes them in rank
+        order, this rank's own object in its place (``with_own``)."""
+        fds = take(call_id, senders, call.deadline, call.what)
+        return _decoded(call, plan, call_id, fds, with_own)
+
+
+def _decoded(
+    call: Call, plan: Plan, call_id: str, fds: dict[int, int], with_own: bool
+) -> Iterator[Any]:
+    """Map, verify and decode each part of ``fds`` in rank order; the call ends with the
+    last (or when the consumer drops the iterator: the parts left are closed)."""
+    incoming = sum(plan.sizes[r] for r in fds)
+    progress = Progress(call.what, len(fds), incoming, enabled=wanted(call.progress, incoming))
+    try:
+        for rank in range(call.world):
+            if rank == call.rank and with_own:
+                yield plan.own
+            elif rank in fds:
+                view = mapped(fds.pop(rank), plan.sizes[rank], rank, call.what)
+                where = f"{call.what}, handed over"
+                verified = serialize.verify(
+                    view, bind=_binding(call_id, rank), rank=rank, where=where
+                )
+                value = serialize.load(verified)
+                progress.update(plan.sizes[rank])
+                yield value
+    finally:
+        _close_all(list(fds.values()))
+        progress.close()
+        call.finish()

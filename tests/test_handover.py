@@ -1,0 +1,282 @@
+"""``tmpdir`` in RAM between the ranks of one machine: parts handed over as sealed memfds.
+
+Real gloo groups of real processes, real sockets and memfds; a second real user for
+the socket's check of who connects.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import logging
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import OtherUser
+
+import gatherstore as gs
+from gatherstore import _handover as handover
+from gatherstore import _serialize as serialize
+from gatherstore.stores.deadline import Deadline
+
+
+def _logged(run: Any) -> tuple[Any, str]:
+    """``run()``'s result and the DEBUG lines gatherstore logged meanwhile."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("gatherstore")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        return run(), stream.getvalue()
+    finally:
+        logger.removeHandler(handler)
+
+
+def _areas() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("gatherstore-*")}
+
+
+def _every_collective() -> dict[str, Any]:
+    rank, world = gs.get_rank(), gs.get_world_size()
+    scores = torch.arange(1 << 16, dtype=torch.float32) + rank
+    record = {"rank": rank, "scores": scores, "boxes": scores.view(-1, 4)[:, 1:3]}
+    areas = _areas()
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        got = gs.gather_object(record, store="tmpdir")
+        if got is not None:
+            theirs = got[1]
+            out["same_storage"] = (
+                theirs["boxes"].untyped_storage().data_ptr()
+                == theirs["scores"].untyped_storage().data_ptr()
+            )
+            theirs["scores"][0] = -1.0  # writable, copied on write
+            out["views"] = float(theirs["boxes"][0, 0]) == float(theirs["scores"][1])
+            out["gather"] = [(r["rank"], float(r["scores"][5])) for r in got]
+        everyone = gs.all_gather_object(record, store="tmpdir")
+        out["all"] = [(r["rank"], float(r["scores"][5])) for r in everyone]
+        out["bcast"] = gs.broadcast_object(record if rank == 1 else None, src=1, store="tmpdir")
+        out["bcast"] = (out["bcast"]["rank"], float(out["bcast"]["scores"][5]))
+        out["iter"] = [r["rank"] for r in gs.gather_iter(record, dst=world - 1, store="tmpdir")]
+        return out
+
+    out, log = _logged(run)
+    out["log"] = log
+    out["new_areas"] = sorted(_areas() - areas)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_every_collective_hands_parts_over_in_ram(monkeypatch: Any) -> None:
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    monkeypatch.delenv("GATHERSTORE_HANDOVER", raising=False)
+    ranks = gs.launch(_every_collective, nproc_per_node=3, backend="gloo")
+    for rank, out in enumerate(ranks):
+        lines = [line for line in out["log"].splitlines() if ": route " in line]
+        assert len(lines) == 4 and all("route tmpdir (handed over)" in x for x in lines), out
+        assert out["all"] == [(r, 5.0 + r) for r in range(3)]
+        assert out["bcast"] == (1, 6.0)
+        assert out["iter"] == ([0, 1, 2] if rank == 2 else [])
+        assert out["new_areas"] == []  # no job folder: nothing went through files
+    assert ranks[0]["gather"] == [(0, 5.0), (1, 6.0), (2, 7.0)]
+    assert ranks[0]["same_storage"] and ranks[0]["views"]
+
+
+def _gather_route() -> str:
+    _, log = _logged(lambda: gs.gather_object(bytes(1 << 20), store="tmpdir"))
+    return next(line for line in log.splitlines() if ": route " in line)
+
+
+@pytest.mark.timeout(120)
+def test_turned_off_the_parts_are_files(monkeypatch: Any) -> None:
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    monkeypatch.setenv("GATHERSTORE_HANDOVER", "0")
+    lines = gs.launch(_gather_route, nproc_per_node=2, backend="gloo")
+    assert all("route tmpdir, " in line for line in lines), lines
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _failed_call_then_another() -> dict[str, Any]:
+    rank = gs.get_rank()
+    gs.gather_object(0, store="tmpdir")  # the listener and the pools exist from here on
+    before = _open_fds()
+    real = os.memfd_create
+    if rank == 2:  # this rank's part cannot be put in memory; rank 1's was handed over
+
+        def no_memory(*args: Any) -> int:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+        os.memfd_create = no_memory
+    try:
+        gs.gather_object(torch.full((1 << 18,), 1.0 + rank), store="tmpdir")
+        failure = ""
+    except gs.GatherError as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    os.memfd_create = real
+    after = gs.gather_object(torch.full((1 << 18,), 10.0 + rank), store="tmpdir")
+    return {
+        "failure": failure,
+        "after": None if after is None else [float(t[0]) for t in after],
+        "fds": (before, _open_fds()),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_handover_fails_every_rank_and_leaves_nothing_behind(
+    monkeypatch: Any,
+) -> None:
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    monkeypatch.delenv("GATHERSTORE_HANDOVER", raising=False)
+    ranks = gs.launch(_failed_call_then_another, nproc_per_node=3, backend="gloo")
+    mine = ranks[2]["failure"]
+    assert mine.startswith("GatherError: this rank's part (") and "Cannot allocate" in mine
+    assert "free memory on this machine, or gather through a store on disk" in mine
+    for other in ranks[:2]:
+        assert other["failure"].startswith("RemoteRankError: rank 2 failed"), other
+        assert "could not be put in memory" in other["failure"]
+    # the next call has its own parts, never the failed call's part of rank 1
+    assert ranks[0]["after"] == [10.0, 11.0, 12.0]
+    # rank 1's memfd of the failed call is closed, not kept by rank 0's socket
+    before, after = ranks[0]["fds"]
+    assert after == before, ranks[0]["fds"]
+
+
+_GONE = """
+import os, sys, time
+from pathlib import Path
+import torch
+import gatherstore as gs
+
+gs.init_from_env()
+rank, flag = gs.get_rank(), Path(sys.argv[1])
+parts = gs.gather_iter(torch.full((1 << 20,), 3.0 + rank), store="tmpdir")
+if rank == 1:  # gone once its call returned: its part is in flight to rank 0 all the same
+    flag.write_text(str(os.getpid()))
+    os._exit(0)
+if rank == 0:
+    ends = time.monotonic() + 60
+    while not flag.exists() or not flag.read_text():
+        assert time.monotonic() < ends
+        time.sleep(0.05)
+    pid = int(flag.read_text())
+    while Path(f"/proc/{pid}/status").exists() and "zombie" not in Path(
+        f"/proc/{pid}/status"
+    ).read_text():
+        assert time.monotonic() < ends
+        time.sleep(0.05)
+    print("RESULT", [float(t[0]) for t in parts], flush=True)
+os._exit(0)  # rank 1 left the job: no shutdown meeting
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_part_outlives_its_sender(tmp_path: Path) -> None:
+    """A sender that exits once its gather_iter returned: rank 0 reads its part after
+    the process is gone (the memfd travels in the socket's message)."""
+    script = tmp_path / "gone.py"
+    script.write_text(_GONE)
+    env = {**os.environ, "GATHERSTORE_HANDOVER": "1"}
+    env.pop("GATHERSTORE_TMPDIR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "3", str(script), str(tmp_path / "flag")],
+        env=env, capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    assert "RESULT [3.0, 4.0, 5.0]" in done.stdout, done.stdout + done.stderr
+
+
+def _one_rank_group(tmp_path: Path) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1
+    )
+
+
+def test_a_handed_over_part_cannot_change(tmp_path: Path) -> None:
+    """The memfd is sealed before it leaves: nobody, its sender included, can write,
+    truncate or share-map it for writing; the reader's mapping is its own."""
+    _one_rank_group(tmp_path)
+    try:
+        assert handover.token()  # listening, and named on the rendezvous store
+        frame = serialize.encode({"x": torch.arange(1000)}).seal(None, b"bind")
+        handover.hand(frame.segments, [0], "call-1", Deadline.start(30))
+        fds = handover.take("call-1", [0], Deadline.start(30), "test")
+        fd = fds[0]
+        with pytest.raises(PermissionError):
+            os.write(fd, b"x")
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, frame.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):  # the seals themselves are sealed
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0)
+        view = handover.mapped(os.dup(fd), frame.nbytes, 0, "test")
+        view[-1] ^= 0xFF  # a private copy: the memfd is unchanged, the check sees it
+        with pytest.raises(gs.IntegrityError):
+            serialize.verify(view, bind=b"bind", rank=0)
+        again = handover.mapped(fd, frame.nbytes, 0, "test")
+        assert serialize.load(serialize.verify(again, bind=b"bind"))["x"].sum() == 499500
+    finally:
+        handover.close()
+        torch.distributed.destroy_process_group()
+
+
+def test_an_unsealed_or_resized_memfd_is_refused(tmp_path: Path) -> None:
+    fd = os.memfd_create("plain", os.MFD_ALLOW_SEALING)
+    os.write(fd, b"x" * 64)
+    with pytest.raises(gs.IntegrityError, match="unsealed"):
+        handover.mapped(fd, 64, 3, "gather_object")
+    fd = os.memfd_create("short", os.MFD_ALLOW_SEALING)
+    os.write(fd, b"x" * 64)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    with pytest.raises(gs.IntegrityError, match="agreed: 128"):
+        handover.mapped(fd, 128, 3, "gather_object")
+
+
+_INTRUDER = """
+import json, os, socket, sys
+fd = os.memfd_create("forged")
+os.write(fd, b"forged")
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+conn.connect(bytes.fromhex(sys.argv[1]))
+socket.send_fds(conn, [json.dumps({"call": "call-7", "rank": 0}).encode()], [fd])
+conn.close()
+"""
+
+
+def test_a_part_from_another_user_is_refused(
+    tmp_path: Path, other_user: OtherUser, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user can reach an abstract socket: what it hands over is dropped, and the
+    rank's own part is taken."""
+    _one_rank_group(tmp_path)
+    try:
+        assert handover.token()
+        assert handover._listener is not None
+        name = handover._listener.name
+        python = shutil.which("python3", path="/usr/bin:/bin")  # one another user may run
+        if python is None:
+            pytest.skip("no system python3 for another user to run")
+        other_user.run(python, "-c", _INTRUDER, name.hex())
+        frame = serialize.encode("mine").seal(None, b"")
+        handover.hand(frame.segments, [0], "call-7", Deadline.start(30))
+        with caplog.at_level(logging.WARNING, logger="gatherstore"):
+            fds = handover.take("call-7", [0], Deadline.start(30), "test")
+        view = handover.mapped(fds[0], frame.nbytes, 0, "test")
+        assert serialize.load(serialize.verify(view)) == "mine"
+        assert "another user refused" in caplog.text
+    finally:
+        handover.close()
+        torch.distributed.destroy_process_group()
