@@ -24,7 +24,14 @@ from gatherstore._bench.measure import PeakMemory
 from gatherstore.testing.plugin import S3Endpoint
 from gatherstore.testing.services import start_redis
 
-GS_CASES = ["gs.collective", "gs.tmpdir-shm", "gs.iter-tmpdir-shm", "gs.tmpdir-disk", "gs.file"]
+GS_CASES = [
+    "gs.collective",
+    "gs.tmpdir",
+    "gs.tmpdir-shm",
+    "gs.iter-tmpdir-shm",
+    "gs.tmpdir-disk",
+    "gs.file",
+]
 ALL_CASES = [BASELINE, "torch.gather_object", "mmengine.collect_results_cpu", *GS_CASES]
 
 
@@ -96,8 +103,8 @@ def test_floors_of_a_payload() -> None:
         for p in ("records", "tensors")
     ]
     lines = "\n".join(report._floor_lines(records))
-    assert "records 4MB W=2: 0.500 s" in lines and "digest share" in lines
-    assert "records / tensors, 4MB W=2: 1.00x the time" in lines
+    assert "gs.tmpdir-shm records 4MB W=2: 0.500 s" in lines and "digest share" in lines
+    assert "gs.tmpdir-shm records / tensors, 4MB W=2: 1.00x the time" in lines
 
 
 def test_peak_memory_sees_a_large_allocation() -> None:
@@ -142,6 +149,7 @@ def test_select_cases() -> None:
     assert select([*cases, opt_in], ["torchmetrics.*"]) == [opt_in]
     assert [c.name for c in select(cases, ["gs.tmpdir*", BASELINE])] == [
         BASELINE,
+        "gs.tmpdir",
         "gs.tmpdir-shm",
         "gs.tmpdir-disk",
     ]
@@ -369,7 +377,7 @@ def test_bench_quick_without_tqdm_says_what_it_skips_first_and_how_to_run_all() 
     assert said[-1].endswith("gatherstore bench --services --plot bench.png")
     cases = [json.loads(line) for line in result.stdout.splitlines()][1:]
     assert [c["case"] for c in cases][:2] == [BASELINE, "gs.collective"]
-    assert {c["case"] for c in cases[2:]} <= {"gs.tmpdir-shm", "gs.tmpdir-disk"}
+    assert {c["case"] for c in cases[2:]} <= {"gs.tmpdir", "gs.tmpdir-disk"}
     for case in cases:
         assert case["error"] is None and case["size"] == "32MB" and case["world"] == 2, case
         assert case["repeats"] == 1 and case["payload"] == "detections"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import io
 import logging
 import mmap
@@ -105,14 +106,20 @@ def test_turned_off_the_parts_are_files(monkeypatch: Any) -> None:
     assert all("route tmpdir, " in line for line in lines), lines
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_parts() -> int:
+    """How many handed-over parts this process holds open."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+    return sum("memfd:gatherstore-part" in link for link in links)
 
 
 def _failed_call_then_another() -> dict[str, Any]:
     rank = gs.get_rank()
     gs.gather_object(0, store="tmpdir")  # the listener and the pools exist from here on
-    before = _open_fds()
     real = os.memfd_create
     if rank == 2:  # this rank's part cannot be put in memory; rank 1's was handed over
 
@@ -126,11 +133,17 @@ def _failed_call_then_another() -> dict[str, Any]:
     except gs.GatherError as exc:
         failure = f"{type(exc).__name__}: {exc}"
     os.memfd_create = real
+    assert handover._listener is not None
+    waiting = handover._listener.accept(None)  # what the failed call left on the socket
     after = gs.gather_object(torch.full((1 << 18,), 10.0 + rank), store="tmpdir")
+    unread = gs.gather_iter(torch.zeros(1 << 18), store="tmpdir")
+    del unread  # never started: its parts are closed all the same
+    gc.collect()
     return {
         "failure": failure,
         "after": None if after is None else [float(t[0]) for t in after],
-        "fds": (before, _open_fds()),
+        "open": _open_parts(),
+        "waiting": waiting is not None,
     }
 
 
@@ -149,9 +162,10 @@ def test_a_failed_handover_fails_every_rank_and_leaves_nothing_behind(
         assert "could not be put in memory" in other["failure"]
     # the next call has its own parts, never the failed call's part of rank 1
     assert ranks[0]["after"] == [10.0, 11.0, 12.0]
-    # rank 1's memfd of the failed call is closed, not kept by rank 0's socket
-    before, after = ranks[0]["fds"]
-    assert after == before, ranks[0]["fds"]
+    # rank 1's memfd of the failed call is closed, not kept by rank 0's socket; so are
+    # the parts of a gather_iter dropped unread
+    assert [out["waiting"] for out in ranks] == [False, False, False]
+    assert [out["open"] for out in ranks] == [0, 0, 0]
 
 
 _GONE = """

@@ -286,7 +286,7 @@ def take(call_id: str, ranks: Sequence[int], deadline: Deadline, what: str) -> d
             else:
                 _close_all(fds)
     except BaseException:
-        _close_all(list(got.values()))
+        _close_left(got)
         raise
     return got
 
@@ -363,14 +363,16 @@ class HandoverRoute(Route):
     def all_gather(self, call: Call, plan: Plan) -> list[Any]:
         others = [r for r in range(call.world) if r != call.rank]
         call_id = self._hand(call, others)
-        return self._read_and_confirm(call, plan, call_id, others, "all_gather_object (read)")
+        what = "all_gather_object (read)"  # every rank reads: one progress bar, on rank 0
+        return self._read_and_confirm(call, plan, call_id, others, what, shown=call.rank == 0)
 
     def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
         call_id = self._hand(call, [dst] if call.rank != dst else [])
         if call.rank != dst:
             call.finish()
             return None
-        parts = self._objects(call, plan, call_id, [r for r in range(call.world) if r != dst])
+        fds = take(call_id, [r for r in range(call.world) if r != dst], call.deadline, call.what)
+        parts = _decoded(call, plan, call_id, fds, own=True, shown=True)
         return parts if stream else iter(list(parts))
 
     def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
@@ -378,7 +380,7 @@ class HandoverRoute(Route):
         call_id = self._hand(call, readers)
         senders = [src] if call.rank != src else []
         got = self._read_and_confirm(
-            call, plan, call_id, senders, "broadcast_object (read)", with_own=False
+            call, plan, call_id, senders, "broadcast_object (read)", own=False, shown=False
         )
         return got[0] if call.rank != src else plan.own
 
@@ -412,40 +414,44 @@ class HandoverRoute(Route):
         senders: list[int],
         what: str,
         *,
-        with_own: bool = True,
+        own: bool = True,
+        shown: bool = True,
     ) -> list[Any]:
-        """Every part of ``senders`` (``with_own``: this rank's own object in its place),
-        then an exchange: a rank that could not read one raises on every rank."""
+        """Every part of ``senders`` (see ``_decoded``), then an exchange: a rank that could
+        not read one raises on every rank."""
         error: BaseException | None = None
         mine = status(True)
         out: list[Any] = []
         try:
-            out = list(self._objects(call, plan, call_id, senders, with_own=with_own))
+            fds = take(call_id, senders, call.deadline, call.what)
+            out = list(_decoded(call, plan, call_id, fds, own=own, shown=shown))
         except Exception as exc:
             error, mine = exc, failure(exc)
         call.confirm(mine, what=what, error=error)
         return out
 
-    @staticmethod
-    def _objects(
-        call: Call, plan: Plan, call_id: str, senders: list[int], *, with_own: bool = True
-    ) -> Iterator[Any]:
-        """The parts of ``senders``, taken now, as an iterator that decodes them in rank
-        order, this rank's own object in its place (``with_own``)."""
-        fds = take(call_id, senders, call.deadline, call.what)
-        return _decoded(call, plan, call_id, fds, with_own)
-
 
 def _decoded(
-    call: Call, plan: Plan, call_id: str, fds: dict[int, int], with_own: bool
+    call: Call, plan: Plan, call_id: str, fds: dict[int, int], *, own: bool, shown: bool
 ) -> Iterator[Any]:
-    """Map, verify and decode each part of ``fds`` in rank order; the call ends with the
-    last (or when the consumer drops the iterator: the parts left are closed)."""
+    """Map, verify and decode each part of ``fds`` in rank order, this rank's own object in
+    its place with ``own``, with a progress bar where ``shown``; the call ends with the
+    last.  The parts not decoded are closed when the iterator is closed or dropped, even
+    one never started."""
+    parts = _decoding(call, plan, call_id, fds, own, shown)
+    weakref.finalize(parts, _close_left, fds)
+    return parts
+
+
+def _decoding(
+    call: Call, plan: Plan, call_id: str, fds: dict[int, int], own: bool, shown: bool
+) -> Iterator[Any]:
     incoming = sum(plan.sizes[r] for r in fds)
-    progress = Progress(call.what, len(fds), incoming, enabled=wanted(call.progress, incoming))
+    enabled = shown and wanted(call.progress, incoming)
+    progress = Progress(call.what, len(fds), incoming, enabled=enabled)
     try:
         for rank in range(call.world):
-            if rank == call.rank and with_own:
+            if rank == call.rank and own:
                 yield plan.own
             elif rank in fds:
                 view = mapped(fds.pop(rank), plan.sizes[rank], rank, call.what)
@@ -457,6 +463,12 @@ def _decoded(
                 progress.update(plan.sizes[rank])
                 yield value
     finally:
-        _close_all(list(fds.values()))
+        _close_left(fds)
         progress.close()
         call.finish()
+
+
+def _close_left(fds: dict[int, int]) -> None:
+    """Close the descriptors in ``fds`` and forget them (each is closed once)."""
+    while fds:
+        os.close(fds.popitem()[1])

@@ -76,6 +76,8 @@ def _local(workdir: Path) -> list[Case]:
     cases = [Case("gs.collective", "gather_object", "collective")]
     if os.access("/dev/shm", os.W_OK):
         shm = "tmpdir:///dev/shm"
+        # `tmpdir` as gatherstore picks it: parts handed over in RAM on one machine
+        cases.append(Case("gs.tmpdir", "gather_object", "tmpdir", service="shm"))
         cases.append(Case("gs.tmpdir-shm", "gather_object", shm, service="shm"))
         cases.append(Case("gs.iter-tmpdir-shm", "gather_iter", shm, service="shm"))
     cases.append(Case("gs.tmpdir-disk", "gather_object", f"tmpdir://{_disk_base()}"))

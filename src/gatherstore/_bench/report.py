@@ -130,31 +130,32 @@ def table(records: Sequence[dict[str, Any]], ceilings: dict[str, Any], notes: li
     return "\n".join(lines)
 
 
-#: The case the floors and the payload ratios are read against.
-_FLOORED = "gs.tmpdir-shm"
+#: The cases the floors and the payload ratios are read against: ``tmpdir`` as gatherstore
+#: picks it (parts handed over in RAM) and the same base named (parts as files there).
+_FLOORED = ("gs.tmpdir", "gs.tmpdir-shm")
 
 
 def _floor_lines(records: Sequence[dict[str, Any]]) -> list[str]:
-    """Per payload, size and W: the floors beside the time of :data:`_FLOORED`; then the
+    """Per floored case, payload, size and W: the floors beside its time; then the
     payloads' times against each other (records against the same bytes as one dict of
     tensors, CUDA records against the same records on the CPU)."""
     done = {
-        (r["payload"], r["size"], r["world"]): r
+        (r["case"], r["payload"], r["size"], r["world"]): r
         for r in records
-        if r["case"] == _FLOORED and r["error"] is None and "floors" in r
+        if r["case"] in _FLOORED and r["error"] is None and "floors" in r
     }
     if not done:
         return []
     lines = [
         "",
-        f"floors of {_FLOORED} (from memory in one process, medians; digest share: one part "
-        "sealed + W-1 verified, of the gather's time):",
+        "floors (from memory in one process, medians; digest share: one part sealed + W-1 "
+        "verified, of the gather's time):",
     ]
-    for (payload, size, world), r in done.items():
+    for (case, payload, size, world), r in done.items():
         f = r["floors"]
         digest = world * f["part_bytes"] / (f["checksum_gbps"] * 1e9)
         line = (
-            f"  {payload} {size} W={world}: {r['seconds']:.3f} s = "
+            f"  {case} {payload} {size} W={world}: {r['seconds']:.3f} s = "
             f"{r['seconds'] / f['floor_s']:.2f}x max(encode one part {f['encode_s']:.3f} s, "
             f"decode the other parts {f['decode_s']:.3f} s); checksum "
             f"{f['checksum_gbps']:.1f} GB/s, digest share {100 * digest / r['seconds']:.1f}%"
@@ -174,11 +175,11 @@ def _floor_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             line += f"; GPU memory per rank: held {held}, peak beyond it {grown}"
         lines.append(line)
     for payload, ref in (("records", "tensors"), ("cuda-records", "records")):
-        for (kind, size, world), r in done.items():
-            other = done.get((ref, size, world))
+        for (case, kind, size, world), r in done.items():
+            other = done.get((case, ref, size, world))
             if kind == payload and other:
                 lines.append(
-                    f"  {payload} / {ref}, {size} W={world}: "
+                    f"  {case} {payload} / {ref}, {size} W={world}: "
                     f"{r['seconds'] / other['seconds']:.2f}x the time"
                 )
     return lines
