@@ -237,7 +237,10 @@ def _unwritten(segments: Sequence[memoryview], exc: OSError) -> GatherError:
 
 def _send(reader: int, head: bytes, fd: int, deadline: Deadline) -> None:
     """Hand ``fd`` with ``head`` to ``reader``'s listener."""
-    name = control.store().get(f"{_KEY}{reader}")
+    peers = job.group_state().handover_peers
+    if reader not in peers:  # published before its plan's status: there already
+        peers[reader] = control.store().get(f"{_KEY}{reader}")
+    name = peers[reader]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(max(deadline.left(), 0.001))
         try:

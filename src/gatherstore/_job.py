@@ -37,6 +37,7 @@ class GroupState:
     gloo_broken: str = ""  # why that group is unusable, once a transfer did not finish
     layout: Any = None  # the job's layout (nodes, local ranks)
     handover: bytes = b""  # the socket this rank takes handed-over parts on, as published
+    handover_peers: dict[int, bytes] = field(default_factory=dict)  # the others', once read
 
 
 _by_group: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
