@@ -47,7 +47,7 @@ from . import _serialize as serialize
 from ._errors import GatherError, GatherTimeout, IntegrityError
 from ._progress import Progress, wanted
 from ._report import failure, status
-from ._routes import Route
+from ._routes import Route, send_confirmed
 from .stores._fileio import write_all
 from .stores.base import Store
 from .stores.deadline import Deadline
@@ -391,22 +391,20 @@ class HandoverRoute(Route):
         """Hand this rank's part to ``readers``; confirm every rank's handover.  The call's
         id: the control plane's step, the same on every rank after the plan's exchange."""
         call_id = str(control.step())
-        error: BaseException | None = None
-        mine = status(True)
-        frame = call.take_frame()
-        try:
-            if frame is not None and readers:
-                sealed = frame.seal(None, _binding(call_id, call.rank))
-                hand(sealed.segments, readers, call_id, call.deadline)
-        except Exception as exc:
-            error, mine = exc, failure(exc)
-        del frame
-        try:
-            call.confirm(mine, what=call.what, error=error)
-        except BaseException:
-            _listening().drop()  # what others handed this rank for the failed call
-            raise
-        call.lap("write")
+
+        def send(frame: serialize.Frame) -> bool:
+            if not readers:
+                return False
+            hand(
+                frame.seal(None, _binding(call_id, call.rank)).segments,
+                readers,
+                call_id,
+                call.deadline,
+            )
+            return True
+
+        # after a failure: what others handed this rank for the call goes at once
+        send_confirmed(call, send, lambda sent: _listening().drop())
         return call_id
 
     def _read_and_confirm(

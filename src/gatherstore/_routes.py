@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,14 @@ if TYPE_CHECKING:
     from ._call import Call
     from ._plan import Plan
 
-__all__ = ["INLINE_TOTAL", "CollectiveRoute", "InlineRoute", "Route", "StoreRoute"]
+__all__ = [
+    "INLINE_TOTAL",
+    "CollectiveRoute",
+    "InlineRoute",
+    "Route",
+    "StoreRoute",
+    "send_confirmed",
+]
 
 #: Bytes of all parts together up to which ``"auto"`` sends them inside the call's status
 #: exchange (each rank inlines a part of at most this over the world size).
@@ -151,6 +158,29 @@ def _transfer(call: Call, start: gloo.Start) -> None:
     call.lap("transfer")
 
 
+def send_confirmed(
+    call: Call, send: Callable[[serialize.Frame], bool], undo: Callable[[bool], None]
+) -> None:
+    """Send this rank's part with ``send`` (its frame; whether it sent anything), then
+    confirm with every rank: a rank that failed raises on every rank, each after its own
+    ``undo(sent)``.  The frame is freed once sent."""
+    error: BaseException | None = None
+    mine = status(True)
+    frame = call.take_frame()
+    sent = False
+    try:
+        sent = frame is not None and send(frame)
+    except Exception as exc:
+        error, mine = exc, failure(exc)
+    del frame
+    try:
+        call.confirm(mine, what=call.what, error=error)
+    except BaseException:
+        undo(sent)
+        raise
+    call.lap("write")
+
+
 def _packed(call: Call, size: int) -> torch.Tensor:
     """This rank's sealed frame in a ``size``-byte tensor (the padding is never read)."""
     out = torch.empty(size, dtype=torch.uint8)
@@ -236,28 +266,22 @@ class StoreRoute(Route):
 
     def _write(self, call: Call, writers: Sequence[int]) -> tuple[JobSession, str]:
         """Write this rank's part (if it is a writer); confirm every write."""
-        error: BaseException | None = None
-        mine = status(True)
         session = call.absorbing(lambda: session_for(self.store, call.deadline.timeout))
         prefix = session.next_call()
-        frame = call.take_frame()
-        wrote = False
-        try:
-            if call.rank in writers and frame is not None:
-                with call.deadline.for_store():
-                    sealed = frame.seal(session.key, binding(session, prefix, call.rank))
-                    session.store.put(part_key(prefix, call.rank), sealed.segments)
-                wrote = True
-        except Exception as exc:
-            error, mine = exc, failure(exc)
-        del frame
-        try:
-            call.confirm(mine, what=call.what, error=error)
-        except BaseException:
+
+        def put(frame: serialize.Frame) -> bool:
+            if call.rank not in writers:
+                return False
+            with call.deadline.for_store():
+                sealed = frame.seal(session.key, binding(session, prefix, call.rank))
+                session.store.put(part_key(prefix, call.rank), sealed.segments)
+            return True
+
+        def undo(wrote: bool) -> None:
             if wrote:
                 self._tidy(call, session, part_key(prefix, call.rank))
-            raise
-        call.lap("write")
+
+        send_confirmed(call, put, undo)
         return session, prefix
 
     @staticmethod
