@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,48 @@ def test_a_part_from_another_user_is_refused(
     finally:
         handover.close()
         torch.distributed.destroy_process_group()
+
+
+_SMALL_SHM = """
+import io, logging, sys
+import torch
+import gatherstore as gs
+
+
+def job():
+    stream = io.StringIO()
+    logger = logging.getLogger("gatherstore")
+    logger.addHandler(logging.StreamHandler(stream))
+    logger.setLevel(logging.DEBUG)
+    out = gs.gather_object(torch.ones(16 << 20), store="tmpdir")  # 64 MiB a rank
+    route = next(line for line in stream.getvalue().splitlines() if ": route " in line)
+    return route, None if out is None else [float(t.sum()) for t in out]
+
+
+if __name__ == "__main__":
+    route, sums = gs.launch(job, nproc_per_node=2)[0]
+    print("ROUTE", route.split(": route ")[1].split(",")[0])
+    print("SUMS", sums)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_a_small_dev_shm_no_longer_sends_the_parts_to_disk(tmp_path: Path, setting: str) -> None:
+    """A container's small /dev/shm (here a 16 MiB tmpfs in a mount namespace of its
+    own): parts handed over need RAM, not room there; as files they go to the temp dir."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a mount namespace of its own needs root and unshare")
+    script = tmp_path / "small_shm.py"
+    script.write_text(_SMALL_SHM)
+    env = {**os.environ, "GATHERSTORE_HANDOVER": setting}
+    env.pop("GATHERSTORE_TMPDIR", None)
+    inside = f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} {script}"
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", inside],
+        env=env, capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = "tmpdir (handed over)" if setting == "1" else f"tmpdir://{tempfile.gettempdir()}"
+    assert f"ROUTE {expected}\n" in done.stdout, done.stdout + done.stderr
+    assert "SUMS [16777216.0, 16777216.0]" in done.stdout

@@ -83,7 +83,7 @@ def test_facts_sum_every_rank_and_name_the_root_s_part() -> None:
     found = facts([_status(10), _status(30), _status(20, broken="why")], [0], root=2)
     assert found is not None
     assert (found.total, found.longest, found.root, found.broken) == (60, 30, 20, "why")
-    assert found.short == {"collective": [], "shm": [], "store": []}
+    assert found.short == {"collective": [], "shm": [], "memfd": [], "store": []}
 
 
 def test_facts_are_none_when_a_rank_failed_or_ranks_are_in_different_calls() -> None:
@@ -121,7 +121,7 @@ def test_parts_are_handed_over_only_when_every_rank_takes_them_in_one_place() ->
 
 def test_only_gatherstore_s_own_tmpdir_in_ram_is_handed_over(monkeypatch: Any) -> None:
     monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
-    short: dict[str, list[str]] = {"collective": [], "shm": [], "store": []}
+    short: dict[str, list[str]] = {"collective": [], "shm": [], "memfd": [], "store": []}
     found = Facts(total=LARGE, longest=LARGE, root=0, broken="", short=short, handover=True)
     ram = TmpdirStore()  # `tmpdir`: in /dev/shm where it is writable
     if not ram.shares_memory_with_host:
@@ -134,6 +134,23 @@ def test_only_gatherstore_s_own_tmpdir_in_ram_is_handed_over(monkeypatch: Any) -
     monkeypatch.delenv("GATHERSTORE_TMPDIR")
     unable = dataclasses.replace(found, handover=False)
     assert isinstance(settle(ram, unable, what="gather_object", nodes=1), StoreRoute)
+
+
+def test_handed_over_parts_need_ram_but_no_room_in_dev_shm(monkeypatch: Any) -> None:
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    if not TmpdirStore().shares_memory_with_host:
+        pytest.skip("/dev/shm is not writable here")
+    no_room = {"collective": [], "shm": ["a /dev/shm of 64 MiB"], "memfd": [], "store": []}
+    found = Facts(total=LARGE, longest=LARGE, root=0, broken="", short=no_room, handover=True)
+    # a container's small /dev/shm: the parts are handed over in RAM all the same
+    assert isinstance(settle("tmpdir", found, what="gather_object", nodes=1), HandoverRoute)
+    # ... where every rank can take them; else through the temp dir, as files
+    files = settle("tmpdir", dataclasses.replace(found, handover=False), what="g", nodes=1)
+    assert isinstance(files, StoreRoute) and str(files) == f"tmpdir://{tempfile.gettempdir()}"
+    # short of RAM itself: files in the temp dir too
+    no_ram = dict(no_room, memfd=["ranks [0, 1] on a need 2 GiB"])
+    short = dataclasses.replace(found, short=no_ram)
+    assert isinstance(settle("tmpdir", short, what="gather_object", nodes=1), StoreRoute)
 
 
 # --- what a route needs ----------------------------------------------------------------------
@@ -151,6 +168,10 @@ def test_route_needs_count_what_each_route_allocates_on_a_node() -> None:
         "store", sizes, [0], [0], all_receive=False, windows=[50, 0, 0], iterated=True
     )
     assert streamed.ram == 300 + 50  # one part, the largest, and the read-ahead budget
+    handed = route_need("memfd", sizes, [0, 1, 2], [0, 1, 2], all_receive=True)
+    assert (handed.ram, handed.shm) == (600, 0)  # each part once, mapped by every reader
+    rebuilt = route_need("memfd", sizes, [0], [0, 1, 2], all_receive=False, rebuilt=[0, 7, 9])
+    assert rebuilt.ram == 600 + 16  # and what unpickling the others' parts allocates
 
 
 # --- the read-ahead window -------------------------------------------------------------------

@@ -23,7 +23,7 @@ __all__ = ["NEEDS", "NodeNeed", "check", "route_need", "shortfalls"]
 
 #: The kinds of memory need a route has (see ``route_need``): how each moves parts
 #: (a route's ``need``), not the routes a user picks.
-NEEDS = ("collective", "shm", "store")
+NEEDS = ("collective", "shm", "memfd", "store")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ def route_need(
     """Bytes the ``ranks`` of one node allocate for a gather of parts ``sizes``.
 
     ``route`` is ``"collective"``, ``"shm"`` (a store whose files live in this
-    node's RAM) or ``"store"`` (any other store).  ``receivers`` read parts;
+    node's RAM), ``"memfd"`` (parts handed over in RAM, see ``gatherstore._handover``)
+    or ``"store"`` (any other store).  ``receivers`` read parts;
     ``all_receive`` marks an all-gather (parts stay until every rank has read
     them); ``iterated`` a ``gather_iter``, whose receiver holds one part at a time.
     ``rebuilt`` is what unpickling each rank's part allocates besides the part
@@ -60,7 +61,8 @@ def route_need(
     store route gives each receiver a private copy of what it reads (a ``gather_iter``: one
     part at a time, plus its read-ahead budget); on /dev/shm the written parts
     take RAM too, which a gather frees as it reads (the copies replace them) and an
-    all-gather does not.
+    all-gather does not.  Parts handed over are in RAM once, however many ranks map
+    them, and take no room in /dev/shm.
     """
     world, largest, total = len(sizes), max(sizes, default=0), sum(sizes)
     built = list(rebuilt) or [0] * world
@@ -72,6 +74,9 @@ def route_need(
         ram = sum(largest * (world + all_receive) for _ in mine) + objects
         ram += sum(largest for r in ranks if r not in receiving and sizes[r])
         return NodeNeed(ram, 0)
+    if route == "memfd":  # every part written once, read in place: only the objects add
+        written = sum(sizes[r] for r in ranks)
+        return NodeNeed(written + (sum(max(built) for _ in mine) if iterated else objects), 0)
     if iterated:  # the consumer's part, rebuilt, and the read-ahead budget
         reads = sum(largest + max(built) + window[r] for r in mine)
     else:  # every part is returned: what is read ahead is part of that

@@ -355,7 +355,7 @@ class HandoverRoute(Route):
     """``tmpdir`` in RAM between the ranks of this machine: parts as sealed memfds,
     handed over a Unix socket (see the module's docstring)."""
 
-    need = "shm"
+    need = "memfd"
 
     def __init__(self, store: Store) -> None:
         self.store = store

@@ -4,7 +4,8 @@ Every rank reports (status, part size, free memory, node) in one exchange; one r
 summarises the reports into ``Facts`` for all, and every rank turns them into
 the same frozen ``Plan``: the part sizes, the route (``"auto"`` settled by total
 size and node count, the default ``tmpdir`` moved off ``/dev/shm`` when the gather
-does not fit there, a ``tmpdir`` in RAM handed over as memfds where every rank can),
+does not fit there, a ``tmpdir`` in RAM handed over as memfds where every rank can,
+which needs RAM but no room in /dev/shm),
 checked to fit in every node's memory.  ``pick`` is the route decision alone, pure,
 so that it can be tested without processes.
 """
@@ -144,9 +145,12 @@ def settle(
         )
 
     chosen = chosen_for(False)
-    if _is_default_tmpdir(chosen) and found.short["shm"] and not config.tmpdir_base():
+    if _is_default_tmpdir(chosen) and not config.tmpdir_base():
         tmpdir = resolve("tmpdir")  # gatherstore's choice of base: /dev/shm when it is there
-        chosen = chosen_for(isinstance(tmpdir, Store) and tmpdir.shares_memory_with_host)
+        if isinstance(tmpdir, Store) and tmpdir.shares_memory_with_host:
+            # handed over, parts take RAM but no room in /dev/shm (a container's 64 MiB)
+            handed = found.handover and handover.suits(tmpdir)
+            chosen = chosen_for(bool(found.short["memfd" if handed else "shm"]))
     if chosen in ("collective", "stream") and found.broken:
         raise gloo.refuse(what, found.broken)
     if chosen == "inline":
