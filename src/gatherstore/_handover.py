@@ -59,7 +59,9 @@ if TYPE_CHECKING:
 
 __all__ = ["HandoverRoute", "close", "suits", "token"]
 
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+#: Whether parts can be handed over here: Linux's sealed memfds and descriptor passing.
+_POSSIBLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+_SEALS = sum(getattr(fcntl, f"F_SEAL_{seal}", 0) for seal in ("WRITE", "SHRINK", "GROW"))
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _KEY = "handover/"  # + rank: where a rank's socket is named on the rendezvous store
 _HEAD = 1024  # bytes a handover's header may take
@@ -71,6 +73,9 @@ class _Listener:
 
     def __init__(self) -> None:
         self.name = f"\0gatherstore-{os.getpid()}-{secrets.token_hex(8)}".encode()
+        netns = os.stat("/proc/self/ns/net").st_ino  # abstract sockets are per namespace
+        #: Where it takes parts: ranks that report the same can hand each other parts.
+        self.token = f"{socket.gethostname()}:{netns}:{os.getuid()}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.bind(self.name)
@@ -135,17 +140,15 @@ def _listening() -> _Listener:
 
 def token() -> str:
     """Where this rank can take parts handed over: ``host:netns:uid`` (ranks that report
-    the same token can hand each other parts), or "" when it cannot (turned off, or no
-    socket or memfd here)."""
-    if not config.handover():
+    the same token can hand each other parts), or "" when it cannot (turned off, not
+    Linux, or no socket here)."""
+    if not (_POSSIBLE and config.handover()):
         return ""
     try:
-        _listening()
-        netns = os.stat("/proc/self/ns/net").st_ino
+        return _listening().token
     except OSError as exc:
         _log.debug("gatherstore: parts are not handed over here: %s", exc)
         return ""
-    return f"{socket.gethostname()}:{netns}:{os.getuid()}"
 
 
 def suits(store: Store) -> bool:
