@@ -13,7 +13,9 @@ import io
 import logging
 import mmap
 import os
+import resource
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -224,7 +226,7 @@ def test_a_handed_over_part_cannot_change(tmp_path: Path) -> None:
     truncate or share-map it for writing; the reader's mapping is its own."""
     _one_rank_group(tmp_path)
     try:
-        assert handover.token()  # listening, and named on the rendezvous store
+        assert handover.token(30)  # listening, and named on the rendezvous store
         frame = serialize.encode({"x": torch.arange(1000)}).seal(None, b"bind")
         handover.hand(frame.segments, [0], "call-1", Deadline.start(30))
         fds = handover.take("call-1", [0], Deadline.start(30), "test")
@@ -260,6 +262,60 @@ def test_an_unsealed_or_resized_memfd_is_refused(tmp_path: Path) -> None:
         handover.mapped(fd, 128, 3, "gather_object")
 
 
+def test_late_parts_are_dropped_and_a_new_group_listens_anew(tmp_path: Path) -> None:
+    """A part handed over after its call ended waits for nobody: the next call drops it
+    before it agrees; a new process group gets a socket of its own, the old one closed."""
+    _one_rank_group(tmp_path)
+    try:
+        handover.token(30)
+        frame = serialize.encode("late").seal(None, b"")
+        handover.hand(frame.segments, [0], "call-3", Deadline.start(30))
+        handover.token(30)  # the next call: nothing of it can be there yet
+        with pytest.raises(gs.GatherTimeout, match=r"ranks \[0\] were never handed over"):
+            handover.take("call-3", [0], Deadline.start(0.2), "gather_object")
+        assert handover._listener is not None
+        old = handover._listener.name
+    finally:
+        torch.distributed.destroy_process_group()
+    (tmp_path / "again").mkdir()
+    _one_rank_group(tmp_path / "again")
+    try:
+        handover.token(30)
+        assert handover._listener is not None and handover._listener.name != old
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with conn, pytest.raises(ConnectionRefusedError):
+            conn.connect(old)
+    finally:
+        handover.close()
+        torch.distributed.destroy_process_group()
+
+
+def test_descriptors_past_1024_are_fine(tmp_path: Path) -> None:
+    """A process with many files open: its socket's descriptor number is past select()'s
+    reach, and parts are taken all the same."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard) < 1200:
+        pytest.skip("the open-file limit is below 1200 here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    _one_rank_group(tmp_path)
+    try:
+        assert handover.token(30)
+        assert handover._listener is not None and handover._listener.sock.fileno() >= 1024
+        frame = serialize.encode({"x": torch.arange(10)}).seal(None, b"")
+        handover.hand(frame.segments, [0], "call-9", Deadline.start(30))
+        fds = handover.take("call-9", [0], Deadline.start(30), "test")
+        assert fcntl.fcntl(fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # never inherited
+        view = handover.mapped(fds[0], frame.nbytes, 0, "test")
+        assert serialize.load(serialize.verify(view))["x"].sum() == 45
+    finally:
+        handover.close()
+        torch.distributed.destroy_process_group()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 _INTRUDER = """
 import json, os, socket, sys
 fd = os.memfd_create("forged")
@@ -278,7 +334,7 @@ def test_a_part_from_another_user_is_refused(
     rank's own part is taken."""
     _one_rank_group(tmp_path)
     try:
-        assert handover.token()
+        assert handover.token(30)
         assert handover._listener is not None
         name = handover._listener.name
         python = shutil.which("python3", path="/usr/bin:/bin")  # one another user may run

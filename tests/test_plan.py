@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -100,12 +101,12 @@ def test_a_node_short_of_memory_is_named_for_the_routes_it_cannot_take() -> None
     assert found.short["collective"] and not any("on b" in s for s in found.short["store"])
 
 
-def _handing(*tokens: str) -> bool:
+def _handing(*tokens: str, receivers: Sequence[int] = (0,), limit: int = 1024) -> bool:
     statuses = [_status(1) for _ in tokens]
     for status, token in zip(statuses, tokens, strict=True):
         if token != "absent":
-            status["hand"] = token
-    found = facts(statuses, [0], root=0)
+            status["hand"], status["hand_fds"] = token, limit
+    found = facts(statuses, receivers, root=0)
     assert found is not None
     return found.handover
 
@@ -117,6 +118,14 @@ def test_parts_are_handed_over_only_when_every_rank_takes_them_in_one_place() ->
     assert not _handing("h:1:0", "g:1:0")  # another machine
     assert not _handing("h:1:0", "h:2:0")  # another network namespace
     assert not _handing("h:1:0", "h:1:1000")  # another user
+
+
+def test_parts_are_handed_over_while_their_descriptors_fit_the_open_file_limit() -> None:
+    nine = ["h:1:0"] * 9
+    # a gather puts one descriptor per sender in flight, an all-gather W x (W - 1)
+    assert _handing(*nine, limit=16)
+    assert not _handing(*nine, receivers=range(9), limit=128)  # 72 > 64
+    assert _handing(*nine, receivers=range(9), limit=144)
 
 
 def test_only_gatherstore_s_own_tmpdir_in_ram_is_handed_over(monkeypatch: Any) -> None:

@@ -120,7 +120,7 @@ class Call:
                 call=shape,
                 broken=gloo.broken(),
                 inline=part is not None,
-                hand=handover.token() if self._may_hand_over() else "",
+                **self._handover(),
             )
             mine += b"\n" + (part or b"")
         except Exception as exc:
@@ -174,10 +174,13 @@ class Call:
                 details=details,
             )
 
-    def _may_hand_over(self) -> bool:
-        """Whether this call's store may become a handover (``auto`` or a ``tmpdir`` in RAM):
-        only then does this rank report where it takes parts (see ``_handover``)."""
-        return self.spec == "auto" or (isinstance(self.spec, Store) and handover.suits(self.spec))
+    def _handover(self) -> dict[str, Any]:
+        """Where this rank takes parts handed over, and how many descriptors may be in flight
+        to it (see ``_handover``); only for a store that may become a handover (``auto`` or
+        a ``tmpdir`` in RAM)."""
+        if self.spec != "auto" and not (isinstance(self.spec, Store) and handover.suits(self.spec)):
+            return {}
+        return {"hand": handover.token(self.deadline.left()), "hand_fds": handover.in_flight()}
 
     def _inlined(self) -> bytes | None:
         """This rank's sealed part when it is small enough to ride on the status exchange

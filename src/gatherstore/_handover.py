@@ -11,24 +11,31 @@ maps it privately and verifies it: arrays decoded from it are views of the memfd
 pages, writable (copied on write), and a part several readers hold
 (``all_gather_object``) is in RAM once.
 
-- Each process listens on an abstract Unix socket of a random name, published on the
-  job's rendezvous store; both ends check that the other runs as this user
-  (``SO_PEERCRED``).
+- Each process listens on an abstract Unix socket of a random name, one per process
+  group, published on the job's rendezvous store; both ends check that the other runs
+  as this user (``SO_PEERCRED``).
+- Linux counts descriptors in flight per user against the open-file limit: a call is
+  handed over only while its own (one per sender and reader) stay within half of it.
 - A descriptor in flight outlives its sender: a sender may exit once its send
   returned.  The call's confirmation exchange follows every send, so once it is
   over every part waits on its reader's socket.  A call that fails closes what was
-  handed over for it (one sent too late: the reader's next call does).
+  handed over for it; a part sent too late is closed before the reader's next call
+  that may hand parts over agrees on its plan (or at ``gs.shutdown``).
 - ``GATHERSTORE_HANDOVER=0`` turns it off: parts are then files in the job's folder.
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
+import errno
 import fcntl
 import json
 import logging
+import math
 import mmap
 import os
+import resource
 import secrets
 import select
 import socket
@@ -57,7 +64,7 @@ if TYPE_CHECKING:
     from ._call import Call
     from ._plan import Plan
 
-__all__ = ["HandoverRoute", "close", "suits", "token"]
+__all__ = ["HandoverRoute", "close", "in_flight", "suits", "token"]
 
 #: Whether parts can be handed over here: Linux's sealed memfds and descriptor passing.
 _POSSIBLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
@@ -65,11 +72,14 @@ _SEALS = sum(getattr(fcntl, f"F_SEAL_{seal}", 0) for seal in ("WRITE", "SHRINK",
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _KEY = "handover/"  # + rank: where a rank's socket is named on the rendezvous store
 _HEAD = 1024  # bytes a handover's header may take
+_FD = array.array("i")  # a descriptor in a control message
 _log = logging.getLogger("gatherstore")
 
 
 class _Listener:
-    """This process's socket, on which other ranks hand it their parts."""
+    """The socket on which this process takes the parts other ranks hand it, one per
+    process group (a new group gets a new socket: nothing sent to an earlier group's
+    reaches it)."""
 
     def __init__(self) -> None:
         self.name = f"\0gatherstore-{os.getpid()}-{secrets.token_hex(8)}".encode()
@@ -84,71 +94,113 @@ class _Listener:
         except OSError:
             self.sock.close()
             raise
+        self.waiting = select.poll()  # not select(): descriptors past 1024 are fine
+        self.waiting.register(self.sock, select.POLLIN)
 
     def accept(self, until: Deadline | None) -> tuple[bytes, list[int]] | None:
         """The next handover (its header and descriptors) from a process of this user; None
-        when none is waiting (``until`` None) or none came before ``until``."""
+        when none is waiting (``until`` None) or none came before ``until``.
+
+        Raises:
+            GatherError: this process has no descriptor left to take one.
+        """
         while True:
             left = 0.0 if until is None else max(until.left(), 0.0)
-            if not select.select([self.sock], [], [], left)[0]:
+            if not self.waiting.poll(math.ceil(left * 1000)):
                 return None
             try:
                 conn, _ = self.sock.accept()
-            except BlockingIOError:
+            except (BlockingIOError, ConnectionAbortedError):
                 continue
+            except OSError as exc:  # EMFILE, ENFILE
+                raise GatherError(
+                    f"no descriptor left to take a part handed over ({exc}): raise the limit "
+                    "of open files (ulimit -n), or set GATHERSTORE_HANDOVER=0"
+                ) from exc
             with conn:
-                conn.setblocking(True)
                 conn.settimeout(1.0)  # a sender writes its header with its connect
                 try:
                     if _peer_uid(conn) != os.getuid():
                         _log.warning("gatherstore: a part handed over by another user refused")
                         continue
-                    head, fds, _, _ = socket.recv_fds(conn, _HEAD, 1)
+                    return _received(conn)
                 except OSError:
                     continue  # a sender that gave up: its call fails on its own
-            return head, fds
 
     def drop(self) -> None:
-        """Close every handover waiting here (parts of calls that failed)."""
+        """Close every handover waiting here (parts of calls that failed or came late)."""
         while (handed := self.accept(None)) is not None:
             _close_all(handed[1])
+
+    def close(self) -> None:
+        """Stop listening: what waits here is dropped."""
+        self.drop()
+        self.sock.close()
+
+
+def _received(conn: socket.socket) -> tuple[bytes, list[int]]:
+    """A handover's header and its descriptors, close-on-exec (a child this process
+    starts later inherits none of them)."""
+    head, ancillary, _, _ = conn.recvmsg(
+        _HEAD, socket.CMSG_SPACE(_FD.itemsize), socket.MSG_CMSG_CLOEXEC
+    )
+    fds = array.array(_FD.typecode)
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return head, fds.tolist()
 
 
 _listener: _Listener | None = None
 _lock = threading.Lock()
 
 
-def _listening() -> _Listener:
-    """This process's listener, created at first use and named on the rendezvous store
-    of the current job (once per process group: a new group starts with nothing left
-    from an earlier one waiting on the socket).
-
-    Raises:
-        OSError: no socket could be created here.
-    """
-    global _listener
-    with _lock:
-        if _listener is None:
-            _listener = _Listener()
-        state = job.group_state()
-        if state.handover != _listener.name:
-            _listener.drop()
-            control.store().set(f"{_KEY}{dist.get_rank()}", _listener.name)
-            state.handover = _listener.name
-        return _listener
-
-
-def token() -> str:
+def token(timeout: float) -> str:
     """Where this rank can take parts handed over: ``host:netns:uid`` (ranks that report
     the same token can hand each other parts), or "" when it cannot (turned off, not
-    Linux, or no socket here)."""
+    Linux, or no socket here).  Called before a call's plan is agreed, when nothing of
+    this call can have been handed over yet: what waits on the socket is dropped.
+
+    Raises:
+        GatherTimeout: the rendezvous store did not answer within ``timeout``.
+    """
+    global _listener
     if not (_POSSIBLE and config.handover()):
         return ""
-    try:
-        return _listening().token
-    except OSError as exc:
-        _log.debug("gatherstore: parts are not handed over here: %s", exc)
-        return ""
+    with _lock:
+        state = job.group_state()
+        if _listener is not None and state.handover == _listener.name:
+            _listener.drop()
+            return _listener.token
+        if _listener is not None:  # an earlier group's
+            _listener.close()
+            _listener = None
+        try:
+            listener = _Listener()
+        except OSError as exc:
+            _log.debug("gatherstore: parts are not handed over here: %s", exc)
+            return ""
+        key = f"{_KEY}{dist.get_rank()}"
+        try:
+            control.bounded(lambda: control.store().set(key, listener.name), timeout, "handover")
+        except BaseException:
+            listener.close()
+            raise
+        state.handover, _listener = listener.name, listener
+        return listener.token
+
+
+def in_flight() -> int:
+    """How many descriptors this process's user may have in flight: Linux counts them
+    per user against the sender's limit of open files (its soft ``RLIMIT_NOFILE``)."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _listening() -> _Listener:
+    """This process's listener (its rank reported a token for the current call)."""
+    if _listener is None:
+        raise GatherError("gatherstore was shut down during a call that hands parts over")
+    return _listener
 
 
 def suits(store: Store) -> bool:
@@ -168,7 +220,7 @@ def close() -> None:
     global _listener
     with _lock:
         if _listener is not None:
-            _listener.sock.close()
+            _listener.close()
             _listener = None
 
 
@@ -176,7 +228,7 @@ def _forget_in_child() -> None:
     """A forked child does not take its parent's parts (its copy of the socket is closed)."""
     global _listener
     if _listener is not None:
-        _listener.sock.close()
+        _listener.sock.close()  # the parent's: only this copy of it
         _listener = None
 
 
@@ -240,9 +292,9 @@ def _unwritten(segments: Sequence[memoryview], exc: OSError) -> GatherError:
 
 def _send(reader: int, head: bytes, fd: int, deadline: Deadline) -> None:
     """Hand ``fd`` with ``head`` to ``reader``'s listener."""
-    peers = job.group_state().handover_peers
+    peers, key = job.group_state().handover_peers, f"{_KEY}{reader}"
     if reader not in peers:  # published before its plan's status: there already
-        peers[reader] = control.store().get(f"{_KEY}{reader}")
+        peers[reader] = control.bounded(lambda: control.store().get(key), deadline.left(), key)
     name = peers[reader]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(max(deadline.left(), 0.001))
@@ -259,6 +311,12 @@ def _send(reader: int, head: bytes, fd: int, deadline: Deadline) -> None:
                 f"rank {reader} took no part within the call's timeout", ranks=[reader]
             ) from None
         except OSError as exc:
+            if exc.errno == errno.ETOOMANYREFS:
+                raise GatherError(
+                    f"could not hand this rank's part to rank {reader}: this user has more "
+                    "descriptors in flight than its limit of open files allows: raise it "
+                    "(ulimit -n) or set GATHERSTORE_HANDOVER=0"
+                ) from exc
             raise GatherError(
                 f"could not hand this rank's part to rank {reader} ({exc}): its process "
                 "ended, or it left the job"
@@ -287,9 +345,10 @@ def take(call_id: str, ranks: Sequence[int], deadline: Deadline, what: str) -> d
                 )
             head, fds = handed
             found = _header(head)
-            if len(fds) == 1 and found is not None and found[0] == call_id and found[1] in ranks:
-                got.setdefault(found[1], fds[0])
-            else:
+            ours = found is not None and found[0] == call_id and found[1] in ranks
+            if ours and len(fds) == 1 and found is not None and found[1] not in got:
+                got[found[1]] = fds[0]
+            else:  # another call's, or one this call already has
                 _close_all(fds)
     except BaseException:
         _close_left(got)
@@ -350,7 +409,8 @@ def _map_private(fd: int, size: int, rank: int, what: str) -> memoryview:
         error = os.strerror(ctypes.get_errno())
         raise GatherError(f"{what}: the part of rank {rank} cannot be mapped: {error}")
     pages = (ctypes.c_ubyte * size).from_address(address)
-    weakref.finalize(pages, _libc.munmap, address, size)
+    # not at exit: an exit handler may still read the arrays (the kernel unmaps at exit)
+    weakref.finalize(pages, _libc.munmap, address, size).atexit = False
     return memoryview(pages).cast("B")
 
 
@@ -443,7 +503,7 @@ def _decoded(
     last.  The parts not decoded are closed when the iterator is closed or dropped, even
     one never started."""
     parts = _decoding(call, plan, call_id, fds, own, shown)
-    weakref.finalize(parts, _close_left, fds)
+    weakref.finalize(parts, _close_left, fds).atexit = False
     return parts
 
 

@@ -80,7 +80,7 @@ def facts(
         root=0 if root is None else sizes[root],
         broken=next((s["broken"] for s in statuses if s["broken"]), ""),
         inlined=all(s.get("inline", False) for s in statuses),
-        handover=_one_place({s.get("hand", "") for s in statuses}),
+        handover=_can_hand_over(statuses, receivers),
         short={
             need: fit.shortfalls(need, statuses, sizes, receivers, iterated=iterated)
             for need in fit.NEEDS
@@ -88,9 +88,18 @@ def facts(
     )
 
 
-def _one_place(tokens: set[str]) -> bool:
-    """Whether every rank reported the same place to take handed-over parts (none "")."""
-    return len(tokens) == 1 and "" not in tokens
+def _can_hand_over(statuses: list[Any], receivers: Sequence[int]) -> bool:
+    """Whether every rank reported the same place to take parts handed over (one machine,
+    one network namespace, one user; none ""), and the descriptors the call puts in
+    flight at once (one per sender and receiver) stay within half the smallest limit
+    (the kernel counts them per user against the open-file limit; other work of the
+    same user, say a DataLoader's, keeps the other half)."""
+    places = {s.get("hand", "") for s in statuses}
+    if len(places) != 1 or "" in places:
+        return False
+    senders = [r for r, s in enumerate(statuses) if int(s["size"])]
+    flying = sum(len(receivers) - (r in receivers) for r in senders)
+    return flying <= min(int(s.get("hand_fds", 0)) for s in statuses) // 2
 
 
 def pick(
