@@ -5,9 +5,8 @@ summarises the reports into ``Facts`` for all, and every rank turns them into
 the same frozen ``Plan``: the part sizes, the route (``"auto"`` settled by total
 size and node count, the default ``tmpdir`` moved off ``/dev/shm`` when the gather
 does not fit there, a ``tmpdir`` in RAM handed over as memfds where every rank can,
-which needs RAM but no room in /dev/shm),
-checked to fit in every node's memory.  ``pick`` is the route decision alone, pure,
-so that it can be tested without processes.
+which needs RAM but no room in /dev/shm), checked to fit in every node's memory.
+``pick`` is the route decision alone, pure, so that it can be tested without processes.
 """
 
 from __future__ import annotations
