@@ -53,8 +53,7 @@ from . import _job as job
 from . import _serialize as serialize
 from ._errors import GatherError, GatherTimeout, IntegrityError
 from ._progress import Progress, wanted
-from ._report import failure, status
-from ._routes import Route, send_confirmed
+from ._routes import Route, confirmed, send_confirmed
 from .stores._fileio import write_all
 from .stores.base import Store
 from .stores.deadline import Deadline
@@ -429,8 +428,9 @@ class HandoverRoute(Route):
     def all_gather(self, call: Call, plan: Plan) -> list[Any]:
         others = [r for r in range(call.world) if r != call.rank]
         call_id = self._hand(call, others)
-        what = "all_gather_object (read)"  # every rank reads: one progress bar, on rank 0
-        return self._read_and_confirm(call, plan, call_id, others, what, shown=call.rank == 0)
+        # every rank reads: one progress bar, on rank 0
+        shown = call.rank == 0
+        return _read_confirmed(call, plan, call_id, others, "all_gather_object (read)", shown=shown)
 
     def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
         call_id = self._hand(call, [dst] if call.rank != dst else [])
@@ -445,9 +445,7 @@ class HandoverRoute(Route):
         readers = [r for r in range(call.world) if r != src] if call.rank == src else []
         call_id = self._hand(call, readers)
         senders = [src] if call.rank != src else []
-        got = self._read_and_confirm(
-            call, plan, call_id, senders, "broadcast_object (read)", own=False, shown=False
-        )
+        got = _read_confirmed(call, plan, call_id, senders, "broadcast_object (read)", own=False)
         return got[0] if call.rank != src else plan.own
 
     def _hand(self, call: Call, readers: Sequence[int]) -> str:
@@ -470,29 +468,25 @@ class HandoverRoute(Route):
         send_confirmed(call, send, lambda sent: _listening().drop())
         return call_id
 
-    def _read_and_confirm(
-        self,
-        call: Call,
-        plan: Plan,
-        call_id: str,
-        senders: list[int],
-        what: str,
-        *,
-        own: bool = True,
-        shown: bool = True,
-    ) -> list[Any]:
-        """Every part of ``senders`` (see ``_decoded``), then an exchange: a rank that could
-        not read one raises on every rank."""
-        error: BaseException | None = None
-        mine = status(True)
-        out: list[Any] = []
-        try:
-            fds = take(call_id, senders, call.deadline, call.what)
-            out = list(_decoded(call, plan, call_id, fds, own=own, shown=shown))
-        except Exception as exc:
-            error, mine = exc, failure(exc)
-        call.confirm(mine, what=what, error=error)
-        return out
+
+def _read_confirmed(
+    call: Call,
+    plan: Plan,
+    call_id: str,
+    senders: list[int],
+    what: str,
+    *,
+    own: bool = True,
+    shown: bool = False,
+) -> list[Any]:
+    """Every part of ``senders`` (see ``_decoded``), then every rank's outcome (see
+    ``confirmed``)."""
+
+    def read() -> list[Any]:
+        fds = take(call_id, senders, call.deadline, call.what)
+        return list(_decoded(call, plan, call_id, fds, own=own, shown=shown))
+
+    return confirmed(call, read, what)
 
 
 def _decoded(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -42,8 +42,11 @@ __all__ = [
     "InlineRoute",
     "Route",
     "StoreRoute",
+    "confirmed",
     "send_confirmed",
 ]
+
+T = TypeVar("T")
 
 #: Bytes of all parts together up to which ``"auto"`` sends them inside the call's status
 #: exchange (each rank inlines a part of at most this over the world size).
@@ -162,23 +165,39 @@ def send_confirmed(
     call: Call, send: Callable[[serialize.Frame], bool], undo: Callable[[bool], None]
 ) -> None:
     """Send this rank's part with ``send`` (its frame; whether it sent anything), then
-    confirm with every rank: a rank that failed raises on every rank, each after its own
-    ``undo(sent)``.  The frame is freed once sent."""
-    error: BaseException | None = None
-    mine = status(True)
+    confirm (see ``confirmed``), each rank after its own ``undo(sent)`` when one failed.
+    The frame is freed once sent, before the exchange waits for the others."""
     frame = call.take_frame()
     sent = False
+
+    def run() -> None:
+        nonlocal frame, sent
+        try:
+            sent = frame is not None and send(frame)
+        finally:
+            frame = None
+
     try:
-        sent = frame is not None and send(frame)
-    except Exception as exc:
-        error, mine = exc, failure(exc)
-    del frame
-    try:
-        call.confirm(mine, what=call.what, error=error)
+        confirmed(call, run, call.what)
     except BaseException:
         undo(sent)
         raise
     call.lap("write")
+
+
+def confirmed(call: Call, run: Callable[[], T], what: str) -> T:
+    """``run()`` (this rank's side of a step: sending its part, reading what it receives),
+    then an exchange of every rank's outcome: a rank that failed raises on every rank, its
+    own error on itself."""
+    error: BaseException | None = None
+    mine = status(True)
+    out: T | None = None
+    try:
+        out = run()
+    except Exception as exc:
+        error, mine = exc, failure(exc)
+    call.confirm(mine, what=what, error=error)
+    return cast(T, out)
 
 
 def _packed(call: Call, size: int) -> torch.Tensor:
@@ -218,22 +237,16 @@ class StoreRoute(Route):
     def all_gather(self, call: Call, plan: Plan) -> list[Any]:
         everyone = list(range(call.world))
         session, prefix = self._write(call, everyone)
-        error: BaseException | None = None
-        out: list[Any] = []
-        mine = status(True)
+
+        def read() -> list[Any]:
+            # every part is returned: reading them all at once takes no more memory
+            budget = plan.total
+            return list(Parts(call, plan, session, prefix, call.rank, budget=budget, delete=False))
+
         try:
-            try:
-                # every part is returned: reading them all at once takes no more memory
-                reader = Parts(
-                    call, plan, session, prefix, call.rank, budget=plan.total, delete=False
-                )
-                out = list(reader)
-            except Exception as exc:
-                error, mine = exc, failure(exc)
-            call.confirm(mine, what="all_gather_object (read)", error=error)
+            return confirmed(call, read, "all_gather_object (read)")
         finally:
             self._tidy(call, session, part_key(prefix, call.rank))
-        return out
 
     def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
         session, prefix = self._write(call, [r for r in range(call.world) if r != dst])
@@ -248,16 +261,14 @@ class StoreRoute(Route):
 
     def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
         session, prefix = self._write(call, [src])
-        error: BaseException | None = None
-        mine = status(True)
-        out = plan.own
+
+        def read() -> Any:
+            if call.rank == src:
+                return plan.own
+            return serialize.load(fetch(call, session, prefix, src))
+
         try:
-            if call.rank != src:
-                out = serialize.load(fetch(call, session, prefix, src))
-        except Exception as exc:
-            error, mine = exc, failure(exc)
-        try:
-            call.confirm(mine, what="broadcast_object (read)", error=error)
+            out = confirmed(call, read, "broadcast_object (read)")
         finally:
             if call.rank == src:
                 self._tidy(call, session, part_key(prefix, src))
