@@ -76,6 +76,14 @@ def test_tensors_payload() -> None:
         payloads.make("images", 1, 0, 1)
 
 
+def test_logits_payload_is_a_tensor_per_sample() -> None:
+    got = payloads.make("logits", 8 << 20, 1, 2)
+    assert len(got) == (8 << 20) // 2 // (payloads.CLASSES * 4)
+    assert {t.shape for t in got} == {(payloads.CLASSES,)}
+    assert len({t.untyped_storage().data_ptr() for t in got}) == len(got)
+    assert torch.equal(payloads.make("logits", 8 << 20, 1, 2)[5], got[5])
+
+
 def test_records_payload_holds_views_of_each_records_scores() -> None:
     recs = payloads.make("records", 64 << 20, 1, 2)
     assert len(recs) == 8  # 32 MiB a rank, 4 MiB a record

@@ -39,6 +39,8 @@ def test_the_estimate_counts_objects_not_pickled_bytes() -> None:
     assert frame.rebuilt > 5 * frame.nbytes, (frame.rebuilt, frame.nbytes)
     tensors = {"x": __import__("torch").ones(1 << 20)}
     assert _sizing.rebuilt_size(tensors) < 4096  # out of band: a view of the part
+    arrays = [__import__("numpy").ones(256) for _ in range(1000)]  # one column: views
+    assert _sizing.rebuilt_size(arrays) < 200 * len(arrays)
 
 
 def _job(case: str, limit_file: str, usage_file: str) -> str:

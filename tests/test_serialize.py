@@ -179,6 +179,53 @@ def test_records_are_views_into_the_part(tmp_path: Path) -> None:
     assert out[4]["boxes"][0, 0] == 4
 
 
+def test_a_list_of_small_arrays_is_one_column() -> None:
+    shared = np.arange(8, dtype=">f4").reshape(2, 4)
+    arrays = [np.full((i % 3, 4), i, ">f4") for i in range(60)] + [shared] * 3
+    out = round_trip(arrays)
+    assert_same(out, arrays)
+    assert len({id(_root(a)) for a in out}) == 1, "every array is a view of one column"
+    assert out[-1] is out[-2] is out[-3], "an array the list holds three times stays one"
+    out[4][0, 0] = -1  # writable, the others untouched
+    assert out[5][0, 0] == 5 and out[1][0, 0] == 1
+
+
+def test_a_list_of_small_tensors_is_one_column() -> None:
+    tensors = [torch.full((3,), float(i), requires_grad=True) for i in range(50)]
+    out = round_trip(tensors)
+    assert_same(out, tensors)
+    ptrs = [t.data_ptr() for t in out]
+    assert ptrs == [ptrs[0] + 12 * i for i in range(50)], "tensors are views of one column"
+
+
+def test_lists_of_arrays_that_do_not_join_stay_as_they_are() -> None:
+    mixed_dtypes = [np.ones(3, np.float32) if i % 2 else np.ones(3, np.int64) for i in range(20)]
+    mixed_shapes = [np.ones((2, 1 + i % 2)) for i in range(20)]
+    views = list(np.ones((20, 2048), np.float32))  # 8 KiB views of one batch: one span
+    mixed_kinds = [np.ones(2)] * 10 + [torch.ones(2)] * 10
+    for items in (mixed_dtypes, mixed_shapes, views, mixed_kinds):
+        assert_same(round_trip(items), items)
+    out = round_trip(views)
+    assert len({id(_root(a)) for a in out}) == 1  # still views of one buffer
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    DTYPES.flatmap(
+        lambda dtype: st.lists(
+            hnp.arrays(dtype, hnp.array_shapes(min_dims=0, max_dims=2, max_side=3)),
+            min_size=MIN_RUN,
+            max_size=3 * MIN_RUN,
+        )
+    )
+)
+def test_round_trip_of_random_lists_of_arrays(items: list[np.ndarray]) -> None:
+    assert_same(round_trip(items), items)
+    with np.errstate(over="ignore", invalid="ignore"):  # e.g. >f8 or complex to <f4
+        torn = [torch.from_numpy(np.asarray(np.nan_to_num(a.real.astype("<f4")))) for a in items]
+    assert_same(round_trip(torn), torn)
+
+
 def _root(arr: np.ndarray) -> Any:
     while isinstance(arr.base, np.ndarray):
         arr = arr.base

@@ -19,6 +19,10 @@ that defines its own pickling (``__reduce__``, ``__reduce_ex__``,
 ``__dict__`` differs from its fields is pickled as it says.  A run in which one
 record object appears twice is pickled plainly too, so that it stays one object.
 
+A list of small arrays (or of small CPU tensors) of one dtype and trailing shape,
+say a logits vector per sample, is one such column by itself: one copy into one
+region instead of a span or an in-band pickle each, rebuilt as views of it.
+
 Lists that are not homogeneous fall back to plain pickling per run of records;
 this is never a user-visible format choice.
 """
@@ -36,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Batch", "Column", "pack", "structure"]
+__all__ = ["Batch", "Column", "columnar", "pack", "structure"]
 
 #: Shortest run of records worth a batch.
 MIN_RUN = 8
@@ -247,19 +251,22 @@ def _tensor_values(
     return list(torch.split(base, [int(n) for n in lengths]))
 
 
+def _column_values(kind: Kind, count: int, column: Any) -> list[Any]:
+    """The ``count`` arrays or tensors of an array column, as views of its region."""
+    buf, lengths, positions = column
+    rebuild = _numpy_values if kind[0] == "np" else _tensor_values
+    distinct = count if positions is None else int(positions.max(initial=-1)) + 1
+    found = rebuild(buf, kind[1], tuple(kind[2]), kind[3], distinct, lengths)
+    return found if positions is None else [found[i] for i in positions]
+
+
 def _unbatch(
     cls: type, names: tuple[str, ...], kinds: list[Kind], count: int, columns: list[Any]
 ) -> list[Any]:
-    values: list[Any] = []
-    for kind, column in zip(kinds, columns, strict=True):
-        if kind[0] == "py":
-            values.append(column)
-            continue
-        buf, lengths, positions = column
-        rebuild = _numpy_values if kind[0] == "np" else _tensor_values
-        distinct = count if positions is None else int(positions.max(initial=-1)) + 1
-        found = rebuild(buf, kind[1], tuple(kind[2]), kind[3], distinct, lengths)
-        values.append(found if positions is None else [found[i] for i in positions])
+    values = [
+        column if kind[0] == "py" else _column_values(kind, count, column)
+        for kind, column in zip(kinds, columns, strict=True)
+    ]
     if cls is dict:
         return list(map(dict, map(zip, repeat(names), zip(*values, strict=True))))
     out = []
@@ -268,6 +275,31 @@ def _unbatch(
         obj.__dict__.update(zip(names, row, strict=True))
         out.append(obj)
     return out
+
+
+class _Arrays:
+    """A list of arrays or tensors packed into one column; unpickles to the list."""
+
+    def __init__(self, kind: Kind, count: int, column: Any) -> None:
+        self.kind, self.count, self.column = kind, count, column
+
+    def __reduce__(self) -> tuple[Callable[..., list[Any]], tuple[Any, ...]]:
+        return (_column_values, (self.kind, self.count, self.column))
+
+
+_ARRAYS = (np.ndarray, torch.Tensor)
+
+
+def columnar(items: list[Any]) -> bool:
+    """Whether ``pack`` may turn ``items`` into columns: a run of same-shaped records, or
+    of arrays or tensors (judged by its first and last elements)."""
+    if len(items) < MIN_RUN:
+        return False
+    first, last = items[0], items[-1]
+    if type(first) in _ARRAYS:
+        return type(last) is type(first)
+    shape = structure(first)
+    return shape is not None and shape == structure(last)
 
 
 class _Chunks:
@@ -294,8 +326,16 @@ def _distinct(items: list[Any]) -> bool:
     return not (ids[1:] == ids[:-1]).any()
 
 
+def _pack_arrays(items: list[Any]) -> Any:
+    """``items``, arrays or tensors, as one column when they join (see ``_numpy_column``)."""
+    packed = _numpy_column(items) or _tensor_column(items)
+    return items if packed is None else _Arrays(packed[0], len(items), packed[1])
+
+
 def _pack_list(items: list[Any]) -> Any:
     kinds = set(map(type, items))
+    if len(kinds) == 1 and type(items[0]) in _ARRAYS:
+        return _pack_arrays(items)
     if dict not in kinds and all(_plain_fields(k) is None for k in kinds):  # no records
         return items
     if kinds == {dict}:  # the usual list of dicts: one run when they share their keys

@@ -10,7 +10,7 @@ spaced positions, scaled up to the whole) so that the cost stays bounded
 whatever the object's size.  Objects reached twice count once, as the
 unpickler shares them too (but numbers, which pickle writes by value, count at
 every place).  Arrays and CPU tensors large enough to travel
-out of band, or packed into the columns of a run of records, come back as
+out of band, or packed into columns (a run of records, a list of small arrays), come back as
 views of the part's buffer: only their headers count (the part itself is
 counted by the route's memory need).
 """
@@ -39,15 +39,6 @@ _TENSOR_HEADER = 400
 _OVERHEAD = 1.5
 _UNSHARED = (type(None), bool, int, float, complex)
 _ATOMS = (str, bytes, bytearray)
-
-
-def _records(items: list[Any]) -> bool:
-    """Whether ``items`` looks like a run of same-shaped records, which gatherstore packs
-    into columns (judged by its first and last elements)."""
-    if len(items) < records.MIN_RUN:
-        return False
-    first, last = records.structure(items[0]), records.structure(items[-1])
-    return first is not None and first == last
 
 
 def rebuilt_size(obj: Any, out_of_band_min: int = 4096) -> int:
@@ -85,7 +76,7 @@ class _Walk:
             data = obj.element_size() * obj.nelement()
             in_band = data < self.out_of_band_min and not self.columnar
             return _TENSOR_HEADER + (data if in_band else 0)
-        if isinstance(obj, list) and _records(obj):  # packed into columns: arrays are views
+        if isinstance(obj, list) and records.columnar(obj):  # packed: arrays are views
             inside, self.columnar = self.columnar, True
             try:
                 return sys.getsizeof(obj) + self._elements(obj, budget)

@@ -7,8 +7,10 @@ image with 100 boxes.  ``tensors`` is a dict of four large float32 tensors.
 ``records`` is a list of tensor-heavy records, ``{"id", "scores": <4 MiB
 tensor>, "boxes": scores.view(-1, 4)[:, 1:3]}`` (``boxes`` a view of
 ``scores``' storage), and ``cuda-records`` the same records on the GPU (on
-``cuda:<rank % GPUs>``).  All are sized so that all ranks together hold about
-the requested bytes (counting each storage once).
+``cuda:<rank % GPUs>``).  ``logits`` is a list of one float32 tensor of 1000
+class scores per sample, as a classifier's evaluation loop collects them.  All
+are sized so that all ranks together hold about the requested bytes (counting
+each storage once).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "available",
     "cuda_device",
     "image_count",
+    "logits",
     "make",
     "records",
     "shard",
@@ -37,10 +40,12 @@ __all__ = [
 BOXES = 100
 #: Array bytes of one image: boxes float32 (100, 4), scores float32 (100,), labels int64 (100,).
 IMAGE_BYTES = BOXES * 4 * 4 + BOXES * 4 + BOXES * 8
-KINDS = ("detections", "tensors", "records", "cuda-records")
+KINDS = ("detections", "tensors", "records", "logits", "cuda-records")
 _TENSORS = 4
 #: Bytes of one record's ``scores`` in ``records``.
 RECORD_BYTES = 4 << 20
+#: Classes of one sample's scores in ``logits``.
+CLASSES = 1000
 
 
 def image_count(nbytes: int) -> int:
@@ -108,6 +113,14 @@ def records(
     return out
 
 
+def logits(nbytes: int, rank: int, world: int, seed: int = 0) -> list[torch.Tensor]:
+    """One float32 tensor of :data:`CLASSES` scores per sample, each its own storage; all
+    ranks together hold about ``nbytes`` (at least one sample each)."""
+    count = max(1, nbytes // world // (CLASSES * 4))
+    gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+    return [torch.randn(CLASSES, generator=gen) for _ in range(count)]
+
+
 def cuda_device(rank: int) -> str:
     """The GPU that ``rank`` holds its ``cuda-records`` on (ranks share GPUs round robin)."""
     return f"cuda:{rank % torch.cuda.device_count()}"
@@ -130,6 +143,8 @@ def make(kind: str, nbytes: int, rank: int, world: int, seed: int = 0) -> Any:
         return tensors(nbytes, rank, world, seed)
     if kind == "records":
         return records(nbytes, rank, world, seed)
+    if kind == "logits":
+        return logits(nbytes, rank, world, seed)
     if kind == "cuda-records":
         if not torch.cuda.is_available():
             raise ValueError("payload 'cuda-records' needs a CUDA device; this machine has none")

@@ -27,16 +27,18 @@ _IOV_MAX = 1024
 
 
 def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
-    """Write ``buffers`` back to back with ``writev``, handling partial writes."""
+    """Write ``buffers`` back to back with ``writev``, handling partial writes (in time
+    linear in their count: a part may have a segment per array)."""
     views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-    while views:
-        written = os.writev(fd, views[:_IOV_MAX])
-        while written and views:
-            if written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
+    first = 0
+    while first < len(views):
+        written = os.writev(fd, views[first : first + _IOV_MAX])
+        while written:
+            if written >= len(views[first]):
+                written -= len(views[first])
+                first += 1
             else:
-                views[0] = views[0][written:]
+                views[first] = views[first][written:]
                 written = 0
 
 
