@@ -74,6 +74,16 @@ def test_an_array_many_records_hold_travels_once_and_stays_one_object(kb: int) -
     assert all(rec["meta"] is out[0]["meta"] for rec in out)
 
 
+def test_a_tensor_not_aligned_to_its_dtype_comes_back_equal_and_aligned() -> None:
+    raw = np.arange(10_000, dtype=np.uint16).view(np.uint8)
+    odd = torch.from_numpy(raw[1 : 1 + 8192].view(np.float32))  # one byte past alignment
+    assert odd.data_ptr() % 4
+    sent = {"head": torch.from_numpy(raw[:4096]), "odd": odd}  # one span: they touch
+    out = round_trip(sent)
+    assert_same(out, sent)
+    assert out["odd"].data_ptr() % 4 == 0
+
+
 def test_numpy_views_keep_strides_byte_order_and_shared_memory() -> None:
     base = np.arange(1 << 16, dtype=">f8").reshape(256, 256)
     tensor = torch.arange(1 << 14, dtype=torch.float32)

@@ -68,20 +68,27 @@ class Spans:
         return SpanRef(len(self.spans) - 1)
 
     def array(self, arr: np.ndarray[Any, Any]) -> Any:
-        """The reduction of a numpy array to its span."""
+        """The reduction of a non-empty numpy array to its span."""
         address = arr.__array_interface__["data"][0]
-        low = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides, strict=True) if s < 0)
-        high = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides, strict=True) if s > 0)
+        if arr.flags.c_contiguous:  # the usual case, without a pass over the strides
+            low, high = 0, arr.nbytes - arr.itemsize
+        else:
+            pairs = list(zip(arr.shape, arr.strides, strict=True))
+            low = sum((n - 1) * s for n, s in pairs if s < 0)
+            high = sum((n - 1) * s for n, s in pairs if s > 0)
         ref = self._add(None, address + low, address + high + arr.itemsize, arr)
         return (_rebuild_array, (ref, -low, arr.dtype, arr.shape, arr.strides))
 
     def tensor(self, tensor: torch.Tensor) -> Any:
-        """The reduction of a dense CPU or CUDA tensor to its span (detached)."""
-        tensor = tensor.detach()
+        """The reduction of a dense, non-empty, detached CPU or CUDA tensor to its span."""
         storage = tensor.untyped_storage()
         size = tensor.element_size()
         start = storage.data_ptr() + int(tensor.storage_offset()) * size
-        items = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        if tensor.is_contiguous():
+            items = tensor.numel()
+        else:
+            shape, stride = tensor.shape, tensor.stride()
+            items = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
         key = None
         if tensor.device.type == "cuda":
             key = (tensor.device, storage.data_ptr())
@@ -130,15 +137,16 @@ class Loaded:
 
     def __init__(self, regions: list[memoryview], table: memoryview | None) -> None:
         self.regions = regions
-        self.table = np.frombuffer(table, np.int64).reshape(-1, 2) if table is not None else None
+        #: (region, offset) of each span, as Python ints (one lookup per span rebuilt)
+        self.table = [] if table is None else np.frombuffer(table, np.int64).reshape(-1, 2).tolist()
         self.arrays: dict[int, np.ndarray[Any, Any]] = {}
         self.tensors: dict[int, torch.Tensor] = {}
+        self.typed: dict[tuple[int, torch.dtype], torch.Tensor | None] = {}
 
     def at(self, span: int) -> tuple[Loaded, int, int]:
         """Where span ``span`` is: (these regions, its region, its offset there)."""
-        assert self.table is not None
         region, offset = self.table[span]
-        return self, int(region), int(offset)
+        return self, region, offset
 
     def array(self, region: int) -> np.ndarray[Any, Any]:
         if region not in self.arrays:
@@ -152,6 +160,16 @@ class Loaded:
                 view = memoryview(bytearray(view))
             self.tensors[region] = torch.frombuffer(view, dtype=torch.uint8)
         return self.tensors[region]
+
+    def of_dtype(self, region: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The region as one tensor of ``dtype``; None when its length is not a multiple of
+        the dtype's size."""
+        key = (region, dtype)
+        if key not in self.typed:
+            whole = self.tensor(region)
+            fits = whole.numel() % dtype.itemsize == 0
+            self.typed[key] = whole.view(dtype) if fits else None
+        return self.typed[key]
 
 
 def _rebuild_array(
@@ -177,11 +195,15 @@ def _rebuild_tensor(
     size = kind.itemsize
     if 0 in shape:
         return torch.empty(shape, dtype=kind)
-    span = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) * size
-    piece = loaded.tensor(region)[offset : offset + span]
-    if offset % size:  # a view that was not aligned to its dtype: copied into aligned memory
-        piece = piece.clone()
-    out = piece.view(kind).as_strided(shape, stride)
+    typed = loaded.of_dtype(region, kind) if offset % size == 0 else None
+    if typed is not None:  # the usual case: one view of the region
+        out = typed.as_strided(shape, stride, offset // size)
+    else:
+        span = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) * size
+        piece = loaded.tensor(region)[offset : offset + span]
+        if offset % size:  # a view not aligned to its dtype: copied into aligned memory
+            piece = piece.clone()
+        out = piece.view(kind).as_strided(shape, stride)
     conj, neg = flags
     if conj:
         out = out.conj()
