@@ -348,6 +348,24 @@ def test_damaged_part_raises_integrity_error_and_unpickles_nothing(where: int) -
     assert Canary.unpickled == 0
 
 
+def _format_3_object() -> dict[str, Any]:
+    base = torch.arange(2048, dtype=torch.float32)
+    records = [
+        {"id": i, "boxes": np.full((2, 4), i, np.float32), "name": f"r{i}"} for i in range(10)
+    ]
+    big = np.arange(1024, dtype=">f8")
+    return {"records": records, "big": big, "scores": base, "boxes": base.view(-1, 4)[:, 1:3]}
+
+
+def test_a_part_of_format_3_is_still_read() -> None:
+    """Written by gatherstore with format 3 (columns and spans by persistent ids), say a
+    result set's chunk from before an upgrade."""
+    raw = (Path(__file__).parent / "data" / "part-format-3.bin").read_bytes()
+    out = serialize.decode(bytearray(raw), bind=b"format-3")
+    assert_same(out, _format_3_object())
+    assert out["boxes"].untyped_storage().data_ptr() == out["scores"].untyped_storage().data_ptr()
+
+
 def test_truncated_foreign_and_other_version_parts() -> None:
     frame = serialize.encode({"a": 1}).seal(None)
     buf = bytearray(frame.nbytes)

@@ -52,8 +52,10 @@ __all__ = [
     "verify",
 ]
 
-# 3: storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3 (1: HMAC-SHA256)
-FORMAT_VERSION = 3
+# 4: regions named by a global the part's unpickler resolves (3: by persistent ids, read
+# too); 3: storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3
+FORMAT_VERSION = 4
+_READS = (3, 4)
 _MAGIC = b"GSPART\x00\x00"
 # magic, version, flags, out-of-band buffers, persistent regions, pickle length, total
 _HEAD = struct.Struct("<8sIIQQQQ")
@@ -130,10 +132,26 @@ def _reduce_array(obj: Any, spans: storage.Spans) -> Any:
     return np.ascontiguousarray(obj).__reduce_ex__(5)
 
 
-def _reduce_object(obj: Any, spans: storage.Spans) -> Any:
-    if type(obj) is np.ndarray:
+def _region(ref: int) -> Any:
+    """Names a region in a pickle stream (columns count up from 0, spans down from -1);
+    only the unpickler of the part it belongs to resolves it (``_Unpickler.find_class``)."""
+    raise GatherError("a region of a gatherstore part was unpickled outside its part")
+
+
+def _reduce_object(obj: Any, spans: storage.Spans, columns: list[records.Column]) -> Any:
+    """How ``obj`` is pickled: arrays and tensors as spans or in the stream, columns and
+    spans as references to their regions; NotImplemented for everything else.  Called
+    for objects other than numbers, strings and builtin containers only, unlike a
+    persistent id, which would be asked for every object."""
+    kind = type(obj)
+    if kind is np.ndarray:
         return _reduce_array(obj, spans)
-    if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
+    if kind is storage.SpanRef:
+        return (_region, (-1 - obj.index,))
+    if kind is records.Column:
+        columns.append(obj)
+        return (_region, (len(columns) - 1,))
+    if kind is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
         return NotImplemented
     tensor = obj.detach()
     if tensor.device.type not in ("cpu", "cuda"):
@@ -150,8 +168,7 @@ def _reduce_object(obj: Any, spans: storage.Spans) -> Any:
 
 
 class _Pickler(pickle.Pickler):
-    """Stores record-batch columns and storage spans as regions (persistent ids:
-    columns count up from 0, spans down from -1)."""
+    """Stores record-batch columns and storage spans as regions (see ``_region``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -159,16 +176,7 @@ class _Pickler(pickle.Pickler):
         self.spans = storage.Spans()
 
     def reducer_override(self, obj: Any) -> Any:
-        return _reduce_object(obj, self.spans)
-
-    def persistent_id(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is storage.SpanRef:
-            return -1 - obj.index
-        if kind is records.Column:
-            self.columns.append(obj)
-            return len(self.columns) - 1
-        return None
+        return _reduce_object(obj, self.spans, self.columns)
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -178,12 +186,10 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
         self.spans = storage.Spans()
 
     def reducer_override(self, obj: Any) -> Any:
-        reduced = _reduce_object(obj, self.spans)
+        reduced = _reduce_object(obj, self.spans, self.columns)
         if reduced is NotImplemented:
             return super().reducer_override(obj)
         return reduced
-
-    persistent_id = _Pickler.persistent_id
 
 
 @dataclass
@@ -310,10 +316,10 @@ def verify(
     magic, version, flags, count, columns, pickle_len, total = _HEAD.unpack_from(view)
     if magic != _MAGIC:
         raise fail("is not a gatherstore part (bad magic)")
-    if version != FORMAT_VERSION:
+    if version not in _READS:
         raise fail(
-            f"has format version {version}, this gatherstore reads {FORMAT_VERSION}: "
-            "run the same gatherstore version on every rank"
+            f"has format version {version}, this gatherstore reads "
+            f"{' and '.join(map(str, _READS))}: run the same gatherstore version on every rank"
         )
     if len(view) != total:
         raise fail(f"is truncated or padded: {len(view)} bytes, the header says {total}")
@@ -372,13 +378,19 @@ def duplicate(frame: Frame) -> Any:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Unpickles a verified part from ``stream`` (a file over its pickle stream),
-    columns and spans by persistent id."""
+    """Unpickles a verified part from ``stream`` (a file over its pickle stream), its
+    columns and spans from its regions (named by ``_region``, or in a part of format 3 by
+    persistent ids)."""
 
     def __init__(self, verified: Verified, stream: Any) -> None:
         super().__init__(stream, buffers=verified.buffers)
         self.columns = verified.columns
         self.loaded = storage.Loaded(verified.columns, verified.spans)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == _region.__name__:
+            return self.persistent_load
+        return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         return self.columns[pid] if pid >= 0 else self.loaded.at(-1 - pid)

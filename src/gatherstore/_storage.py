@@ -31,7 +31,7 @@ __all__ = ["Loaded", "Spans", "SpanRef"]
 
 
 class SpanRef:
-    """A placeholder in the pickle stream for one span (a persistent id)."""
+    """A placeholder in the pickle stream for one span (a reference to its region)."""
 
     __slots__ = ("index",)
 
