@@ -279,7 +279,7 @@ class Verified:
 
     stream: memoryview
     buffers: list[memoryview]
-    #: The regions of persistent ids: columns, then span regions (see ``_storage``).
+    #: The regions the stream references: columns, then span regions (see ``_storage``).
     columns: list[memoryview]
     rank: int | None = None
     where: str | None = None
