@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import pickle
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -230,6 +232,23 @@ def _root(arr: np.ndarray) -> Any:
     while isinstance(arr.base, np.ndarray):
         arr = arr.base
     return arr.base
+
+
+def test_a_decoded_part_is_freed_once_nothing_holds_it() -> None:
+    """No reference cycle keeps a part alive until the next garbage collection."""
+    sent = {"span": np.ones(1 << 16), "records": [{"a": np.ones(3)} for _ in range(MIN_RUN)]}
+    frame = serialize.encode(sent).seal(None)
+    raw = np.empty(frame.nbytes, np.uint8)
+    frame.copy_into(memoryview(raw))
+    gone = weakref.ref(raw)
+    gc.disable()
+    try:
+        out = serialize.decode(raw)
+        assert_same(out, sent)
+        del out, raw
+        assert gone() is None, "the part outlives what was decoded from it"
+    finally:
+        gc.enable()
 
 
 def test_big_part_from_a_file_is_memory_mapped(tmp_path: Path) -> None:

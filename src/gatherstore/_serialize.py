@@ -23,6 +23,7 @@ change: what is verified must be what is unpickled.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import pickle
@@ -389,11 +390,18 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == _region.__name__:
-            return self.persistent_load
+            # not a bound method: the unpickler's memo keeps what this returns, and a
+            # reference back to the unpickler would keep the part alive until a collection
+            return functools.partial(_resolve, self.columns, self.loaded)
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        return self.columns[pid] if pid >= 0 else self.loaded.at(-1 - pid)
+        return _resolve(self.columns, self.loaded, pid)
+
+
+def _resolve(columns: list[memoryview], loaded: storage.Loaded, ref: int) -> Any:
+    """The region ``ref`` names: a column (from 0 up) or a span (from -1 down)."""
+    return columns[ref] if ref >= 0 else loaded.at(-1 - ref)
 
 
 def _unpickle(verified: Verified) -> Any:
