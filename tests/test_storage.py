@@ -64,6 +64,48 @@ def test_slices_of_one_batch_tensor_travel_as_one_span() -> None:
     assert out[5]["pair"][1].data_ptr() == out[6]["row"].data_ptr()
 
 
+def test_rows_of_batch_tensors_travel_once_each_batch_and_arrive_as_its_views() -> None:
+    batches = [torch.rand(100, 1024, requires_grad=True) for _ in range(3)]
+    rows = [row for batch in batches for row in batch]  # 4 KiB views: no column copy
+    assert _size(rows) < 1.02 * 3 * batches[0].nbytes
+    out = round_trip(rows)
+    assert_same(out, rows)
+    for first in (0, 100, 200):
+        storages = {r.untyped_storage().data_ptr() for r in out[first : first + 100]}
+        assert len(storages) == 1, "the rows of one batch are views of one buffer"
+        assert out[first + 1].data_ptr() - out[first].data_ptr() == 4096
+    out[1][0] = -1.0  # writable, the neighbours untouched
+    assert out[0][0] != -1.0 and out[2][0] != -1.0
+
+
+def test_rows_shared_with_their_batch_or_strided_stay_its_views() -> None:
+    batch = torch.rand(1024, 1024)
+    sent = {
+        "batch": batch,
+        "rows": list(batch),
+        "some": [batch[i] for i in range(0, 64, 8)],  # 8 views, covering part of it
+        "columns": list(batch[:, :16].T),  # strided views
+        "records": [{"id": i, "emb": batch[i]} for i in range(32)],
+    }
+    assert _size(sent) < 1.02 * batch.nbytes, "every view's bytes travel with the batch's"
+    out = round_trip(sent)
+    assert_same(out, sent)
+    ptr = out["batch"].untyped_storage().data_ptr()
+    for name in ("rows", "some", "columns"):
+        assert {v.untyped_storage().data_ptr() for v in out[name]} == {ptr}, name
+    assert {r["emb"].untyped_storage().data_ptr() for r in out["records"]} == {ptr}
+    assert out["columns"][3].stride() == (1024,)
+    out["batch"][8, 3] = -5.0
+    assert out["rows"][8][3] == out["some"][1][3] == out["columns"][3][8] == -5.0
+
+
+def test_a_part_of_a_batch_sends_only_the_rows_it_holds() -> None:
+    batch = torch.rand(1000, 1024)
+    rows = list(batch[100:120])
+    assert _size(rows) < 1.1 * 20 * 4096
+    assert_same(round_trip(rows), rows)
+
+
 @pytest.mark.parametrize("kb", [1, 1024], ids=["small", "large"])
 def test_an_array_many_records_hold_travels_once_and_stays_one_object(kb: int) -> None:
     shared = np.arange(kb * 256, dtype=np.float32)

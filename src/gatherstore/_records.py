@@ -185,6 +185,57 @@ def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
     return kind, (Column([raw.data]), _compact(lengths), positions)
 
 
+#: Views of a few storages make a column of views when they are at least this many per
+#: storage (rows of batch tensors); fewer, each travels as a span of its own.
+_VIEWS_PER_STORAGE = 4
+_data_ptr, _storage_offset = (
+    operator.methodcaller("data_ptr"),
+    operator.methodcaller("storage_offset"),
+)
+
+
+def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
+    """A column of CPU tensor views of one dtype, shape and strides that share a few
+    storages (the rows of batch tensors), else None: per storage, one tensor covering its
+    views (pickled as a span, so memory that other objects share still travels once),
+    and each view's place in it.  Rebuilt as views of those tensors, without a span, and
+    its Python work, per view."""
+    first = values[0]
+    if not all(type(v) is torch.Tensor for v in values) or first.device.type != "cpu":
+        return None
+    if first.layout != torch.strided or first.is_quantized or first.numel() == 0:
+        return None
+    shape, stride, dtype = first.shape, first.stride(), first.dtype
+    if any(v.shape != shape or v.stride() != stride or v.dtype != dtype for v in values):
+        return None
+    if any(v.device != first.device or v.is_conj() or v.is_neg() for v in values):
+        return None
+    values, positions = _unique(values)
+    count = len(values)
+    offsets = np.fromiter(map(_storage_offset, values), np.int64, count)
+    starts = np.fromiter(map(_data_ptr, values), np.int64, count) - offsets * first.element_size()
+    _, firsts, groups = np.unique(starts, return_index=True, return_inverse=True)
+    if len(firsts) * _VIEWS_PER_STORAGE > count:
+        return None
+    low = np.full(len(firsts), np.iinfo(np.int64).max, np.int64)
+    high = np.zeros(len(firsts), np.int64)
+    np.minimum.at(low, groups, offsets)
+    np.maximum.at(high, groups, offsets)
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    sizes = (high - low + extent).tolist()
+    covers = [
+        torch.empty(0, dtype=dtype).set_(values[i].untyped_storage(), start, (size,), (1,))
+        for i, start, size in zip(firsts.tolist(), low.tolist(), sizes, strict=True)
+    ]
+    kind = ("vt", str(dtype).removeprefix("torch."), tuple(shape), tuple(stride))
+    return kind, (covers, groups.astype(np.int64), offsets - low[groups], positions)
+
+
+def _joined(values: list[Any]) -> tuple[Kind, Any] | None:
+    """``values`` (a field of records, or a list's items) as one column, else None."""
+    return _numpy_column(values) or _tensor_column(values) or _view_column(values)
+
+
 def _compact(lengths: np.ndarray | None) -> Any:
     """None (0-d), an int (all equal) or the lengths array."""
     if lengths is None:
@@ -207,7 +258,7 @@ class Batch:
                 values = list(map(operator.itemgetter(name), records))
             else:
                 values = [r.__dict__[name] for r in records]
-            packed = _numpy_column(values) or _tensor_column(values)
+            packed = _joined(values)
             kind, column = packed if packed is not None else (("py",), values)
             self.kinds.append(kind)
             self.columns.append(column)
@@ -251,8 +302,23 @@ def _tensor_values(
     return list(torch.split(base, [int(n) for n in lengths]))
 
 
+def _view_values(kind: Kind, column: Any) -> list[Any]:
+    """The tensors of a column of views (see ``_view_column``), as views again."""
+    covers, groups, offsets, positions = column
+    _, _, shape, stride = kind
+    starts = [cover.storage_offset() for cover in covers]
+    found = [
+        covers[g].as_strided(shape, stride, starts[g] + offset)
+        for g, offset in zip(groups.tolist(), offsets.tolist(), strict=True)
+    ]
+    return found if positions is None else [found[i] for i in positions]
+
+
 def _column_values(kind: Kind, count: int, column: Any) -> list[Any]:
-    """The ``count`` arrays or tensors of an array column, as views of its region."""
+    """The ``count`` arrays or tensors of an array column, as views of its region (or of
+    the tensors a column of views covers)."""
+    if kind[0] == "vt":
+        return _view_values(kind, column)
     buf, lengths, positions = column
     rebuild = _numpy_values if kind[0] == "np" else _tensor_values
     distinct = count if positions is None else int(positions.max(initial=-1)) + 1
@@ -328,7 +394,7 @@ def _distinct(items: list[Any]) -> bool:
 
 def _pack_arrays(items: list[Any]) -> Any:
     """``items``, arrays or tensors, as one column when they join (see ``_numpy_column``)."""
-    packed = _numpy_column(items) or _tensor_column(items)
+    packed = _joined(items)
     return items if packed is None else _Arrays(packed[0], len(items), packed[1])
 
 
