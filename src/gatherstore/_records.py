@@ -22,6 +22,10 @@ record object appears twice is pickled plainly too, so that it stays one object.
 A list of small arrays (or of small CPU tensors) of one dtype and trailing shape,
 say a logits vector per sample, is one such column by itself: one copy into one
 region instead of a span or an in-band pickle each, rebuilt as views of it.
+Larger views that share a few storages (the rows of batch tensors, in a list or a
+field of records) are never copied: they become a column of views, one tensor per
+storage covering them (a span, merged with whatever else shares that memory) and
+each view's offset into it.
 
 Lists that are not homogeneous fall back to plain pickling per run of records;
 this is never a user-visible format choice.
