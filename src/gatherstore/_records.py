@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _storage as storage
+
 __all__ = ["Batch", "Column", "columnar", "pack", "structure"]
 
 #: Shortest run of records worth a batch.
@@ -225,7 +227,7 @@ def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     high = np.zeros(len(firsts), np.int64)
     np.minimum.at(low, groups, offsets)
     np.maximum.at(high, groups, offsets)
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    extent = storage.elements_spanned(shape, stride)
     sizes = (high - low + extent).tolist()
     covers = [
         torch.empty(0, dtype=dtype).set_(values[i].untyped_storage(), start, (size,), (1,))

@@ -19,6 +19,7 @@ one storage are views of one buffer again.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,13 @@ import torch
 
 from . import _staging as staging
 
-__all__ = ["Loaded", "Spans", "SpanRef"]
+__all__ = ["Loaded", "Spans", "SpanRef", "elements_spanned"]
+
+
+def elements_spanned(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from a non-empty torch view's first to its last (strides are never
+    negative in torch)."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
 
 
 class SpanRef:
@@ -84,11 +91,8 @@ class Spans:
         storage = tensor.untyped_storage()
         size = tensor.element_size()
         start = storage.data_ptr() + int(tensor.storage_offset()) * size
-        if tensor.is_contiguous():
-            items = tensor.numel()
-        else:
-            shape, stride = tensor.shape, tensor.stride()
-            items = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        contiguous = tensor.is_contiguous()
+        items = tensor.numel() if contiguous else elements_spanned(tensor.shape, tensor.stride())
         key = None
         if tensor.device.type == "cuda":
             key = (tensor.device, storage.data_ptr())
@@ -199,7 +203,7 @@ def _rebuild_tensor(
     if typed is not None:  # the usual case: one view of the region
         out = typed.as_strided(shape, stride, offset // size)
     else:
-        span = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) * size
+        span = elements_spanned(shape, stride) * size
         piece = loaded.tensor(region)[offset : offset + span]
         if offset % size:  # a view not aligned to its dtype: copied into aligned memory
             piece = piece.clone()
