@@ -76,6 +76,13 @@ def test_tensors_payload() -> None:
         payloads.make("images", 1, 0, 1)
 
 
+def test_keyed_payload_holds_the_detections_by_image_id() -> None:
+    got = payloads.make("keyed", 4 << 20, 1, 3)
+    images = payloads.make("detections", 4 << 20, 1, 3)
+    assert list(got) == [image["image_id"] for image in images]
+    assert [payloads.digest(v) for v in got.values()] == [payloads.digest(i) for i in images]
+
+
 def test_logits_payload_is_a_tensor_per_sample() -> None:
     got = payloads.make("logits", 8 << 20, 1, 2)
     assert len(got) == (8 << 20) // 2 // (payloads.CLASSES * 4)

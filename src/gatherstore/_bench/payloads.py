@@ -3,7 +3,9 @@
 ``detections`` mimics an object detector's evaluation output after a
 DistributedSampler split: rank r holds images r, r+W, r+2W, ... of a dataset
 padded to a multiple of W (the padding repeats the first images), one dict per
-image with 100 boxes.  ``tensors`` is a dict of four large float32 tensors.
+image with 100 boxes; ``keyed`` holds the same dicts in one dict keyed by image
+id, as evaluators that index their results by image keep them.  ``tensors`` is
+a dict of four large float32 tensors.
 ``records`` is a list of tensor-heavy records, ``{"id", "scores": <4 MiB
 tensor>, "boxes": scores.view(-1, 4)[:, 1:3]}`` (``boxes`` a view of
 ``scores``' storage), and ``cuda-records`` the same records on the GPU (on
@@ -30,6 +32,7 @@ __all__ = [
     "available",
     "cuda_device",
     "image_count",
+    "keyed",
     "logits",
     "make",
     "records",
@@ -40,7 +43,7 @@ __all__ = [
 BOXES = 100
 #: Array bytes of one image: boxes float32 (100, 4), scores float32 (100,), labels int64 (100,).
 IMAGE_BYTES = BOXES * 4 * 4 + BOXES * 4 + BOXES * 8
-KINDS = ("detections", "tensors", "records", "logits", "cuda-records")
+KINDS = ("detections", "keyed", "tensors", "records", "logits", "cuda-records")
 _TENSORS = 4
 #: Bytes of one record's ``scores`` in ``records``.
 RECORD_BYTES = 4 << 20
@@ -82,6 +85,11 @@ def detections(n_images: int, rank: int, world: int, seed: int = 0) -> list[dict
             }
         )
     return out
+
+
+def keyed(n_images: int, rank: int, world: int, seed: int = 0) -> dict[int, dict[str, Any]]:
+    """This rank's :func:`detections`, keyed by image id (a rank never holds one twice)."""
+    return {image["image_id"]: image for image in detections(n_images, rank, world, seed)}
 
 
 def digest(image: dict[str, Any]) -> int:
@@ -139,6 +147,8 @@ def make(kind: str, nbytes: int, rank: int, world: int, seed: int = 0) -> Any:
     """
     if kind == "detections":
         return detections(image_count(nbytes), rank, world, seed)
+    if kind == "keyed":
+        return keyed(image_count(nbytes), rank, world, seed)
     if kind == "tensors":
         return tensors(nbytes, rank, world, seed)
     if kind == "records":
