@@ -41,6 +41,8 @@ def test_the_estimate_counts_objects_not_pickled_bytes() -> None:
     assert _sizing.rebuilt_size(tensors) < 4096  # out of band: a view of the part
     arrays = [__import__("numpy").ones(256) for _ in range(1000)]  # one column: views
     assert _sizing.rebuilt_size(arrays) < 200 * len(arrays)
+    keyed = dict(enumerate(arrays))  # a long dict's values are packed as that list is
+    assert _sizing.rebuilt_size(keyed) < 400 * len(arrays)  # not 2 KiB an array
 
 
 def _job(case: str, limit_file: str, usage_file: str) -> str:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
-from gatherstore import _digest
+from gatherstore import _digest, _records
 from gatherstore import _serialize as serialize
 from gatherstore._records import MIN_RUN
 from gatherstore.stores.file import FileStore
@@ -226,6 +226,100 @@ def test_round_trip_of_random_lists_of_arrays(items: list[np.ndarray]) -> None:
     with np.errstate(over="ignore", invalid="ignore"):  # e.g. >f8 or complex to <f4
         torn = [torch.from_numpy(np.asarray(np.nan_to_num(a.real.astype("<f4")))) for a in items]
     assert_same(round_trip(torn), torn)
+
+
+def test_a_long_dict_of_records_or_tensors_is_packed_as_a_list_of_them() -> None:
+    keyed = {f"img{i}": {"boxes": np.full((4, 4), i, ">f4"), "id": i} for i in range(300)}
+    tensors = {i: torch.full((1024,), float(i)) for i in range(100)}  # 4 KiB each
+    out = round_trip({"keyed": keyed, "tensors": tensors})
+    assert_same(out, {"keyed": keyed, "tensors": tensors})
+    roots = {id(_root(r["boxes"])) for r in out["keyed"].values()}
+    assert len(roots) == 1, "the records' arrays are views of one column"
+    ptrs = [t.data_ptr() for t in out["tensors"].values()]
+    assert ptrs == [ptrs[0] + 4096 * i for i in range(100)], "tensors are views of one column"
+
+
+def test_a_list_of_records_held_twice_or_in_a_cycle_stays_one_object() -> None:
+    recs = [{"id": i, "x": np.arange(3) + i} for i in range(20)]
+    keyed = {i: {"id": i} for i in range(100)}
+    out = round_trip({"a": recs, "b": recs, "c": [keyed, keyed]})
+    assert_same(out["a"], recs)
+    assert out["a"] is out["b"] and out["c"][0] is out["c"][1]
+    cycle: list[Any] = [recs]
+    cycle.append(cycle)
+    back = round_trip(cycle)
+    assert back[1] is back
+    assert_same(back[0], recs)
+
+
+@dataclasses.dataclass
+class Point:
+    x: Any
+    y: int
+
+
+def _held_elsewhere() -> dict[str, Callable[[], Any]]:
+    """Objects that packing replaces, each also held by another place of the object."""
+    recs = [{"id": i, "x": np.arange(3) + i} for i in range(20)]
+    points = [Point(np.arange(2) + i, i) for i in range(20)]
+    arrays = [np.arange(4) + i for i in range(20)]
+    rows = list(torch.rand(20, 1024))
+    keyed = {i: {"id": i} for i in range(100)}
+    inner = [{"id": i} for i in range(10)]
+    return {
+        "record": lambda: ({"all": recs, "best": recs[3]}, lambda o: o["best"] is o["all"][3]),
+        "field": lambda: ({"all": recs, "x": recs[3]["x"]}, lambda o: o["x"] is o["all"][3]["x"]),
+        "dataclass": lambda: ({"all": points, "p": points[2]}, lambda o: o["p"] is o["all"][2]),
+        "array": lambda: ([arrays, arrays[5]], lambda o: o[1] is o[0][5]),
+        "row": lambda: ([rows, rows[5]], lambda o: o[1] is o[0][5]),
+        "keyed value": lambda: ([keyed, keyed[7]], lambda o: o[1] is o[0][7]),
+        "list in a field": lambda: (
+            [inner, [{"id": i, "rest": inner} for i in range(10)]],
+            lambda o: o[1][4]["rest"] is o[0],
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_held_elsewhere()))
+def test_a_packed_object_held_elsewhere_in_the_object_stays_one_object(case: str) -> None:
+    obj, same = _held_elsewhere()[case]()
+    assert same(pickle.loads(pickle.dumps(obj, protocol=5)))
+    out = round_trip(obj)
+    assert_same(out, obj)
+    assert same(out), "as pickle rebuilds it: one object in both places"
+
+
+def _pool(obj: dict[str, Any]) -> list[Any]:
+    """The records, arrays and tensors of ``obj``'s packed containers, in order."""
+    keyed = list(obj["keyed"].values())
+    return obj["recs"] + [r["x"] for r in obj["recs"]] + keyed + [v["t"] for v in keyed]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, 2 * 12 + 2 * 70 - 1), max_size=4))
+def test_random_references_into_packed_objects_keep_their_identity(picks: list[int]) -> None:
+    obj: dict[str, Any] = {
+        "recs": [{"id": i, "x": np.arange(3) + i} for i in range(12)],
+        "keyed": {i: {"id": i, "t": torch.full((2,), float(i))} for i in range(70)},
+    }
+    obj["extra"] = [_pool(obj)[i] for i in picks]
+    out = round_trip(obj)
+    assert_same(out, obj)
+    pool = _pool(out)
+    assert [extra is pool[i] for extra, i in zip(out["extra"], picks, strict=True)] == [True] * len(
+        picks
+    )
+
+
+def test_pack_reports_only_what_something_else_holds() -> None:
+    obj = {
+        "recs": [{"id": i, "x": np.arange(3) + i} for i in range(20)],
+        "keyed": {i: torch.full((4,), float(i)) for i in range(100)},
+    }
+    assert _records.pack(obj).shared == [], "only their containers hold them"
+    held = obj["recs"][4]["x"], obj["keyed"][9], obj["recs"]
+    shared = _records.pack(obj).shared
+    assert {id(o) for o in shared} == {id(o) for o in held}
 
 
 def _root(arr: np.ndarray) -> Any:

@@ -26,6 +26,10 @@ CUDA = pytest.mark.skipif(
 )
 
 
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
 def _size(obj: Any) -> int:
     return serialize.encode(obj).nbytes
 
@@ -97,6 +101,26 @@ def test_rows_shared_with_their_batch_or_strided_stay_its_views() -> None:
     assert out["columns"][3].stride() == (1024,)
     out["batch"][8, 3] = -5.0
     assert out["rows"][8][3] == out["some"][1][3] == out["columns"][3][8] == -5.0
+
+
+def test_numpy_rows_of_batches_travel_once_each_batch_and_arrive_as_its_views() -> None:
+    batches = [np.random.default_rng(i).random((100, 1024)).astype(">f4") for i in range(3)]
+    rows = [row for batch in batches for row in batch]  # 4 KiB views: no column copy
+    tall = np.arange(1024 * 64, dtype=">f4").reshape(1024, 64)
+    sent = {"rows": rows, "batch": batches[1], "columns": list(tall[:, :16].T), "tall": tall}
+    assert _size(sent) < 1.02 * (3 * batches[0].nbytes + tall.nbytes), "each batch once"
+    out = round_trip(sent)
+    assert_same(out, sent)
+    for first in (0, 100, 200):
+        bases = {id(r.base) for r in out["rows"][first : first + 100]}
+        assert len(bases) == 1, "the rows of one batch are views of one buffer"
+        assert _address(out["rows"][first + 1]) - _address(out["rows"][first]) == 4096
+    assert out["columns"][3].strides == (256,) and out["rows"][0].dtype.str == ">f4"
+    assert all(np.shares_memory(c, out["tall"]) for c in out["columns"])
+    out["batch"][8, 3] = -5.0  # the rows of batch 1 are views of the batch beside them
+    assert out["rows"][108][3] == -5.0
+    out["rows"][1][0] = -1.0  # writable, the neighbours untouched
+    assert out["rows"][0][0] != -1.0 and out["rows"][2][0] != -1.0
 
 
 def test_a_part_of_a_batch_sends_only_the_rows_it_holds() -> None:

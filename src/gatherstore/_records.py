@@ -27,6 +27,15 @@ field of records) are never copied: they become a column of views, one tensor pe
 storage covering them (a span, merged with whatever else shares that memory) and
 each view's offset into it.
 
+A long dict (``{image_id: record}``, ``{name: tensor}``) packs its values as such a
+list, and its keys travel as a plain list beside them.
+
+Packing keeps pickle's identities: a container met twice is packed once, and packing
+stops at a cycle.  Records and array values that something besides their container
+holds are reported (see :class:`Packed`): the pickler may meet them elsewhere in the
+object, where they would be rebuilt a second time, so ``_serialize`` then pickles the
+object plainly.
+
 Lists that are not homogeneous fall back to plain pickling per run of records;
 this is never a user-visible format choice.
 """
@@ -37,7 +46,8 @@ import copyreg
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
@@ -46,7 +56,7 @@ import torch
 
 from . import _storage as storage
 
-__all__ = ["Batch", "Column", "columnar", "pack", "structure"]
+__all__ = ["Batch", "Column", "Packed", "columnar", "pack", "structure"]
 
 #: Shortest run of records worth a batch.
 MIN_RUN = 8
@@ -237,9 +247,60 @@ def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     return kind, (covers, groups.astype(np.int64), offsets - low[groups], positions)
 
 
+_base, _strides = operator.attrgetter("base"), operator.attrgetter("strides")
+
+
+def _address(array: np.ndarray[Any, Any]) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
+    """The numpy twin of ``_view_column``: views of one dtype, shape and strides that share
+    a few base arrays (the rows of batches), as one array per base covering its views (a
+    span) and each view's byte offset into it; else None."""
+    first = values[0]
+    if not all(type(v) is np.ndarray for v in values) or first.dtype.hasobject or not first.size:
+        return None
+    shape, strides, dtype = first.shape, first.strides, first.dtype
+    if any(s < 0 or s % dtype.itemsize for s in strides):
+        return None
+    if any(map(operator.is_, map(_base, values), repeat(None))):  # not views
+        return None
+    if set(map(_strides, values)) != {strides} or {v.shape for v in values} != {shape}:
+        return None
+    if {v.dtype for v in values} != {dtype}:
+        return None
+    values, positions = _unique(values)
+    count = len(values)
+    bases = np.fromiter(map(id, map(_base, values)), np.int64, count)
+    _, firsts, groups = np.unique(bases, return_index=True, return_inverse=True)
+    if len(firsts) * _VIEWS_PER_STORAGE > count:
+        return None
+    addresses = np.fromiter(map(_address, values), np.int64, count)
+    order = np.lexsort((addresses, groups))  # by base, then by address
+    lowest = order[np.unique(groups[order], return_index=True)[1]]
+    high = np.zeros(len(firsts), np.int64)
+    np.maximum.at(high, groups, addresses)
+    low = addresses[lowest]
+    extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + dtype.itemsize
+    covers = [
+        np.lib.stride_tricks.as_strided(
+            values[i], shape=((top - bottom + extent) // dtype.itemsize,), strides=(dtype.itemsize,)
+        )
+        for i, bottom, top in zip(lowest.tolist(), low.tolist(), high.tolist(), strict=True)
+    ]
+    kind = ("vn", dtype.str, tuple(shape), tuple(strides))
+    return kind, (covers, groups.astype(np.int64), addresses - low[groups], positions)
+
+
 def _joined(values: list[Any]) -> tuple[Kind, Any] | None:
     """``values`` (a field of records, or a list's items) as one column, else None."""
-    return _numpy_column(values) or _tensor_column(values) or _view_column(values)
+    return (
+        _numpy_column(values)
+        or _tensor_column(values)
+        or _view_column(values)
+        or _array_view_column(values)
+    )
 
 
 def _compact(lengths: np.ndarray | None) -> Any:
@@ -251,20 +312,41 @@ def _compact(lengths: np.ndarray | None) -> Any:
     return lengths
 
 
-class Batch:
-    """A run of records with one structure, pickled as columns."""
+def _screen(values: list[Any], held: int, shared: list[Any]) -> None:
+    """Add to ``shared`` the objects of ``values`` that something holds besides the
+    ``held`` references packing knows of (``values`` itself among them)."""
+    counts = np.fromiter(map(sys.getrefcount, values), np.int64, len(values))
+    shared.extend(values[i] for i in np.flatnonzero(counts > held + 1).tolist())
 
-    def __init__(self, records: Sequence[Any], structure: tuple[type, tuple[str, ...]]) -> None:
+
+class Batch:
+    """A run of records with one structure, pickled as columns.
+
+    ``held``: the references to each record packing knows of (``records`` among them);
+    records and array values held by anything else are added to ``shared``.
+    """
+
+    def __init__(
+        self,
+        records: list[Any],
+        structure: tuple[type, tuple[str, ...]],
+        held: int = 1,
+        shared: list[Any] | None = None,
+    ) -> None:
         self.cls, self.names = structure
         self.count = len(records)
         self.kinds: list[Kind] = []
         self.columns: list[Any] = []
+        shared = [] if shared is None else shared
+        _screen(records, held, shared)
         for name in self.names:
             if self.cls is dict:
                 values = list(map(operator.itemgetter(name), records))
             else:
                 values = [r.__dict__[name] for r in records]
             packed = _joined(values)
+            if packed is not None:
+                _screen(values, 2, shared)  # its record, and ``values``
             kind, column = packed if packed is not None else (("py",), values)
             self.kinds.append(kind)
             self.columns.append(column)
@@ -320,11 +402,24 @@ def _view_values(kind: Kind, column: Any) -> list[Any]:
     return found if positions is None else [found[i] for i in positions]
 
 
+def _array_view_values(kind: Kind, column: Any) -> list[Any]:
+    """The arrays of a column of numpy views (see ``_array_view_column``), as views again."""
+    covers, groups, offsets, positions = column
+    _, dtype, shape, strides = kind
+    found = [
+        np.ndarray(shape, np.dtype(dtype), buffer=covers[g], offset=offset, strides=strides)
+        for g, offset in zip(groups.tolist(), offsets.tolist(), strict=True)
+    ]
+    return found if positions is None else [found[i] for i in positions]
+
+
 def _column_values(kind: Kind, count: int, column: Any) -> list[Any]:
     """The ``count`` arrays or tensors of an array column, as views of its region (or of
-    the tensors a column of views covers)."""
+    the arrays and tensors a column of views covers)."""
     if kind[0] == "vt":
         return _view_values(kind, column)
+    if kind[0] == "vn":
+        return _array_view_values(kind, column)
     buf, lengths, positions = column
     rebuild = _numpy_values if kind[0] == "np" else _tensor_values
     distinct = count if positions is None else int(positions.max(initial=-1)) + 1
@@ -362,12 +457,18 @@ class _Arrays:
 _ARRAYS = (np.ndarray, torch.Tensor)
 
 
-def columnar(items: list[Any]) -> bool:
-    """Whether ``pack`` may turn ``items`` into columns: a run of same-shaped records, or
-    of arrays or tensors (judged by its first and last elements)."""
-    if len(items) < MIN_RUN:
-        return False
-    first, last = items[0], items[-1]
+def columnar(obj: list[Any] | dict[Any, Any]) -> bool:
+    """Whether ``pack`` may turn ``obj`` (a list, or a long dict's values) into columns: a
+    run of same-shaped records, or of arrays or tensors (judged by its first and last)."""
+    if type(obj) is dict:
+        if len(obj) < _SCAN_LEN:
+            return False
+        values = obj.values()
+        first, last = next(iter(values)), next(reversed(values))
+    else:
+        if len(obj) < MIN_RUN:
+            return False
+        first, last = obj[0], obj[-1]
     if type(first) in _ARRAYS:
         return type(last) is type(first)
     shape = structure(first)
@@ -391,6 +492,20 @@ def _concat(chunks: list[Any]) -> list[Any]:
     return out
 
 
+class _Keyed:
+    """A long dict whose values were packed; unpickles to the dict."""
+
+    def __init__(self, keys: list[Any], values: Any) -> None:
+        self.keys, self.values = keys, values
+
+    def __reduce__(self) -> tuple[Callable[..., dict[Any, Any]], tuple[Any, ...]]:
+        return (_keyed, (self.keys, self.values))
+
+
+def _keyed(keys: list[Any], values: list[Any]) -> dict[Any, Any]:
+    return dict(zip(keys, values, strict=True))
+
+
 def _distinct(items: list[Any]) -> bool:
     """Whether no object appears twice in ``items`` (8 bytes an item, not a set's ~60)."""
     ids = np.fromiter(map(id, items), np.int64, len(items))
@@ -398,22 +513,27 @@ def _distinct(items: list[Any]) -> bool:
     return not (ids[1:] == ids[:-1]).any()
 
 
-def _pack_arrays(items: list[Any]) -> Any:
+def _pack_arrays(items: list[Any], held: int, shared: list[Any]) -> Any:
     """``items``, arrays or tensors, as one column when they join (see ``_numpy_column``)."""
     packed = _joined(items)
-    return items if packed is None else _Arrays(packed[0], len(items), packed[1])
+    if packed is None:
+        return items
+    _screen(items, held, shared)
+    return _Arrays(packed[0], len(items), packed[1])
 
 
-def _pack_list(items: list[Any]) -> Any:
+def _pack_list(items: list[Any], held: int, shared: list[Any]) -> Any:
+    """``items`` as batches and plain runs, or ``items`` itself when nothing batches;
+    ``held``: the references to each item packing knows of (``items`` among them)."""
     kinds = set(map(type, items))
     if len(kinds) == 1 and type(items[0]) in _ARRAYS:
-        return _pack_arrays(items)
+        return _pack_arrays(items, held, shared)
     if dict not in kinds and all(_plain_fields(k) is None for k in kinds):  # no records
         return items
     if kinds == {dict}:  # the usual list of dicts: one run when they share their keys
         names = list(map(tuple, items))
         if names.count(names[0]) == len(names) and _distinct(items):
-            return Batch(items, (dict, names[0]))
+            return Batch(items, (dict, names[0]), held, shared)
     signatures = [structure(item) for item in items]
     chunks: list[Any] = []
     start = 0
@@ -425,7 +545,7 @@ def _pack_list(items: list[Any]) -> Any:
         signature = signatures[start]
         run = items[start:end]
         if signature is not None and end - start >= MIN_RUN and _distinct(run):
-            chunks.append(Batch(run, signature))
+            chunks.append(Batch(run, signature, held + 1, shared))  # and ``run``
             batched = True
         elif chunks and type(chunks[-1]) is list:
             chunks[-1].extend(items[start:end])
@@ -437,28 +557,85 @@ def _pack_list(items: list[Any]) -> Any:
     return chunks[0] if len(chunks) == 1 else _Chunks(chunks)
 
 
-def pack(obj: Any, depth: int = 0) -> tuple[Any, bool]:
-    """``obj`` with its lists of records replaced by batches; and whether any was made.
+@dataclasses.dataclass
+class Packed:
+    """What :func:`pack` made of an object."""
+
+    #: The object with its lists of records (and long dicts' values) as batches.
+    value: Any
+    #: Records, arrays and containers that packing replaced and that something besides
+    #: their container also holds: should the pickler meet one of them elsewhere in the
+    #: object, it would be rebuilt twice, no longer one object.
+    shared: list[Any]
+
+
+class _Cycle(Exception):
+    """A container holds itself: the object is pickled as it is."""
+
+
+class _Packer:
+    """One :func:`pack`: what each container became (a container met twice is packed
+    once), the containers being searched, and the replaced objects held elsewhere."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, Any] = {}
+        self.open: set[int] = set()
+        self.shared: list[Any] = []
+        #: Containers replaced below the top (screened once packing is over).
+        self.replaced: list[Any] = []
+
+    def pack(self, obj: Any, depth: int) -> Any:
+        kind = type(obj)
+        if kind is not list and kind is not tuple and kind is not dict:
+            return obj
+        key = id(obj)
+        if key in self.done:
+            return self.done[key]
+        if key in self.open:
+            raise _Cycle
+        self.open.add(key)
+        try:
+            packed = self._packed(obj, depth)
+        finally:
+            self.open.discard(key)
+        if packed is not obj and depth:
+            self.replaced.append(obj)
+        self.done[key] = packed
+        return packed
+
+    def _packed(self, obj: Any, depth: int) -> Any:
+        kind = type(obj)
+        if kind is list and len(obj) >= MIN_RUN:
+            packed = _pack_list(obj, 1, self.shared)
+            if packed is not obj:
+                return packed
+        if kind is dict and len(obj) >= _SCAN_LEN:
+            values = list(obj.values())
+            packed = _pack_list(values, 2, self.shared)  # the dict and ``values``
+            return obj if packed is values else _Keyed(list(obj), packed)
+        if depth >= _SCAN_DEPTH or len(obj) >= _SCAN_LEN:
+            return obj
+        if kind is dict:
+            found = {k: self.pack(v, depth + 1) for k, v in obj.items()}
+            changed = any(found[k] is not v for k, v in obj.items())
+            return _Rebuilt(dict, found) if changed else obj
+        items = [self.pack(v, depth + 1) for v in obj]
+        return _Rebuilt(kind, items) if any(map(operator.is_not, items, obj)) else obj
+
+
+def pack(obj: Any) -> Packed:
+    """``obj`` with its lists of records (and long dicts' values) replaced by batches.
 
     Only exact ``list``/``tuple``/``dict`` containers are searched (short ones,
     a few levels deep); nothing else is touched.
     """
-    kind = type(obj)
-    if kind is list and len(obj) >= MIN_RUN:
-        packed = _pack_list(obj)
-        if packed is not obj:
-            return packed, True
-    if depth >= _SCAN_DEPTH or kind not in (list, tuple, dict) or len(obj) >= _SCAN_LEN:
-        return obj, False
-    if kind is dict:
-        changed = {k: pack(v, depth + 1) for k, v in obj.items()}
-        if any(flag for _, flag in changed.values()):
-            return _Rebuilt(dict, {k: v for k, (v, _) in changed.items()}), True
-        return obj, False
-    items = [pack(v, depth + 1) for v in obj]
-    if any(flag for _, flag in items):
-        return _Rebuilt(kind, [v for v, _ in items]), True
-    return obj, False
+    packer = _Packer()
+    try:
+        value = packer.pack(obj, 0)
+    except _Cycle:
+        return Packed(obj, [])
+    _screen(packer.replaced, 2, packer.shared)  # its container, and ``replaced``
+    return Packed(value, packer.shared)
 
 
 class _Rebuilt:

@@ -202,12 +202,24 @@ class _Pickled:
     flags: int
 
 
+def _splits(pickler: pickle.Pickler, shared: list[Any]) -> bool:
+    """Whether the pickler met, outside its batch, an object that packing replaced (see
+    ``_records.Packed``): it would be rebuilt twice, no longer one object."""
+    if not shared:
+        return False
+    memo = pickler.memo.copy()
+    return any(id(obj) in memo for obj in shared)
+
+
 def _pickle(obj: Any) -> _Pickled:
-    packed, _ = records.pack(obj)
+    packed = records.pack(obj)
     attempts: list[tuple[int, Any, Any]] = [
-        (0, _Pickler, packed),
+        (0, _Pickler, packed.value),
+        (0, _Pickler, obj),  # when packing would split an object, or cannot be pickled
         (_CLOUDPICKLE, _CloudPickler, obj),
     ]
+    if packed.value is obj:
+        del attempts[1]
     for flags, pickler_class, value in attempts:
         stream = io.BytesIO()
         buffers: list[memoryview] = []
@@ -226,6 +238,8 @@ def _pickle(obj: Any) -> _Pickled:
         except (pickle.PicklingError, TypeError, AttributeError):
             if flags:
                 raise
+            continue
+        if value is packed.value and _splits(pickler, packed.shared):
             continue
         return _Pickled(stream.getvalue(), buffers, pickler.columns, pickler.spans, flags)
     raise AssertionError("unreachable")

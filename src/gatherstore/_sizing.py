@@ -76,16 +76,8 @@ class _Walk:
             data = obj.element_size() * obj.nelement()
             in_band = data < self.out_of_band_min and not self.columnar
             return _TENSOR_HEADER + (data if in_band else 0)
-        if isinstance(obj, list) and records.columnar(obj):  # packed: arrays are views
-            inside, self.columnar = self.columnar, True
-            try:
-                return sys.getsizeof(obj) + self._elements(obj, budget)
-            finally:
-                self.columnar = inside
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            return sys.getsizeof(obj) + self._elements(list(obj), budget)
-        if isinstance(obj, dict):
-            return sys.getsizeof(obj) + self._elements(list(obj.items()), budget, pairs=True)
+        if isinstance(obj, (list, tuple, set, frozenset, dict)):
+            return sys.getsizeof(obj) + self._container(obj, budget)
         total = float(sys.getsizeof(obj))
         state = getattr(obj, "__dict__", None)
         if isinstance(state, dict) and budget > 1:
@@ -94,6 +86,18 @@ class _Walk:
             if isinstance(name, str) and hasattr(obj, name) and budget > 1:
                 total += self.size(getattr(obj, name), budget / 4)
         return total
+
+    def _container(self, obj: Any, budget: float) -> float:
+        """What a container holds; a list of records or a long dict of them is packed,
+        and its arrays become views (see ``_records.pack``)."""
+        inside = self.columnar
+        self.columnar = inside or (type(obj) in (list, dict) and records.columnar(obj))
+        try:
+            if isinstance(obj, dict):
+                return self._elements(list(obj.items()), budget, pairs=True)
+            return self._elements(obj if type(obj) is list else list(obj), budget)
+        finally:
+            self.columnar = inside
 
     def _array(self, array: np.ndarray[Any, Any], budget: float) -> float:
         header = float(sys.getsizeof(np.empty(0, array.dtype)))
