@@ -96,13 +96,14 @@ FIELDS = st.one_of(SCALARS, arrays(), tensors())
 
 @st.composite
 def record_lists(draw: Any) -> list[Any]:
-    """Runs of same-shaped records (ragged first dims), mixed with odd items."""
+    """Runs of same-shaped records, dicts or tuples (ragged first dims), mixed with odd
+    items."""
     out: list[Any] = []
     for _ in range(draw(st.integers(0, 3))):
         names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
         trailing = draw(st.lists(st.integers(0, 3), max_size=2))
         dtype = draw(DTYPES)
-        as_tensor = draw(st.booleans())
+        as_tensor, as_tuple = draw(st.booleans()), draw(st.booleans())
         count = draw(st.integers(0, 2 * MIN_RUN))
         for _ in range(count):
             record: dict[str, Any] = {}
@@ -113,7 +114,7 @@ def record_lists(draw: Any) -> list[Any]:
                     record[name] = torch.from_numpy(arr.real.astype("<f4")) if as_tensor else arr
                 else:
                     record[name] = draw(FIELDS)
-            out.append(record)
+            out.append(tuple(record.values()) if as_tuple else record)
         out += draw(st.lists(FIELDS, max_size=2))
     return out
 
@@ -239,6 +240,19 @@ def test_a_long_dict_of_records_or_tensors_is_packed_as_a_list_of_them() -> None
     assert ptrs == [ptrs[0] + 4096 * i for i in range(100)], "tensors are views of one column"
 
 
+def test_a_list_of_tuples_holding_arrays_is_packed_and_one_of_atoms_is_not() -> None:
+    batch = np.arange(40 * 12, dtype=">f4").reshape(40, 3, 4)
+    pairs = [(i, batch[i], torch.full((2,), float(i))) for i in range(40)]
+    out = round_trip(pairs)
+    assert_same(out, pairs)
+    assert len({id(_root(p[1])) for p in out}) == 1, "the arrays are views of one column"
+    atoms = [(i, f"q{i}", i / 2) for i in range(40)]
+    assert _records.pack(atoms).value is atoms, "pickle writes these as fast as columns"
+    assert_same(round_trip(atoms), atoms)
+    ragged = [(i, batch[i]) if i % 2 else (i, batch[i], "odd") for i in range(40)]
+    assert_same(round_trip(ragged), ragged)
+
+
 def test_a_list_of_records_held_twice_or_in_a_cycle_stays_one_object() -> None:
     recs = [{"id": i, "x": np.arange(3) + i} for i in range(20)]
     keyed = {i: {"id": i} for i in range(100)}
@@ -265,6 +279,7 @@ def _held_elsewhere() -> dict[str, Callable[[], Any]]:
     arrays = [np.arange(4) + i for i in range(20)]
     rows = list(torch.rand(20, 1024))
     keyed = {i: {"id": i} for i in range(100)}
+    pairs = [(i, np.arange(3) + i) for i in range(20)]
     inner = [{"id": i} for i in range(10)]
     return {
         "record": lambda: ({"all": recs, "best": recs[3]}, lambda o: o["best"] is o["all"][3]),
@@ -273,6 +288,7 @@ def _held_elsewhere() -> dict[str, Callable[[], Any]]:
         "array": lambda: ([arrays, arrays[5]], lambda o: o[1] is o[0][5]),
         "row": lambda: ([rows, rows[5]], lambda o: o[1] is o[0][5]),
         "keyed value": lambda: ([keyed, keyed[7]], lambda o: o[1] is o[0][7]),
+        "tuple": lambda: ([pairs, pairs[6]], lambda o: o[1] is o[0][6]),
         "list in a field": lambda: (
             [inner, [{"id": i, "rest": inner} for i in range(10)]],
             lambda o: o[1][4]["rest"] is o[0],

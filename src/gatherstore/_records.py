@@ -3,9 +3,10 @@
 Evaluation results are long lists of small records (a dict per image holding a
 few arrays and scalars).  Pickling them object by object runs at well under
 0.1 GB/s.  Before pickling, every run of records with the same structure —
-dicts with the same keys in the same order, or instances of one plain
-dataclass, whose small array/tensor fields share dtype and trailing shape —
-becomes a :class:`Batch`: one column per field.  Small array columns are
+dicts with the same keys in the same order, instances of one plain dataclass, or
+tuples of one length (``(image_id, logits)``) — becomes a :class:`Batch`: one
+column per field (or position); array/tensor fields that share dtype and trailing
+shape are packed.  Small array columns are
 written as a single out-of-band region (each distinct array once, however many
 records hold it), with the first-dimension lengths kept for ragged fields;
 other fields become plain Python lists, which pickle fast, and whose large
@@ -89,15 +90,23 @@ class Column:
         self.nbytes = sum(s.nbytes for s in segments)
 
 
-def structure(record: Any) -> tuple[type, tuple[str, ...]] | None:
-    """(record type, field names) of a dict or plain dataclass instance, else None."""
+def structure(record: Any) -> tuple[type, tuple[Any, ...]] | None:
+    """(record type, field names) of a dict or plain dataclass instance, or (tuple, its
+    positions) of a non-empty tuple; else None."""
     kind = type(record)
     if kind is dict:
         return (dict, tuple(record))
+    if kind is tuple:
+        return (tuple, _positions(len(record))) if record else None
     names = _plain_fields(kind)  # type: ignore[arg-type]
     if names is not None and tuple(getattr(record, "__dict__", ())) == names:
         return (kind, names)
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(length: int) -> tuple[int, ...]:
+    return tuple(range(length))
 
 
 @functools.lru_cache(maxsize=256)
@@ -329,7 +338,7 @@ class Batch:
     def __init__(
         self,
         records: list[Any],
-        structure: tuple[type, tuple[str, ...]],
+        structure: tuple[type, tuple[Any, ...]],
         held: int = 1,
         shared: list[Any] | None = None,
     ) -> None:
@@ -338,18 +347,24 @@ class Batch:
         self.kinds: list[Kind] = []
         self.columns: list[Any] = []
         shared = [] if shared is None else shared
-        _screen(records, held, shared)
+        joined = False
         for name in self.names:
-            if self.cls is dict:
+            if self.cls is dict or self.cls is tuple:
                 values = list(map(operator.itemgetter(name), records))
             else:
                 values = [r.__dict__[name] for r in records]
             packed = _joined(values)
             if packed is not None:
                 _screen(values, 2, shared)  # its record, and ``values``
+                joined = True
             kind, column = packed if packed is not None else (("py",), values)
             self.kinds.append(kind)
             self.columns.append(column)
+        #: Whether columns pay: pickle writes tuples as fast as columns of their values,
+        #: so a run of tuples is a batch only when arrays or tensors join in a column.
+        self.pays = joined or self.cls is not tuple
+        if self.pays:
+            _screen(records, held, shared)
 
     def __reduce__(self) -> tuple[Callable[..., list[Any]], tuple[Any, ...]]:
         return (_unbatch, (self.cls, self.names, self.kinds, self.count, self.columns))
@@ -428,7 +443,7 @@ def _column_values(kind: Kind, count: int, column: Any) -> list[Any]:
 
 
 def _unbatch(
-    cls: type, names: tuple[str, ...], kinds: list[Kind], count: int, columns: list[Any]
+    cls: type, names: tuple[Any, ...], kinds: list[Kind], count: int, columns: list[Any]
 ) -> list[Any]:
     values = [
         column if kind[0] == "py" else _column_values(kind, count, column)
@@ -436,6 +451,8 @@ def _unbatch(
     ]
     if cls is dict:
         return list(map(dict, map(zip, repeat(names), zip(*values, strict=True))))
+    if cls is tuple:
+        return list(zip(*values, strict=True))
     out = []
     for row in zip(*values, strict=True):
         obj: Any = object.__new__(cls)
@@ -522,18 +539,30 @@ def _pack_arrays(items: list[Any], held: int, shared: list[Any]) -> Any:
     return _Arrays(packed[0], len(items), packed[1])
 
 
+def _arrays_in(record: tuple[Any, ...]) -> bool:
+    """Whether a tuple holds an array or tensor (without one, its run is no batch: see
+    ``Batch.pays``)."""
+    return any(type(value) in _ARRAYS for value in record)
+
+
 def _pack_list(items: list[Any], held: int, shared: list[Any]) -> Any:
     """``items`` as batches and plain runs, or ``items`` itself when nothing batches;
     ``held``: the references to each item packing knows of (``items`` among them)."""
     kinds = set(map(type, items))
     if len(kinds) == 1 and type(items[0]) in _ARRAYS:
         return _pack_arrays(items, held, shared)
-    if dict not in kinds and all(_plain_fields(k) is None for k in kinds):  # no records
-        return items
+    if kinds.isdisjoint((dict, tuple)) and all(_plain_fields(k) is None for k in kinds):
+        return items  # no records
     if kinds == {dict}:  # the usual list of dicts: one run when they share their keys
         names = list(map(tuple, items))
         if names.count(names[0]) == len(names) and _distinct(items):
             return Batch(items, (dict, names[0]), held, shared)
+    if kinds == {tuple}:  # and of tuples: one run when they have one length
+        lengths = set(map(len, items))
+        if len(lengths) != 1 or not _arrays_in(items[0]) or not _distinct(items):
+            return items
+        whole = Batch(items, (tuple, _positions(lengths.pop())), held, shared)
+        return whole if whole.pays else items
     signatures = [structure(item) for item in items]
     chunks: list[Any] = []
     start = 0
@@ -544,13 +573,21 @@ def _pack_list(items: list[Any], held: int, shared: list[Any]) -> Any:
             end += 1
         signature = signatures[start]
         run = items[start:end]
-        if signature is not None and end - start >= MIN_RUN and _distinct(run):
-            chunks.append(Batch(run, signature, held + 1, shared))  # and ``run``
+        batch: Batch | None = None
+        if (
+            signature is not None
+            and end - start >= MIN_RUN
+            and (signature[0] is not tuple or _arrays_in(run[0]))
+            and _distinct(run)
+        ):
+            batch = Batch(run, signature, held + 1, shared)  # and ``run``
+        if batch is not None and batch.pays:
+            chunks.append(batch)
             batched = True
         elif chunks and type(chunks[-1]) is list:
-            chunks[-1].extend(items[start:end])
+            chunks[-1].extend(run)
         else:
-            chunks.append(items[start:end])
+            chunks.append(run)
         start = end
     if not batched:
         return items
