@@ -96,14 +96,14 @@ FIELDS = st.one_of(SCALARS, arrays(), tensors())
 
 @st.composite
 def record_lists(draw: Any) -> list[Any]:
-    """Runs of same-shaped records, dicts or tuples (ragged first dims), mixed with odd
-    items."""
+    """Runs of same-shaped records, dicts or tuples (ragged first dims), some nested in
+    another record's field, mixed with odd items."""
     out: list[Any] = []
     for _ in range(draw(st.integers(0, 3))):
         names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
         trailing = draw(st.lists(st.integers(0, 3), max_size=2))
         dtype = draw(DTYPES)
-        as_tensor, as_tuple = draw(st.booleans()), draw(st.booleans())
+        as_tensor, as_tuple, nested = (draw(st.booleans()) for _ in range(3))
         count = draw(st.integers(0, 2 * MIN_RUN))
         for _ in range(count):
             record: dict[str, Any] = {}
@@ -114,6 +114,8 @@ def record_lists(draw: Any) -> list[Any]:
                     record[name] = torch.from_numpy(arr.real.astype("<f4")) if as_tensor else arr
                 else:
                     record[name] = draw(FIELDS)
+            if nested:  # a record whose field is the record: {"n", "inner": {...}}
+                record = {"n": len(out), "inner": record}
             out.append(tuple(record.values()) if as_tuple else record)
         out += draw(st.lists(FIELDS, max_size=2))
     return out
@@ -253,6 +255,15 @@ def test_a_list_of_tuples_holding_arrays_is_packed_and_one_of_atoms_is_not() -> 
     assert_same(round_trip(ragged), ragged)
 
 
+def test_records_nested_in_a_field_are_packed_as_a_list_of_them() -> None:
+    batch = torch.arange(50 * 8, dtype=torch.float32).reshape(50, 2, 4)
+    recs = [{"id": i, "pred": {"boxes": batch[i], "score": i / 2}} for i in range(50)]
+    out = round_trip(recs)
+    assert_same(out, recs)
+    ptrs = [r["pred"]["boxes"].data_ptr() for r in out]
+    assert ptrs == [ptrs[0] + 32 * i for i in range(50)], "views of one column"
+
+
 def test_a_list_of_records_held_twice_or_in_a_cycle_stays_one_object() -> None:
     recs = [{"id": i, "x": np.arange(3) + i} for i in range(20)]
     keyed = {i: {"id": i} for i in range(100)}
@@ -280,6 +291,7 @@ def _held_elsewhere() -> dict[str, Callable[[], Any]]:
     rows = list(torch.rand(20, 1024))
     keyed = {i: {"id": i} for i in range(100)}
     pairs = [(i, np.arange(3) + i) for i in range(20)]
+    nested = [{"id": i, "pred": {"x": np.arange(3) + i}} for i in range(20)]
     inner = [{"id": i} for i in range(10)]
     return {
         "record": lambda: ({"all": recs, "best": recs[3]}, lambda o: o["best"] is o["all"][3]),
@@ -289,6 +301,7 @@ def _held_elsewhere() -> dict[str, Callable[[], Any]]:
         "row": lambda: ([rows, rows[5]], lambda o: o[1] is o[0][5]),
         "keyed value": lambda: ([keyed, keyed[7]], lambda o: o[1] is o[0][7]),
         "tuple": lambda: ([pairs, pairs[6]], lambda o: o[1] is o[0][6]),
+        "nested": lambda: ([nested, nested[2]["pred"]], lambda o: o[1] is o[0][2]["pred"]),
         "list in a field": lambda: (
             [inner, [{"id": i, "rest": inner} for i in range(10)]],
             lambda o: o[1][4]["rest"] is o[0],
@@ -493,6 +506,30 @@ def test_a_part_of_format_3_is_still_read() -> None:
     out = serialize.decode(bytearray(raw), bind=b"format-3")
     assert_same(out, _format_3_object())
     assert out["boxes"].untyped_storage().data_ptr() == out["scores"].untyped_storage().data_ptr()
+
+
+def _format_4_object() -> dict[str, Any]:
+    batch = torch.arange(8 * 1024, dtype=torch.float32).reshape(8, 1024)
+    records = [
+        {"id": i, "boxes": np.full((2, 4), i, np.float32), "name": f"r{i}"} for i in range(10)
+    ]
+    return {
+        "records": records,
+        "arrays": [np.full(3, i, ">i4") for i in range(10)],
+        "tensors": [torch.full((2,), float(i)) for i in range(10)],
+        "rows": list(batch),
+        "batch": batch,
+    }
+
+
+def test_a_part_of_format_4_is_still_read() -> None:
+    """Written by gatherstore with format 4 (lists of arrays and columns of torch views
+    named where that version kept them)."""
+    raw = (Path(__file__).parent / "data" / "part-format-4.bin").read_bytes()
+    out = serialize.decode(bytearray(raw), bind=b"format-4")
+    assert_same(out, _format_4_object())
+    ptr = out["batch"].untyped_storage().data_ptr()
+    assert {r.untyped_storage().data_ptr() for r in out["rows"]} == {ptr}
 
 
 def test_truncated_foreign_and_other_version_parts() -> None:

@@ -2,43 +2,31 @@
 
 Evaluation results are long lists of small records (a dict per image holding a
 few arrays and scalars).  Pickling them object by object runs at well under
-0.1 GB/s.  Before pickling, every run of records with the same structure —
-dicts with the same keys in the same order, instances of one plain dataclass, or
-tuples of one length (``(image_id, logits)``) — becomes a :class:`Batch`: one
-column per field (or position); array/tensor fields that share dtype and trailing
-shape are packed.  Small array columns are
-written as a single out-of-band region (each distinct array once, however many
-records hold it), with the first-dimension lengths kept for ragged fields;
-other fields become plain Python lists, which pickle fast, and whose large
-arrays and tensors travel as storage spans (see ``_storage``: no copy, each
-storage once).  On load the records are rebuilt with array fields as views
-into the part.
+0.1 GB/s.  Before pickling, every run of records with the same structure (dicts
+with the same keys in the same order, instances of one plain dataclass, or tuples
+of one length that hold arrays, ``(image_id, logits)``) becomes a :class:`Batch`:
+one column per field.  Fields of arrays or tensors become array columns (see
+:mod:`gatherstore._columns`: one copied region, or views of the storages they
+share); fields of records (``{"id", "pred": {"boxes", "scores"}}``) become a
+batch of their own; other fields become plain Python lists, which pickle fast.
+On load the records are rebuilt with array fields as views into the part.
+
+A list of arrays or tensors is one such column by itself, and a long dict
+(``{image_id: record}``, ``{name: tensor}``) packs its values as such a list, its
+keys a plain list beside them.
 
 A dataclass is batched only when pickle would rebuild it the same way: one
 that defines its own pickling (``__reduce__``, ``__reduce_ex__``,
 ``__getstate__``, ``__setstate__``, a ``copyreg`` reducer) or whose
-``__dict__`` differs from its fields is pickled as it says.  A run in which one
-record object appears twice is pickled plainly too, so that it stays one object.
+``__dict__`` differs from its fields is pickled as it says.
 
-A list of small arrays (or of small CPU tensors) of one dtype and trailing shape,
-say a logits vector per sample, is one such column by itself: one copy into one
-region instead of a span or an in-band pickle each, rebuilt as views of it.
-Larger views that share a few storages (the rows of batch tensors, in a list or a
-field of records) are never copied: they become a column of views, one tensor per
-storage covering them (a span, merged with whatever else shares that memory) and
-each view's offset into it.
-
-A long dict (``{image_id: record}``, ``{name: tensor}``) packs its values as such a
-list, and its keys travel as a plain list beside them.
-
-Packing keeps pickle's identities: a container met twice is packed once, and packing
-stops at a cycle.  Records and array values that something besides their container
-holds are reported (see :class:`Packed`): the pickler may meet them elsewhere in the
-object, where they would be rebuilt a second time, so ``_serialize`` then pickles the
-object plainly.
-
-Lists that are not homogeneous fall back to plain pickling per run of records;
-this is never a user-visible format choice.
+Packing keeps pickle's identities.  A run in which one record appears twice is
+pickled plainly, a container met twice is packed once, and packing stops at a
+cycle.  Records and array values that something besides their container holds
+are reported (see :class:`Packed`): the pickler may meet them elsewhere in the
+object, where they would be rebuilt a second time, so ``_serialize`` then pickles
+the object plainly.  Lists that are not homogeneous fall back to plain pickling
+per run of records; this is never a user-visible format choice.
 """
 
 from __future__ import annotations
@@ -55,39 +43,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _storage as storage
+from . import _columns as columns
 
-__all__ = ["Batch", "Column", "Packed", "columnar", "pack", "structure"]
+__all__ = ["Batch", "Packed", "columnar", "pack", "structure"]
 
 #: Shortest run of records worth a batch.
 MIN_RUN = 8
 #: Containers shorter than this are searched for lists of records (depth-limited).
 _SCAN_LEN = 64
 _SCAN_DEPTH = 4
-#: Fields whose arrays average this many bytes or more are not copied into a column:
-#: they travel as storage spans, straight from their memory; so do those whose arrays
-#: are views (of one batch, of each other) from :data:`VIEW_VALUE` bytes on, so that
-#: memory they share travels once.
-LARGE_VALUE = 64 << 10
-VIEW_VALUE = 4 << 10
-#: Values of a column looked at to choose how it travels.
-_SAMPLE = 16
 _PROTOCOL = ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
-# a column's looks at its values are passes in C (map), not Python loops over thousands
-_dtype, _ndim = operator.attrgetter("dtype"), operator.attrgetter("ndim")
-
-
-Kind = tuple[Any, ...]
-
-
-class Column:
-    """An out-of-band region made of segments written back to back."""
-
-    __slots__ = ("nbytes", "segments")
-
-    def __init__(self, segments: list[memoryview]) -> None:
-        self.segments = segments
-        self.nbytes = sum(s.nbytes for s in segments)
+#: Where parts of format 4 name the rebuild of a list of arrays (see ``_columns.rebuilt``).
+_column_values = columns.rebuilt
 
 
 def structure(record: Any) -> tuple[type, tuple[Any, ...]] | None:
@@ -120,212 +87,19 @@ def _plain_fields(kind: type) -> tuple[str, ...] | None:
     return tuple(f.name for f in dataclasses.fields(kind))
 
 
-def _unique(values: list[Any]) -> tuple[list[Any], np.ndarray[Any, Any] | None]:
-    """The distinct objects of ``values`` (by identity, first seen first) and, when some
-    repeat, each value's position among them."""
-    if _distinct(values):
-        return values, None
-    first: dict[int, int] = {}
-    for value in values:
-        first.setdefault(id(value), len(first))
-    distinct = list({id(v): v for v in values}.values())
-    return distinct, np.fromiter(map(first.__getitem__, map(id, values)), np.int64, len(values))
-
-
-def _joinable(values: list[Any], nbytes: Callable[[Any], int], view: Callable[[Any], bool]) -> bool:
-    """Whether a column's arrays are copied into one region (see :data:`LARGE_VALUE`),
-    judged by a sample of them (evenly spaced: the cost stays flat in the column's length)."""
-    sample = values[:: max(len(values) // _SAMPLE, 1)]
-    average = sum(map(nbytes, sample)) / max(len(sample), 1)
-    return average < VIEW_VALUE or (average < LARGE_VALUE and not any(map(view, sample)))
-
-
-def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
-    """One raw-bytes column for small arrays of one plain dtype and trailing shape, else None."""
-    if type(values[0]) is not np.ndarray or set(map(type, values)) != {np.ndarray}:
-        return None
-    dtypes = set(map(_dtype, values))
-    ndims = set(map(_ndim, values))
-    if len(dtypes) != 1 or len(ndims) != 1:
-        return None
-    (dtype,), (ndim,) = dtypes, ndims
-    if dtype.hasobject or dtype.fields is not None:
-        return None
-    if not _joinable(values, _array_bytes, _array_view):
-        return None
-    values, positions = _unique(values)
-    try:
-        joined = np.stack(values) if ndim == 0 else np.concatenate(values)
-    except ValueError:  # trailing shapes differ
-        return None
-    if joined.dtype != dtype:  # numpy joins in native byte order; keep the original
-        joined = joined.astype(dtype)
-    lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
-    column = Column([joined.reshape(-1).view(np.uint8).data])
-    kind = ("np", dtype.str, joined.shape[1:], ndim == 0)
-    return kind, (column, _compact(lengths), positions)
-
-
-def _array_bytes(value: Any) -> int:
-    return int(value.nbytes)
-
-
-def _array_view(value: Any) -> bool:
-    return value.base is not None
-
-
-def _tensor_bytes(value: torch.Tensor) -> int:
-    return value.numel() * value.element_size()
-
-
-def _tensor_view(value: torch.Tensor) -> bool:
-    return value._base is not None
-
-
-def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
-    """One column for small dense CPU tensors of one dtype and trailing shape, else None
-    (CUDA tensors travel as storage spans: no copy on the device, one staging)."""
-    if not all(type(v) is torch.Tensor for v in values):
-        return None
-    if not all(v.layout == torch.strided and not v.is_quantized for v in values):
-        return None
-    dtypes = {v.dtype for v in values}
-    ndims = {v.dim() for v in values}
-    devices = {v.device.type for v in values}
-    if len(dtypes) != 1 or len(ndims) != 1 or devices != {"cpu"}:
-        return None
-    (dtype,), (ndim,) = dtypes, ndims
-    if not _joinable(values, _tensor_bytes, _tensor_view):
-        return None
-    values, positions = _unique(values)
-    detached = [v.detach() for v in values]
-    try:
-        joined = torch.stack(detached) if ndim == 0 else torch.cat(detached)
-    except RuntimeError:  # trailing shapes differ
-        return None
-    lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
-    flat = joined.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
-    kind = ("pt", str(dtype).removeprefix("torch."), tuple(joined.shape[1:]), ndim == 0)
-    return kind, (Column([raw.data]), _compact(lengths), positions)
-
-
-#: Views of a few storages make a column of views when they are at least this many per
-#: storage (rows of batch tensors); fewer, each travels as a span of its own.
-_VIEWS_PER_STORAGE = 4
-_data_ptr, _storage_offset = (
-    operator.methodcaller("data_ptr"),
-    operator.methodcaller("storage_offset"),
-)
-
-
-def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
-    """A column of CPU tensor views of one dtype, shape and strides that share a few
-    storages (the rows of batch tensors), else None: per storage, one tensor covering its
-    views (pickled as a span, so memory that other objects share still travels once),
-    and each view's place in it.  Rebuilt as views of those tensors, without a span, and
-    its Python work, per view."""
-    first = values[0]
-    if not all(type(v) is torch.Tensor for v in values) or first.device.type != "cpu":
-        return None
-    if first.layout != torch.strided or first.is_quantized or first.numel() == 0:
-        return None
-    shape, stride, dtype = first.shape, first.stride(), first.dtype
-    if any(v.shape != shape or v.stride() != stride or v.dtype != dtype for v in values):
-        return None
-    if any(v.device != first.device or v.is_conj() or v.is_neg() for v in values):
-        return None
-    values, positions = _unique(values)
-    count = len(values)
-    offsets = np.fromiter(map(_storage_offset, values), np.int64, count)
-    starts = np.fromiter(map(_data_ptr, values), np.int64, count) - offsets * first.element_size()
-    _, firsts, groups = np.unique(starts, return_index=True, return_inverse=True)
-    if len(firsts) * _VIEWS_PER_STORAGE > count:
-        return None
-    low = np.full(len(firsts), np.iinfo(np.int64).max, np.int64)
-    high = np.zeros(len(firsts), np.int64)
-    np.minimum.at(low, groups, offsets)
-    np.maximum.at(high, groups, offsets)
-    extent = storage.elements_spanned(shape, stride)
-    sizes = (high - low + extent).tolist()
-    covers = [
-        torch.empty(0, dtype=dtype).set_(values[i].untyped_storage(), start, (size,), (1,))
-        for i, start, size in zip(firsts.tolist(), low.tolist(), sizes, strict=True)
-    ]
-    kind = ("vt", str(dtype).removeprefix("torch."), tuple(shape), tuple(stride))
-    return kind, (covers, groups.astype(np.int64), offsets - low[groups], positions)
-
-
-_base, _strides = operator.attrgetter("base"), operator.attrgetter("strides")
-
-
-def _address(array: np.ndarray[Any, Any]) -> int:
-    return int(array.__array_interface__["data"][0])
-
-
-def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
-    """The numpy twin of ``_view_column``: views of one dtype, shape and strides that share
-    a few base arrays (the rows of batches), as one array per base covering its views (a
-    span) and each view's byte offset into it; else None."""
-    first = values[0]
-    if not all(type(v) is np.ndarray for v in values) or first.dtype.hasobject or not first.size:
-        return None
-    shape, strides, dtype = first.shape, first.strides, first.dtype
-    if any(s < 0 or s % dtype.itemsize for s in strides):
-        return None
-    if any(map(operator.is_, map(_base, values), repeat(None))):  # not views
-        return None
-    if set(map(_strides, values)) != {strides} or {v.shape for v in values} != {shape}:
-        return None
-    if {v.dtype for v in values} != {dtype}:
-        return None
-    values, positions = _unique(values)
-    count = len(values)
-    bases = np.fromiter(map(id, map(_base, values)), np.int64, count)
-    _, firsts, groups = np.unique(bases, return_index=True, return_inverse=True)
-    if len(firsts) * _VIEWS_PER_STORAGE > count:
-        return None
-    addresses = np.fromiter(map(_address, values), np.int64, count)
-    order = np.lexsort((addresses, groups))  # by base, then by address
-    lowest = order[np.unique(groups[order], return_index=True)[1]]
-    high = np.zeros(len(firsts), np.int64)
-    np.maximum.at(high, groups, addresses)
-    low = addresses[lowest]
-    extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + dtype.itemsize
-    covers = [
-        np.lib.stride_tricks.as_strided(
-            values[i], shape=((top - bottom + extent) // dtype.itemsize,), strides=(dtype.itemsize,)
-        )
-        for i, bottom, top in zip(lowest.tolist(), low.tolist(), high.tolist(), strict=True)
-    ]
-    kind = ("vn", dtype.str, tuple(shape), tuple(strides))
-    return kind, (covers, groups.astype(np.int64), addresses - low[groups], positions)
-
-
-def _joined(values: list[Any]) -> tuple[Kind, Any] | None:
-    """``values`` (a field of records, or a list's items) as one column, else None."""
-    return (
-        _numpy_column(values)
-        or _tensor_column(values)
-        or _view_column(values)
-        or _array_view_column(values)
-    )
-
-
-def _compact(lengths: np.ndarray | None) -> Any:
-    """None (0-d), an int (all equal) or the lengths array."""
-    if lengths is None:
-        return None
-    if len(lengths) and (lengths == lengths[0]).all():
-        return int(lengths[0])
-    return lengths
-
-
 def _screen(values: list[Any], held: int, shared: list[Any]) -> None:
     """Add to ``shared`` the objects of ``values`` that something holds besides the
     ``held`` references packing knows of (``values`` itself among them)."""
     counts = np.fromiter(map(sys.getrefcount, values), np.int64, len(values))
     shared.extend(values[i] for i in np.flatnonzero(counts > held + 1).tolist())
+
+
+def _nested(values: list[Any], shared: list[Any]) -> Any:
+    """A field whose values are records too (``{"id", "pred": {"boxes", "scores"}}``),
+    packed as a list of them; else ``values`` itself."""
+    if structure(values[0]) is None or not columnar(values):
+        return values
+    return _pack_list(values, 2, shared)  # its record, and ``values``
 
 
 class Batch:
@@ -344,7 +118,7 @@ class Batch:
     ) -> None:
         self.cls, self.names = structure
         self.count = len(records)
-        self.kinds: list[Kind] = []
+        self.kinds: list[columns.Kind] = []
         self.columns: list[Any] = []
         shared = [] if shared is None else shared
         joined = False
@@ -353,13 +127,14 @@ class Batch:
                 values = list(map(operator.itemgetter(name), records))
             else:
                 values = [r.__dict__[name] for r in records]
-            packed = _joined(values)
+            packed = columns.joined(values)
             if packed is not None:
                 _screen(values, 2, shared)  # its record, and ``values``
-                joined = True
-            kind, column = packed if packed is not None else (("py",), values)
-            self.kinds.append(kind)
-            self.columns.append(column)
+            else:
+                packed = (("py",), _nested(values, shared))
+            joined = joined or packed[1] is not values
+            self.kinds.append(packed[0])
+            self.columns.append(packed[1])
         #: Whether columns pay: pickle writes tuples as fast as columns of their values,
         #: so a run of tuples is a batch only when arrays or tensors join in a column.
         self.pays = joined or self.cls is not tuple
@@ -370,84 +145,12 @@ class Batch:
         return (_unbatch, (self.cls, self.names, self.kinds, self.count, self.columns))
 
 
-def _rows(count: int, lengths: Any) -> int:
-    """Total first-dimension length of a column."""
-    return count * lengths if isinstance(lengths, int) else int(np.sum(lengths))
-
-
-def _numpy_values(
-    buf: memoryview, dtype: str, trailing: tuple[int, ...], zero_d: bool, count: int, lengths: Any
-) -> list[Any]:
-    base = np.frombuffer(buf, dtype=np.dtype(dtype))
-    if zero_d:
-        return [base[i, ...] for i in range(count)]
-    base = base.reshape((_rows(count, lengths), *trailing))
-    if isinstance(lengths, int):
-        return list(base.reshape((count, lengths, *trailing)))
-    return np.split(base, np.cumsum(lengths)[:-1])
-
-
-def _tensor_values(
-    buf: memoryview, dtype: str, trailing: tuple[int, ...], zero_d: bool, count: int, lengths: Any
-) -> list[Any]:
-    kind = getattr(torch, dtype)
-    if len(buf) == 0:
-        base = torch.empty(0, dtype=kind)
-    elif buf.readonly:  # torch cannot honour read-only memory: copy once
-        base = torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(kind)
-    else:
-        base = torch.frombuffer(buf, dtype=torch.uint8).view(kind)
-    if zero_d:
-        return list(base.unbind(0))
-    base = base.reshape((_rows(count, lengths), *trailing))
-    if isinstance(lengths, int):
-        return list(base.reshape((count, lengths, *trailing)).unbind(0))
-    return list(torch.split(base, [int(n) for n in lengths]))
-
-
-def _view_values(kind: Kind, column: Any) -> list[Any]:
-    """The tensors of a column of views (see ``_view_column``), as views again."""
-    covers, groups, offsets, positions = column
-    _, _, shape, stride = kind
-    starts = [cover.storage_offset() for cover in covers]
-    found = [
-        covers[g].as_strided(shape, stride, starts[g] + offset)
-        for g, offset in zip(groups.tolist(), offsets.tolist(), strict=True)
-    ]
-    return found if positions is None else [found[i] for i in positions]
-
-
-def _array_view_values(kind: Kind, column: Any) -> list[Any]:
-    """The arrays of a column of numpy views (see ``_array_view_column``), as views again."""
-    covers, groups, offsets, positions = column
-    _, dtype, shape, strides = kind
-    found = [
-        np.ndarray(shape, np.dtype(dtype), buffer=covers[g], offset=offset, strides=strides)
-        for g, offset in zip(groups.tolist(), offsets.tolist(), strict=True)
-    ]
-    return found if positions is None else [found[i] for i in positions]
-
-
-def _column_values(kind: Kind, count: int, column: Any) -> list[Any]:
-    """The ``count`` arrays or tensors of an array column, as views of its region (or of
-    the arrays and tensors a column of views covers)."""
-    if kind[0] == "vt":
-        return _view_values(kind, column)
-    if kind[0] == "vn":
-        return _array_view_values(kind, column)
-    buf, lengths, positions = column
-    rebuild = _numpy_values if kind[0] == "np" else _tensor_values
-    distinct = count if positions is None else int(positions.max(initial=-1)) + 1
-    found = rebuild(buf, kind[1], tuple(kind[2]), kind[3], distinct, lengths)
-    return found if positions is None else [found[i] for i in positions]
-
-
 def _unbatch(
-    cls: type, names: tuple[Any, ...], kinds: list[Kind], count: int, columns: list[Any]
+    cls: type, names: tuple[Any, ...], kinds: list[columns.Kind], count: int, data: list[Any]
 ) -> list[Any]:
     values = [
-        column if kind[0] == "py" else _column_values(kind, count, column)
-        for kind, column in zip(kinds, columns, strict=True)
+        column if kind[0] == "py" else columns.rebuilt(kind, count, column)
+        for kind, column in zip(kinds, data, strict=True)
     ]
     if cls is dict:
         return list(map(dict, map(zip, repeat(names), zip(*values, strict=True))))
@@ -464,11 +167,11 @@ def _unbatch(
 class _Arrays:
     """A list of arrays or tensors packed into one column; unpickles to the list."""
 
-    def __init__(self, kind: Kind, count: int, column: Any) -> None:
+    def __init__(self, kind: columns.Kind, count: int, column: Any) -> None:
         self.kind, self.count, self.column = kind, count, column
 
     def __reduce__(self) -> tuple[Callable[..., list[Any]], tuple[Any, ...]]:
-        return (_column_values, (self.kind, self.count, self.column))
+        return (columns.rebuilt, (self.kind, self.count, self.column))
 
 
 _ARRAYS = (np.ndarray, torch.Tensor)
@@ -523,16 +226,9 @@ def _keyed(keys: list[Any], values: list[Any]) -> dict[Any, Any]:
     return dict(zip(keys, values, strict=True))
 
 
-def _distinct(items: list[Any]) -> bool:
-    """Whether no object appears twice in ``items`` (8 bytes an item, not a set's ~60)."""
-    ids = np.fromiter(map(id, items), np.int64, len(items))
-    ids.sort()
-    return not (ids[1:] == ids[:-1]).any()
-
-
 def _pack_arrays(items: list[Any], held: int, shared: list[Any]) -> Any:
     """``items``, arrays or tensors, as one column when they join (see ``_numpy_column``)."""
-    packed = _joined(items)
+    packed = columns.joined(items)
     if packed is None:
         return items
     _screen(items, held, shared)
@@ -555,11 +251,11 @@ def _pack_list(items: list[Any], held: int, shared: list[Any]) -> Any:
         return items  # no records
     if kinds == {dict}:  # the usual list of dicts: one run when they share their keys
         names = list(map(tuple, items))
-        if names.count(names[0]) == len(names) and _distinct(items):
+        if names.count(names[0]) == len(names) and columns.distinct(items):
             return Batch(items, (dict, names[0]), held, shared)
     if kinds == {tuple}:  # and of tuples: one run when they have one length
         lengths = set(map(len, items))
-        if len(lengths) != 1 or not _arrays_in(items[0]) or not _distinct(items):
+        if len(lengths) != 1 or not _arrays_in(items[0]) or not columns.distinct(items):
             return items
         whole = Batch(items, (tuple, _positions(lengths.pop())), held, shared)
         return whole if whole.pays else items
@@ -578,7 +274,7 @@ def _pack_list(items: list[Any], held: int, shared: list[Any]) -> Any:
             signature is not None
             and end - start >= MIN_RUN
             and (signature[0] is not tuple or _arrays_in(run[0]))
-            and _distinct(run)
+            and columns.distinct(run)
         ):
             batch = Batch(run, signature, held + 1, shared)  # and ``run``
         if batch is not None and batch.pays:

@@ -40,6 +40,7 @@ from . import _records as records
 from . import _sizing as sizing
 from . import _storage as storage
 from . import _watch as watch
+from ._columns import Column
 from ._errors import GatherError, IntegrityError
 
 __all__ = [
@@ -53,10 +54,11 @@ __all__ = [
     "verify",
 ]
 
-# 4: regions named by a global the part's unpickler resolves (3: by persistent ids, read
-# too); 3: storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3
-FORMAT_VERSION = 4
-_READS = (3, 4)
+# 5: columns of numpy views, tuple and nested batches, packed dicts (4 read too); 4: regions
+# named by a global the part's unpickler resolves (3: by persistent ids, read too); 3:
+# storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3
+FORMAT_VERSION = 5
+_READS = (3, 4, 5)
 _MAGIC = b"GSPART\x00\x00"
 # magic, version, flags, out-of-band buffers, persistent regions, pickle length, total
 _HEAD = struct.Struct("<8sIIQQQQ")
@@ -139,7 +141,7 @@ def _region(ref: int) -> Any:
     raise GatherError("a region of a gatherstore part was unpickled outside its part")
 
 
-def _reduce_object(obj: Any, spans: storage.Spans, columns: list[records.Column]) -> Any:
+def _reduce_object(obj: Any, spans: storage.Spans, columns: list[Column]) -> Any:
     """How ``obj`` is pickled: arrays and tensors as spans or in the stream, columns and
     spans as references to their regions; NotImplemented for everything else.  Called
     for objects other than numbers, strings and builtin containers only, unlike a
@@ -149,7 +151,7 @@ def _reduce_object(obj: Any, spans: storage.Spans, columns: list[records.Column]
         return _reduce_array(obj, spans)
     if kind is storage.SpanRef:
         return (_region, (-1 - obj.index,))
-    if kind is records.Column:
+    if kind is Column:
         columns.append(obj)
         return (_region, (len(columns) - 1,))
     if kind is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
@@ -173,7 +175,7 @@ class _Pickler(pickle.Pickler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.columns: list[records.Column] = []
+        self.columns: list[Column] = []
         self.spans = storage.Spans()
 
     def reducer_override(self, obj: Any) -> Any:
@@ -183,7 +185,7 @@ class _Pickler(pickle.Pickler):
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.columns: list[records.Column] = []
+        self.columns: list[Column] = []
         self.spans = storage.Spans()
 
     def reducer_override(self, obj: Any) -> Any:
@@ -197,7 +199,7 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
 class _Pickled:
     stream: bytes
     buffers: list[memoryview]
-    columns: list[records.Column]
+    columns: list[Column]
     spans: storage.Spans
     flags: int
 
