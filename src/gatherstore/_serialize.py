@@ -213,38 +213,43 @@ def _splits(pickler: pickle.Pickler, shared: list[Any]) -> bool:
     return any(id(obj) in memo for obj in shared)
 
 
+def _dump(value: Any, flags: int) -> tuple[_Pickled, pickle.Pickler] | None:
+    """``value`` pickled (with cloudpickle when ``flags`` says so), and its pickler; None
+    when plain pickle cannot pickle it."""
+    stream = io.BytesIO()
+    buffers: list[memoryview] = []
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        """Small buffers stay in the stream (cheaper than a table entry each)."""
+        raw = buf.raw()
+        if raw.nbytes < _OUT_OF_BAND_MIN:
+            return True
+        buffers.append(raw)
+        return False
+
+    pickler_class = _CloudPickler if flags & _CLOUDPICKLE else _Pickler
+    pickler = pickler_class(stream, protocol=5, buffer_callback=out_of_band)
+    try:
+        pickler.dump(value)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        if flags:
+            raise
+        return None
+    pickled = _Pickled(stream.getvalue(), buffers, pickler.columns, pickler.spans, flags)
+    return pickled, pickler
+
+
 def _pickle(obj: Any) -> _Pickled:
+    """``obj`` pickled with its records packed; as it is when packing would split an
+    object it holds twice; with cloudpickle when plain pickle cannot pickle it."""
     packed = records.pack(obj)
-    attempts: list[tuple[int, Any, Any]] = [
-        (0, _Pickler, packed.value),
-        (0, _Pickler, obj),  # when packing would split an object, or cannot be pickled
-        (_CLOUDPICKLE, _CloudPickler, obj),
-    ]
-    if packed.value is obj:
-        del attempts[1]
-    for flags, pickler_class, value in attempts:
-        stream = io.BytesIO()
-        buffers: list[memoryview] = []
-
-        def out_of_band(buf: pickle.PickleBuffer, buffers: list[memoryview] = buffers) -> bool:
-            """Small buffers stay in the stream (cheaper than a table entry each)."""
-            raw = buf.raw()
-            if raw.nbytes < _OUT_OF_BAND_MIN:
-                return True
-            buffers.append(raw)
-            return False
-
-        pickler = pickler_class(stream, protocol=5, buffer_callback=out_of_band)
-        try:
-            pickler.dump(value)
-        except (pickle.PicklingError, TypeError, AttributeError):
-            if flags:
-                raise
-            continue
-        if value is packed.value and _splits(pickler, packed.shared):
-            continue
-        return _Pickled(stream.getvalue(), buffers, pickler.columns, pickler.spans, flags)
-    raise AssertionError("unreachable")
+    done = _dump(packed.value, 0)
+    if done is not None and _splits(done[1], packed.shared):
+        done = _dump(obj, 0)
+    if done is None:
+        done = _dump(obj, _CLOUDPICKLE)
+    assert done is not None  # cloudpickle raises instead
+    return done[0]
 
 
 def _pad(pos: int, size: int) -> int:
