@@ -123,6 +123,31 @@ def test_numpy_rows_of_batches_travel_once_each_batch_and_arrive_as_its_views() 
     assert out["rows"][0][0] != -1.0 and out["rows"][2][0] != -1.0
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_rows_in_any_order_come_back_as_views_in_that_order(kind: str) -> None:
+    """Runs of evenly spaced rows are rebuilt a run at a time, the rest one by one."""
+    batches = [torch.rand(40, 1024) for _ in range(2)]
+    if kind == "numpy":
+        batches = [b.numpy() for b in batches]  # type: ignore[misc]
+    order = np.random.default_rng(0).permutation(80).tolist()
+    shuffled = [batches[i % 2][i // 2] for i in order]  # batches alternate, rows in no order
+    runs = [batches[0][i] for i in (0, 2, 4, 6, 7, 8, 9, 30, 20, 10)]
+    runs += [batches[1][i] for i in range(39, -1, -3)]  # descending: one by one
+    sent = {"shuffled": shuffled, "runs": runs, "batches": batches}
+    out = round_trip(sent)
+    assert_same(out, sent)
+    for name in ("shuffled", "runs"):
+        for got, want in zip(out[name], sent[name], strict=True):
+            owner = next(i for i, b in enumerate(sent["batches"]) if _shares(want, b))
+            assert _shares(got, out["batches"][owner]), "a view of its batch, as sent"
+
+
+def _shares(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    return bool(np.shares_memory(a, b))
+
+
 def test_a_part_of_a_batch_sends_only_the_rows_it_holds() -> None:
     batch = torch.rand(1000, 1024)
     rows = list(batch[100:120])

@@ -16,6 +16,7 @@ travels as one column (see :mod:`gatherstore._records`):
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 from itertools import repeat
@@ -289,27 +290,53 @@ def _tensor_values(
     return list(torch.split(base, [int(n) for n in lengths]))
 
 
+def _in_runs(
+    column: Any,
+    one: Callable[[int, int], Any],
+    many: Callable[[int, int, int, int], list[Any]],
+) -> list[Any]:
+    """The views of a column of views, made a run at a time: a run of views of one cover at
+    evenly spaced offsets (the rows of a batch) with one call, ``many(cover, first offset,
+    step, count)``; any other view with ``one(cover, offset)``."""
+    _, groups, offsets, positions = column
+    bounds = [0, *(np.flatnonzero(groups[1:] != groups[:-1]) + 1).tolist(), len(groups)]
+    steps = np.diff(offsets)
+    found: list[Any] = []
+    for start, end in itertools.pairwise(bounds):
+        run, group = steps[start : end - 1], int(groups[start])
+        if len(run) and run.min() == run.max() >= 0:
+            found += many(group, int(offsets[start]), int(run[0]), end - start)
+        else:
+            found += [one(group, offset) for offset in offsets[start:end].tolist()]
+    return found if positions is None else [found[i] for i in positions]
+
+
 def _view_values(kind: Kind, column: Any) -> list[Any]:
     """The tensors of a column of views (see ``_view_column``), as views again."""
-    covers, groups, offsets, positions = column
+    covers = column[0]
     _, _, shape, stride = kind
     starts = [cover.storage_offset() for cover in covers]
-    found = [
-        covers[g].as_strided(shape, stride, starts[g] + offset)
-        for g, offset in zip(groups.tolist(), offsets.tolist(), strict=True)
-    ]
-    return found if positions is None else [found[i] for i in positions]
+    return _in_runs(
+        column,
+        lambda g, offset: covers[g].as_strided(shape, stride, starts[g] + offset),
+        lambda g, offset, step, count: list(
+            covers[g].as_strided((count, *shape), (step, *stride), starts[g] + offset).unbind(0)
+        ),
+    )
 
 
 def _array_view_values(kind: Kind, column: Any) -> list[Any]:
     """The arrays of a column of numpy views (see ``_array_view_column``), as views again."""
-    covers, groups, offsets, positions = column
-    _, dtype, shape, strides = kind
-    found = [
-        np.ndarray(shape, np.dtype(dtype), buffer=covers[g], offset=offset, strides=strides)
-        for g, offset in zip(groups.tolist(), offsets.tolist(), strict=True)
-    ]
-    return found if positions is None else [found[i] for i in positions]
+    covers = column[0]
+    _, name, shape, strides = kind
+    dtype = np.dtype(name)
+    return _in_runs(
+        column,
+        lambda g, offset: np.ndarray(shape, dtype, covers[g], offset, strides),
+        lambda g, offset, step, count: list(
+            np.ndarray((count, *shape), dtype, covers[g], offset, (step, *strides))
+        ),
+    )
 
 
 def rebuilt(kind: Kind, count: int, column: Any) -> list[Any]:
