@@ -293,7 +293,20 @@ def _held_elsewhere() -> dict[str, Callable[[], Any]]:
     pairs = [(i, np.arange(3) + i) for i in range(20)]
     nested = [{"id": i, "pred": {"x": np.arange(3) + i}} for i in range(20)]
     inner = [{"id": i} for i in range(10)]
+    preds = [{"boxes": np.arange(4.0) + i} for i in range(10)]
+    twice = [{"id": i, "pred": p, "best": p} for i, p in enumerate(preds)]
+    tensors = [torch.arange(4.0) + i for i in range(10)]
+    dets = [{"box": np.arange(4.0) + i, "score": i} for i in range(10)]
     return {
+        "two fields": lambda: (twice, lambda o: o[3]["pred"] is o[3]["best"]),
+        "tuple twice": lambda: (
+            [(i, t, t) for i, t in enumerate(tensors)],
+            lambda o: o[2][1] is o[2][2],
+        ),
+        "two batches": lambda: (
+            {"dets": dets, "images": [{"id": i, "det": d} for i, d in enumerate(dets)]},
+            lambda o: o["images"][3]["det"] is o["dets"][3],
+        ),
         "record": lambda: ({"all": recs, "best": recs[3]}, lambda o: o["best"] is o["all"][3]),
         "field": lambda: ({"all": recs, "x": recs[3]["x"]}, lambda o: o["x"] is o["all"][3]["x"]),
         "dataclass": lambda: ({"all": points, "p": points[2]}, lambda o: o["p"] is o["all"][2]),
@@ -316,6 +329,84 @@ def test_a_packed_object_held_elsewhere_in_the_object_stays_one_object(case: str
     out = round_trip(obj)
     assert_same(out, obj)
     assert same(out), "as pickle rebuilds it: one object in both places"
+
+
+def _back_references() -> dict[str, tuple[Any, Callable[[Any], bool]]]:
+    """Records that lead back to the list or dict they are in, or to each other."""
+    parents = [{"id": i, "x": np.arange(2) + i} for i in range(10)]
+    for parent in parents:
+        parent["child"] = {"parent": parent, "score": 1}
+    ring = [{"id": i, "x": np.arange(2) + i} for i in range(10)]
+    for i, record in enumerate(ring):
+        record["next"], record["me"] = ring[(i + 1) % 10], record
+    held = [{"id": i, "x": np.arange(3) + i} for i in range(10)]
+    for record in held:
+        record["all"] = held
+    keyed = {i: {"id": i, "x": np.arange(3) + i} for i in range(70)}
+    for value in keyed.values():
+        value["d"] = keyed
+    root: dict[str, Any] = {"meta": "m", "recs": [{"id": i} for i in range(10)]}
+    for record in root["recs"]:
+        record["root"] = root
+    del parent, record, value  # only the objects hold them now
+    return {
+        "child to parent": (parents, lambda o: o[4]["child"]["parent"] is o[4]),
+        "ring": (ring, lambda o: o[2]["next"] is o[3] and o[5]["me"] is o[5]),
+        "list": (held, lambda o: o[0]["all"] is o),
+        "long dict": (keyed, lambda o: o[3]["d"] is o),
+        "small dict": (root, lambda o: o["recs"][2]["root"] is o),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_back_references()))
+def test_records_that_lead_back_keep_pickles_identities(case: str) -> None:
+    obj, same = _back_references()[case]
+    assert same(pickle.loads(pickle.dumps(obj, protocol=5)))
+    assert same(round_trip(obj))
+
+
+@dataclasses.dataclass
+class Empty:
+    """A dataclass without fields."""
+
+
+def test_records_without_fields_or_keyed_oddly_come_back_as_they_were() -> None:
+    obj = {
+        "empty": [{} for _ in range(10)],
+        "fields": [{"id": i, "x": np.arange(2) + i, "meta": {}} for i in range(10)],
+        "keyed": {i: {} for i in range(70)},
+        "tuples": [(i, np.arange(2) + i, {}) for i in range(10)],
+        "dataclasses": [Empty() for _ in range(10)],
+        "key types": [{np.int64(0) if i % 2 else 0: np.arange(3) + i} for i in range(10)],
+    }
+    out = round_trip(obj)
+    assert [len(v) for v in out.values()] == [len(v) for v in obj.values()]
+    assert_same(out["fields"], obj["fields"])
+    assert out["keyed"] == obj["keyed"]
+    assert [type(next(iter(r))) for r in out["key types"]][:2] == [int, np.int64]
+
+
+_made: dict[str, Any] = {}
+
+
+@dataclasses.dataclass
+class Interned:
+    """A dataclass whose ``__new__`` pickle calls (through ``__getnewargs__``)."""
+
+    name: str
+
+    def __new__(cls, name: str = "") -> Interned:
+        if name not in _made:
+            _made[name] = super().__new__(cls)
+        return _made[name]  # type: ignore[no-any-return]
+
+    def __getnewargs__(self) -> tuple[str]:
+        return (self.name,)
+
+
+def test_a_dataclass_with_its_own_new_is_rebuilt_through_it() -> None:
+    labels = [Interned(f"c{i}") for i in range(10)]
+    assert round_trip(labels)[3] is _made["c3"]
 
 
 def _pool(obj: dict[str, Any]) -> list[Any]:
@@ -345,10 +436,13 @@ def test_pack_reports_only_what_something_else_holds() -> None:
         "recs": [{"id": i, "x": np.arange(3) + i} for i in range(20)],
         "keyed": {i: torch.full((4,), float(i)) for i in range(100)},
     }
-    assert _records.pack(obj).shared == [], "only their containers hold them"
+    packed = _records.pack(obj)
+    assert packed.shared == [obj] and not packed.twice, "only their containers hold them"
     held = obj["recs"][4]["x"], obj["keyed"][9], obj["recs"]
     shared = _records.pack(obj).shared
-    assert {id(o) for o in shared} == {id(o) for o in held}
+    assert {id(o) for o in shared} == {id(o) for o in (obj, *held)}
+    obj["again"] = obj["recs"][:10]  # ten records now in two batches
+    assert _records.pack(obj).twice
 
 
 def _root(arr: np.ndarray) -> Any:

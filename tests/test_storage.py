@@ -142,6 +142,27 @@ def test_rows_in_any_order_come_back_as_views_in_that_order(kind: str) -> None:
             assert _shares(got, out["batches"][owner]), "a view of its batch, as sent"
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_rows_taken_sparsely_from_a_big_batch_send_only_themselves(kind: str) -> None:
+    batch = torch.rand(8000, 1024)
+    source = batch if kind == "torch" else batch.numpy()
+    rows = [source[i * 1000] for i in range(8)]  # 32 KiB of a 32 MiB batch
+    assert _size(rows) < 64 << 10
+    assert_same(round_trip(rows), rows)
+
+
+def test_numpy_rows_of_structured_or_unaligned_views_come_back_equal() -> None:
+    records = np.zeros((8, 10), [("a", "<f4"), ("b", "<i8")])
+    records["a"] = np.arange(80).reshape(8, 10)
+    raw = np.arange(4096 * 9 + 8, dtype=np.uint8)
+    shifts = [2 * (i == 7) for i in range(8)]  # the last row 2 bytes off: not whole items
+    odd = [raw[4096 * i + d : 4096 * (i + 1) + d].view("<f4") for i, d in enumerate(shifts)]
+    sent = {"records": list(records), "odd": odd}
+    out = round_trip(sent)
+    assert_same(out, sent)
+    assert out["records"][1]["a"][3] == 13.0
+
+
 def _shares(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())

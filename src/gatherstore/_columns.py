@@ -181,13 +181,25 @@ def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     np.minimum.at(low, groups, offsets)
     np.maximum.at(high, groups, offsets)
     extent = storage.elements_spanned(shape, stride)
-    sizes = (high - low + extent).tolist()
+    sizes = high - low + extent
+    if not _tight(groups, offsets, extent, sizes):
+        return None
     covers = [
         torch.empty(0, dtype=dtype).set_(values[i].untyped_storage(), start, (size,), (1,))
-        for i, start, size in zip(firsts.tolist(), low.tolist(), sizes, strict=True)
+        for i, start, size in zip(firsts.tolist(), low.tolist(), sizes.tolist(), strict=True)
     ]
     kind = ("vt", str(dtype).removeprefix("torch."), tuple(shape), tuple(stride))
     return kind, (covers, groups.astype(np.int64), offsets - low[groups], positions)
+
+
+def _tight(groups: np.ndarray, starts: np.ndarray, extent: int, sizes: np.ndarray) -> bool:
+    """Whether covers of ``sizes`` (one per storage) are at most twice the memory their
+    views span (each from its ``starts`` over ``extent``): rows taken sparsely from a big
+    batch travel as spans of their own, not as the batch."""
+    order = np.lexsort((starts, groups))
+    gaps = np.diff(starts[order])[groups[order][1:] == groups[order][:-1]]
+    spanned = len(starts) * extent - int(np.maximum(extent - gaps, 0).sum())
+    return int(sizes.sum()) <= 2 * spanned
 
 
 _base, _strides = operator.attrgetter("base"), operator.attrgetter("strides")
@@ -205,6 +217,8 @@ def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     if not all(type(v) is np.ndarray for v in values) or first.dtype.hasobject or not first.size:
         return None
     shape, strides, dtype = first.shape, first.strides, first.dtype
+    if np.dtype(dtype.str) != dtype:  # fields or subarrays: not named by its string
+        return None
     if any(s < 0 or s % dtype.itemsize for s in strides):
         return None
     if any(map(operator.is_, map(_base, values), repeat(None))):  # not views
@@ -225,12 +239,17 @@ def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     high = np.zeros(len(firsts), np.int64)
     np.maximum.at(high, groups, addresses)
     low = addresses[lowest]
+    if ((addresses - low[groups]) % dtype.itemsize).any():  # not whole items apart
+        return None
     extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + dtype.itemsize
+    sizes = high - low + extent
+    if not _tight(groups, addresses, extent, sizes):
+        return None
     covers = [
         np.lib.stride_tricks.as_strided(
-            values[i], shape=((top - bottom + extent) // dtype.itemsize,), strides=(dtype.itemsize,)
+            values[i], shape=(size // dtype.itemsize,), strides=(dtype.itemsize,)
         )
-        for i, bottom, top in zip(lowest.tolist(), low.tolist(), high.tolist(), strict=True)
+        for i, size in zip(lowest.tolist(), sizes.tolist(), strict=True)
     ]
     kind = ("vn", dtype.str, tuple(shape), tuple(strides))
     return kind, (covers, groups.astype(np.int64), addresses - low[groups], positions)

@@ -52,23 +52,38 @@ MIN_RUN = 8
 #: Containers shorter than this are searched for lists of records (depth-limited).
 _SCAN_LEN = 64
 _SCAN_DEPTH = 4
-_PROTOCOL = ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
+_PROTOCOL = (
+    "__reduce__",
+    "__reduce_ex__",
+    "__getstate__",
+    "__setstate__",
+    "__getnewargs__",
+    "__getnewargs_ex__",
+)
 #: Where parts of format 4 name the rebuild of a list of arrays (see ``_columns.rebuilt``).
 _column_values = columns.rebuilt
 
 
 def structure(record: Any) -> tuple[type, tuple[Any, ...]] | None:
-    """(record type, field names) of a dict or plain dataclass instance, or (tuple, its
-    positions) of a non-empty tuple; else None."""
+    """(record type, field names) of a dict whose keys are strings or of a plain dataclass
+    instance, or (tuple, its positions) of a tuple; None for anything else, and for a
+    record without fields."""
     kind = type(record)
     if kind is dict:
-        return (dict, tuple(record))
+        names = tuple(record)
+        return (dict, names) if names and _named(names) else None
     if kind is tuple:
         return (tuple, _positions(len(record))) if record else None
-    names = _plain_fields(kind)  # type: ignore[arg-type]
-    if names is not None and tuple(getattr(record, "__dict__", ())) == names:
-        return (kind, names)
+    fields = _plain_fields(kind)  # type: ignore[arg-type]
+    if fields and tuple(getattr(record, "__dict__", ())) == fields:
+        return (kind, fields)
     return None
+
+
+def _named(keys: tuple[Any, ...]) -> bool:
+    """Whether a dict's keys are all exactly ``str`` (``1``, ``1.0``, ``True`` and
+    ``np.int64(1)`` are equal keys of different types: records keyed so stay dicts)."""
+    return all(type(key) is str for key in keys)
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,46 +97,64 @@ def _plain_fields(kind: type) -> tuple[str, ...] | None:
     (no pickling protocol of its own), else None."""
     if not dataclasses.is_dataclass(kind) or kind in copyreg.dispatch_table:
         return None
+    if kind.__new__ is not object.__new__:  # pickle calls it: so must the rebuild
+        return None
     if any(getattr(kind, name, None) is not getattr(object, name, None) for name in _PROTOCOL):
         return None
     return tuple(f.name for f in dataclasses.fields(kind))
 
 
-def _screen(values: list[Any], held: int, shared: list[Any]) -> None:
-    """Add to ``shared`` the objects of ``values`` that something holds besides the
-    ``held`` references packing knows of (``values`` itself among them)."""
-    counts = np.fromiter(map(sys.getrefcount, values), np.int64, len(values))
-    shared.extend(values[i] for i in np.flatnonzero(counts > held + 1).tolist())
+class _Screen:
+    """What one :func:`pack` replaced that something else may also hold (see ``Packed``),
+    and how deep it nests batches in records' fields."""
+
+    def __init__(self) -> None:
+        self.shared: dict[int, Any] = {}
+        self.twice = False
+        self.nesting = 0
+
+    def check(self, values: list[Any], held: int) -> None:
+        """Note the objects of ``values`` (replaced by packing) that something holds
+        besides the ``held`` references packing knows of, ``values`` itself among them;
+        one noted here and before is replaced in two places."""
+        counts = np.fromiter(map(sys.getrefcount, values), np.int64, len(values))
+        found = {id(values[i]): values[i] for i in np.flatnonzero(counts > held + 1).tolist()}
+        if found:
+            self.twice = self.twice or not self.shared.keys().isdisjoint(found)
+            self.shared.update(found)
 
 
-def _nested(values: list[Any], shared: list[Any]) -> Any:
+def _nested(values: list[Any], screen: _Screen) -> Any:
     """A field whose values are records too (``{"id", "pred": {"boxes", "scores"}}``),
-    packed as a list of them; else ``values`` itself."""
-    if structure(values[0]) is None or not columnar(values):
+    packed as a list of them (a few levels deep); else ``values`` itself."""
+    if screen.nesting >= _SCAN_DEPTH or structure(values[0]) is None or not columnar(values):
         return values
-    return _pack_list(values, 2, shared)  # its record, and ``values``
+    screen.nesting += 1
+    try:
+        return _pack_list(values, 2, screen)  # its record, and ``values``
+    finally:
+        screen.nesting -= 1
 
 
 class Batch:
     """A run of records with one structure, pickled as columns.
 
     ``held``: the references to each record packing knows of (``records`` among them);
-    records and array values held by anything else are added to ``shared``.
+    what ``screen`` is told of records and values held by anything else.
     """
 
     def __init__(
         self,
         records: list[Any],
         structure: tuple[type, tuple[Any, ...]],
-        held: int = 1,
-        shared: list[Any] | None = None,
+        held: int,
+        screen: _Screen,
     ) -> None:
         self.cls, self.names = structure
         self.count = len(records)
         self.kinds: list[columns.Kind] = []
         self.columns: list[Any] = []
-        shared = [] if shared is None else shared
-        joined = False
+        plain = 0
         for name in self.names:
             if self.cls is dict or self.cls is tuple:
                 values = list(map(operator.itemgetter(name), records))
@@ -129,17 +162,17 @@ class Batch:
                 values = [r.__dict__[name] for r in records]
             packed = columns.joined(values)
             if packed is not None:
-                _screen(values, 2, shared)  # its record, and ``values``
+                screen.check(values, 2)  # its record, and ``values``
             else:
-                packed = (("py",), _nested(values, shared))
-            joined = joined or packed[1] is not values
+                packed = (("py",), _nested(values, screen))
+                plain += packed[1] is values
             self.kinds.append(packed[0])
             self.columns.append(packed[1])
         #: Whether columns pay: pickle writes tuples as fast as columns of their values,
-        #: so a run of tuples is a batch only when arrays or tensors join in a column.
-        self.pays = joined or self.cls is not tuple
+        #: so a run of tuples is a batch only when arrays, tensors or records join.
+        self.pays = self.cls is not tuple or plain < len(self.names)
         if self.pays:
-            _screen(records, held, shared)
+            screen.check(records, held)
 
     def __reduce__(self) -> tuple[Callable[..., list[Any]], tuple[Any, ...]]:
         return (_unbatch, (self.cls, self.names, self.kinds, self.count, self.columns))
@@ -226,12 +259,12 @@ def _keyed(keys: list[Any], values: list[Any]) -> dict[Any, Any]:
     return dict(zip(keys, values, strict=True))
 
 
-def _pack_arrays(items: list[Any], held: int, shared: list[Any]) -> Any:
-    """``items``, arrays or tensors, as one column when they join (see ``_numpy_column``)."""
+def _pack_arrays(items: list[Any], held: int, screen: _Screen) -> Any:
+    """``items``, arrays or tensors, as one column when they join (see ``_columns``)."""
     packed = columns.joined(items)
     if packed is None:
         return items
-    _screen(items, held, shared)
+    screen.check(items, held)
     return _Arrays(packed[0], len(items), packed[1])
 
 
@@ -241,23 +274,25 @@ def _arrays_in(record: tuple[Any, ...]) -> bool:
     return any(type(value) in _ARRAYS for value in record)
 
 
-def _pack_list(items: list[Any], held: int, shared: list[Any]) -> Any:
+def _pack_list(items: list[Any], held: int, screen: _Screen) -> Any:
     """``items`` as batches and plain runs, or ``items`` itself when nothing batches;
     ``held``: the references to each item packing knows of (``items`` among them)."""
     kinds = set(map(type, items))
     if len(kinds) == 1 and type(items[0]) in _ARRAYS:
-        return _pack_arrays(items, held, shared)
-    if kinds.isdisjoint((dict, tuple)) and all(_plain_fields(k) is None for k in kinds):
+        return _pack_arrays(items, held, screen)
+    if kinds.isdisjoint((dict, tuple)) and all(not _plain_fields(k) for k in kinds):
         return items  # no records
     if kinds == {dict}:  # the usual list of dicts: one run when they share their keys
         names = list(map(tuple, items))
-        if names.count(names[0]) == len(names) and columns.distinct(items):
-            return Batch(items, (dict, names[0]), held, shared)
+        first = names[0]
+        alike = first and _named(first) and names.count(first) == len(names)
+        if alike and columns.distinct(items):
+            return Batch(items, (dict, first), held, screen)
     if kinds == {tuple}:  # and of tuples: one run when they have one length
         lengths = set(map(len, items))
         if len(lengths) != 1 or not _arrays_in(items[0]) or not columns.distinct(items):
             return items
-        whole = Batch(items, (tuple, _positions(lengths.pop())), held, shared)
+        whole = Batch(items, (tuple, _positions(lengths.pop())), held, screen)
         return whole if whole.pays else items
     signatures = [structure(item) for item in items]
     chunks: list[Any] = []
@@ -276,7 +311,7 @@ def _pack_list(items: list[Any], held: int, shared: list[Any]) -> Any:
             and (signature[0] is not tuple or _arrays_in(run[0]))
             and columns.distinct(run)
         ):
-            batch = Batch(run, signature, held + 1, shared)  # and ``run``
+            batch = Batch(run, signature, held + 1, screen)  # and ``run``
         if batch is not None and batch.pays:
             chunks.append(batch)
             batched = True
@@ -297,9 +332,13 @@ class Packed:
     #: The object with its lists of records (and long dicts' values) as batches.
     value: Any
     #: Records, arrays and containers that packing replaced and that something besides
-    #: their container also holds: should the pickler meet one of them elsewhere in the
-    #: object, it would be rebuilt twice, no longer one object.
+    #: their container may also hold (the object itself among them, when replaced):
+    #: should the pickler meet one of them elsewhere in the object, it would be rebuilt
+    #: twice, no longer one object.
     shared: list[Any]
+    #: Whether packing replaced one object in two places (say a record held by two
+    #: fields): ``value`` would rebuild it twice, so the object is pickled as it is.
+    twice: bool = False
 
 
 class _Cycle(Exception):
@@ -308,12 +347,12 @@ class _Cycle(Exception):
 
 class _Packer:
     """One :func:`pack`: what each container became (a container met twice is packed
-    once), the containers being searched, and the replaced objects held elsewhere."""
+    once), the containers being searched, and what was replaced (see ``_Screen``)."""
 
     def __init__(self) -> None:
         self.done: dict[int, Any] = {}
         self.open: set[int] = set()
-        self.shared: list[Any] = []
+        self.screen = _Screen()
         #: Containers replaced below the top (screened once packing is over).
         self.replaced: list[Any] = []
 
@@ -339,13 +378,14 @@ class _Packer:
     def _packed(self, obj: Any, depth: int) -> Any:
         kind = type(obj)
         if kind is list and len(obj) >= MIN_RUN:
-            packed = _pack_list(obj, 1, self.shared)
+            packed = _pack_list(obj, 1, self.screen)
             if packed is not obj:
                 return packed
         if kind is dict and len(obj) >= _SCAN_LEN:
             values = list(obj.values())
-            packed = _pack_list(values, 2, self.shared)  # the dict and ``values``
-            return obj if packed is values else _Keyed(list(obj), packed)
+            packed = _pack_list(values, 2, self.screen)  # the dict and ``values``
+            if packed is not values:
+                return _Keyed(list(obj), packed)
         if depth >= _SCAN_DEPTH or len(obj) >= _SCAN_LEN:
             return obj
         if kind is dict:
@@ -367,8 +407,11 @@ def pack(obj: Any) -> Packed:
         value = packer.pack(obj, 0)
     except _Cycle:
         return Packed(obj, [])
-    _screen(packer.replaced, 2, packer.shared)  # its container, and ``replaced``
-    return Packed(value, packer.shared)
+    screen = packer.screen
+    screen.check(packer.replaced, 2)  # its container, and ``replaced``
+    if value is not obj:  # a record may hold the very list or dict it is in
+        screen.shared[id(obj)] = obj
+    return Packed(value, list(screen.shared.values()), screen.twice)
 
 
 class _Rebuilt:

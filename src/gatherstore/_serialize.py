@@ -204,19 +204,30 @@ class _Pickled:
     flags: int
 
 
-def _splits(pickler: pickle.Pickler, shared: list[Any]) -> bool:
-    """Whether the pickler met, outside its batch, an object that packing replaced (see
-    ``_records.Packed``): it would be rebuilt twice, no longer one object."""
-    if not shared:
-        return False
-    memo = pickler.memo.copy()
-    return any(id(obj) in memo for obj in shared)
+#: Memo ids of the objects a packed part must not meet (see ``_dump``): pickle refuses to
+#: write an id this large, so meeting one of them raises instead of writing it.
+_GUARD = 1 << 32
+_TOO_LARGE = "memo id too large"
+#: Pickle opcodes that take one memo slot (push None, memoize, pop): the stream starts
+#: with one per guarded object, so that the unpickler's memo ids match the pickler's.
+_SLOT = pickle.NONE + pickle.MEMOIZE + pickle.POP
 
 
-def _dump(value: Any, flags: int) -> tuple[_Pickled, pickle.Pickler] | None:
-    """``value`` pickled (with cloudpickle when ``flags`` says so), and its pickler; None
-    when plain pickle cannot pickle it."""
-    stream = io.BytesIO()
+class _Split(Exception):
+    """The pickler met, outside its batch, an object that packing replaced."""
+
+
+def _dump(value: Any, flags: int, guarded: list[Any] | None = None) -> _Pickled | None:
+    """``value`` pickled (with cloudpickle when ``flags`` says so); None when plain pickle
+    cannot pickle it.
+
+    Raises:
+        _Split: the pickler met one of ``guarded`` (objects packing replaced, see
+            ``_records.Packed``): it would be rebuilt twice, no longer one object.
+    """
+    guarded = guarded or []
+    stream = io.BytesIO(_SLOT * len(guarded))
+    stream.seek(0, io.SEEK_END)
     buffers: list[memoryview] = []
 
     def out_of_band(buf: pickle.PickleBuffer) -> bool:
@@ -229,27 +240,36 @@ def _dump(value: Any, flags: int) -> tuple[_Pickled, pickle.Pickler] | None:
 
     pickler_class = _CloudPickler if flags & _CLOUDPICKLE else _Pickler
     pickler = pickler_class(stream, protocol=5, buffer_callback=out_of_band)
+    if guarded:
+        pickler.memo = {id(obj): (_GUARD + i, obj) for i, obj in enumerate(guarded)}
     try:
         pickler.dump(value)
-    except (pickle.PicklingError, TypeError, AttributeError):
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        if guarded and _TOO_LARGE in str(exc):
+            raise _Split from exc
         if flags:
             raise
         return None
-    pickled = _Pickled(stream.getvalue(), buffers, pickler.columns, pickler.spans, flags)
-    return pickled, pickler
+    return _Pickled(stream.getvalue(), buffers, pickler.columns, pickler.spans, flags)
 
 
 def _pickle(obj: Any) -> _Pickled:
     """``obj`` pickled with its records packed; as it is when packing would split an
-    object it holds twice; with cloudpickle when plain pickle cannot pickle it."""
+    object held in two places; with cloudpickle when plain pickle cannot pickle it."""
     packed = records.pack(obj)
-    done = _dump(packed.value, 0)
-    if done is not None and _splits(done[1], packed.shared):
+    plain = packed.value is obj or packed.twice
+    done = None
+    if not plain:
+        try:
+            done = _dump(packed.value, 0, packed.shared)
+        except _Split:
+            plain = True
+    if plain:
         done = _dump(obj, 0)
     if done is None:
         done = _dump(obj, _CLOUDPICKLE)
     assert done is not None  # cloudpickle raises instead
-    return done[0]
+    return done
 
 
 def _pad(pos: int, size: int) -> int:
