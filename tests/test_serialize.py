@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import gc
 import itertools
@@ -429,6 +430,24 @@ def test_random_references_into_packed_objects_keep_their_identity(picks: list[i
     assert [extra is pool[i] for extra, i in zip(out["extra"], picks, strict=True)] == [True] * len(
         picks
     )
+
+
+@dataclasses.dataclass
+class Hooked:
+    """A plain dataclass that gains a ``copyreg`` reducer after its first encode."""
+
+    a: Any
+    b: Any
+
+
+def test_a_pickling_hook_added_after_an_encode_is_used_by_the_next() -> None:
+    records = [Hooked(i, np.arange(2) + i) for i in range(10)]
+    assert round_trip(records)[0].a == 0
+    copyreg.pickle(Hooked, lambda h: (Hooked, ("reduced", h.b)))
+    try:
+        assert round_trip(records)[0].a == "reduced"
+    finally:
+        del copyreg.dispatch_table[Hooked]
 
 
 def test_pack_reports_only_what_something_else_holds() -> None:

@@ -163,6 +163,13 @@ def test_numpy_rows_of_structured_or_unaligned_views_come_back_equal() -> None:
     assert out["records"][1]["a"][3] == 13.0
 
 
+def test_rows_of_two_torch_storages_over_one_buffer_come_back_equal() -> None:
+    data = np.random.default_rng(0).random((16, 1024)).astype("f4")
+    small, big = torch.from_numpy(data[:2]), torch.from_numpy(data)  # one address, 8 vs 64 KiB
+    rows = [small[0], small[1]] + [big[i] for i in range(2, 16)]
+    assert_same(round_trip(rows), rows)
+
+
 def _shares(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())

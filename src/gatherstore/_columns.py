@@ -184,6 +184,9 @@ def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     sizes = high - low + extent
     if not _tight(groups, offsets, extent, sizes):
         return None
+    room = [values[i].untyped_storage().nbytes() // first.element_size() for i in firsts]
+    if any(top > n for top, n in zip((low + sizes).tolist(), room, strict=True)):
+        return None  # storages that share one buffer, the first of them too short for all
     covers = [
         torch.empty(0, dtype=dtype).set_(values[i].untyped_storage(), start, (size,), (1,))
         for i, start, size in zip(firsts.tolist(), low.tolist(), sizes.tolist(), strict=True)

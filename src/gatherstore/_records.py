@@ -402,6 +402,7 @@ def pack(obj: Any) -> Packed:
     Only exact ``list``/``tuple``/``dict`` containers are searched (short ones,
     a few levels deep); nothing else is touched.
     """
+    _plain_fields.cache_clear()  # a class may have gained a pickling hook since the last
     packer = _Packer()
     try:
         value = packer.pack(obj, 0)

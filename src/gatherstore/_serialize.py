@@ -24,6 +24,7 @@ change: what is verified must be what is unpickled.
 from __future__ import annotations
 
 import functools
+import gc
 import hmac
 import io
 import pickle
@@ -241,7 +242,13 @@ def _dump(value: Any, flags: int, guarded: list[Any] | None = None) -> _Pickled 
     pickler_class = _CloudPickler if flags & _CLOUDPICKLE else _Pickler
     pickler = pickler_class(stream, protocol=5, buffer_callback=out_of_band)
     if guarded:
-        pickler.memo = {id(obj): (_GUARD + i, obj) for i, obj in enumerate(guarded)}
+        collecting = gc.isenabled()
+        gc.disable()  # a tuple per guard: no collection of the whole heap for them
+        try:
+            pickler.memo = {id(obj): (_GUARD + i, obj) for i, obj in enumerate(guarded)}
+        finally:
+            if collecting:
+                gc.enable()
     try:
         pickler.dump(value)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
