@@ -3,13 +3,16 @@
 Evaluation results are long lists of small records (a dict per image holding a
 few arrays and scalars).  Pickling them object by object runs at well under
 0.1 GB/s.  Before pickling, every run of records with the same structure (dicts
-with the same keys in the same order, instances of one plain dataclass, or tuples
-of one length that hold arrays, ``(image_id, logits)``) becomes a :class:`Batch`:
-one column per field.  Fields of arrays or tensors become array columns (see
+with the same string keys in the same order, instances of one plain dataclass, or
+tuples of one length, ``(image_id, logits)``) becomes a :class:`Batch`: one column
+per field.  Fields of arrays or tensors become array columns (see
 :mod:`gatherstore._columns`: one copied region, or views of the storages they
-share); fields of records (``{"id", "pred": {"boxes", "scores"}}``) become a
-batch of their own; other fields become plain Python lists, which pickle fast.
-On load the records are rebuilt with array fields as views into the part.
+share); fields of records (``{"id", "pred": {"boxes", "scores"}}``) become a batch
+of their own, and fields of lists of records (``{"image_id", "instances": [...]}``)
+one batch of all their records; other fields become plain Python lists, which
+pickle fast.  On load the records are rebuilt with array fields as views into the
+part.  Dicts and tuples of plain values only (COCO's ``{"image_id", "bbox": [...],
+"score"}``) stay as they are: pickle writes and reads them faster than columns.
 
 A list of arrays or tensors is one such column by itself, and a long dict
 (``{image_id: record}``, ``{name: tensor}``) packs its values as such a list, its
@@ -34,6 +37,7 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import functools
+import itertools
 import operator
 import sys
 from collections.abc import Callable
@@ -124,16 +128,36 @@ class _Screen:
             self.shared.update(found)
 
 
-def _nested(values: list[Any], screen: _Screen) -> Any:
-    """A field whose values are records too (``{"id", "pred": {"boxes", "scores"}}``),
-    packed as a list of them (a few levels deep); else ``values`` itself."""
-    if screen.nesting >= _SCAN_DEPTH or structure(values[0]) is None or not columnar(values):
-        return values
+def _nested(values: list[Any], screen: _Screen) -> tuple[columns.Kind, Any]:
+    """A field that is not an array column: (kind, column).  Records
+    (``{"id", "pred": {"boxes", "scores"}}``) are packed as a list of them, and lists of
+    records (``{"image_id", "instances": [{"bbox", "score"}, ...]}``) as one list of all
+    their records and each one's length, a few levels deep; anything else is ``values``
+    itself, pickled as it is."""
+    if screen.nesting >= _SCAN_DEPTH:
+        return ("py",), values
     screen.nesting += 1
     try:
-        return _pack_list(values, 2, screen)  # its record, and ``values``
+        if structure(values[0]) is not None and columnar(values):
+            return ("py",), _pack_list(values, 2, screen)  # its record, and ``values``
+        if set(map(type, values)) == {list} and columns.distinct(values):
+            flat = list(itertools.chain.from_iterable(values))
+            if structure(flat[0] if flat else None) is not None and columnar(flat):
+                packed = _pack_list(flat, 2, screen)  # its list, and ``flat``
+                if packed is not flat:
+                    screen.check(values, 2)  # the lists: their record, and ``values``
+                    lengths = np.fromiter(map(len, values), np.int64, len(values))
+                    return ("lists",), (packed, lengths)
+        return ("py",), values
     finally:
         screen.nesting -= 1
+
+
+def _lists(column: tuple[list[Any], np.ndarray[Any, Any]]) -> list[list[Any]]:
+    """The lists of a field of lists of records (see ``_nested``), from all their records."""
+    flat, lengths = column
+    ends = np.cumsum(lengths).tolist()
+    return [flat[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 class Batch:
@@ -164,13 +188,15 @@ class Batch:
             if packed is not None:
                 screen.check(values, 2)  # its record, and ``values``
             else:
-                packed = (("py",), _nested(values, screen))
+                packed = _nested(values, screen)
                 plain += packed[1] is values
             self.kinds.append(packed[0])
             self.columns.append(packed[1])
-        #: Whether columns pay: pickle writes tuples as fast as columns of their values,
-        #: so a run of tuples is a batch only when arrays, tensors or records join.
-        self.pays = self.cls is not tuple or plain < len(self.names)
+        #: Whether columns pay: pickle writes and reads dicts and tuples of numbers,
+        #: strings and other plain values faster than their columns, so a run of them is
+        #: a batch only when some field joins (arrays, tensors, records, lists of records).
+        #: Dataclasses always pay: pickle reduces each through Python calls.
+        self.pays = plain < len(self.names) or self.cls not in (dict, tuple)
         if self.pays:
             screen.check(records, held)
 
@@ -178,13 +204,19 @@ class Batch:
         return (_unbatch, (self.cls, self.names, self.kinds, self.count, self.columns))
 
 
+def _field(kind: columns.Kind, count: int, column: Any) -> list[Any]:
+    """The ``count`` values of a field of a batch, from its column."""
+    if kind[0] == "py":
+        return column  # type: ignore[no-any-return]
+    if kind[0] == "lists":
+        return _lists(column)
+    return columns.rebuilt(kind, count, column)
+
+
 def _unbatch(
     cls: type, names: tuple[Any, ...], kinds: list[columns.Kind], count: int, data: list[Any]
 ) -> list[Any]:
-    values = [
-        column if kind[0] == "py" else columns.rebuilt(kind, count, column)
-        for kind, column in zip(kinds, data, strict=True)
-    ]
+    values = [_field(kind, count, column) for kind, column in zip(kinds, data, strict=True)]
     if cls is dict:
         return list(map(dict, map(zip, repeat(names), zip(*values, strict=True))))
     if cls is tuple:
@@ -268,10 +300,24 @@ def _pack_arrays(items: list[Any], held: int, screen: _Screen) -> Any:
     return _Arrays(packed[0], len(items), packed[1])
 
 
-def _arrays_in(record: tuple[Any, ...]) -> bool:
-    """Whether a tuple holds an array or tensor (without one, its run is no batch: see
-    ``Batch.pays``)."""
-    return any(type(value) in _ARRAYS for value in record)
+def _packable(run: list[Any], depth: int = 0) -> bool:
+    """Whether the first or last record of ``run`` is a dataclass, or holds a value that
+    packs: an array or tensor, or (a few levels deep) a record or a list of records that
+    holds one.  Without one, the run is no batch (see ``Batch.pays``), and is not made
+    one to find that out."""
+    for record in (run[0], run[-1]):
+        if type(record) is not dict and type(record) is not tuple:
+            return True  # a dataclass (see ``Batch.pays``)
+        for value in record.values() if type(record) is dict else record:
+            if type(value) in _ARRAYS:
+                return True
+            if depth >= _SCAN_DEPTH:
+                continue
+            inner = [value] if structure(value) is not None else value
+            records = type(inner) is list and inner and structure(inner[0]) is not None
+            if records and _packable(inner, depth + 1):
+                return True
+    return False
 
 
 def _pack_list(items: list[Any], held: int, screen: _Screen) -> Any:
@@ -285,12 +331,15 @@ def _pack_list(items: list[Any], held: int, screen: _Screen) -> Any:
     if kinds == {dict}:  # the usual list of dicts: one run when they share their keys
         names = list(map(tuple, items))
         first = names[0]
-        alike = first and _named(first) and names.count(first) == len(names)
-        if alike and columns.distinct(items):
-            return Batch(items, (dict, first), held, screen)
+        if first and _named(first) and names.count(first) == len(names):  # one run
+            if not _packable(items):
+                return items
+            if columns.distinct(items):
+                whole = Batch(items, (dict, first), held, screen)
+                return whole if whole.pays else items
     if kinds == {tuple}:  # and of tuples: one run when they have one length
         lengths = set(map(len, items))
-        if len(lengths) != 1 or not _arrays_in(items[0]) or not columns.distinct(items):
+        if len(lengths) != 1 or not _packable(items) or not columns.distinct(items):
             return items
         whole = Batch(items, (tuple, _positions(lengths.pop())), held, screen)
         return whole if whole.pays else items
@@ -308,7 +357,7 @@ def _pack_list(items: list[Any], held: int, screen: _Screen) -> Any:
         if (
             signature is not None
             and end - start >= MIN_RUN
-            and (signature[0] is not tuple or _arrays_in(run[0]))
+            and _packable(run)
             and columns.distinct(run)
         ):
             batch = Batch(run, signature, held + 1, screen)  # and ``run``
