@@ -173,17 +173,15 @@ def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     count = len(values)
     offsets = np.fromiter(map(_storage_offset, values), np.int64, count)
     starts = np.fromiter(map(_data_ptr, values), np.int64, count) - offsets * first.element_size()
-    _, firsts, groups = np.unique(starts, return_index=True, return_inverse=True)
-    if len(firsts) * _VIEWS_PER_STORAGE > count:
+    grouped = _grouped(starts)
+    if grouped is None:
         return None
-    low = np.full(len(firsts), np.iinfo(np.int64).max, np.int64)
-    high = np.zeros(len(firsts), np.int64)
-    np.minimum.at(low, groups, offsets)
-    np.maximum.at(high, groups, offsets)
+    firsts, groups = grouped
     extent = storage.elements_spanned(shape, stride)
-    sizes = high - low + extent
-    if not _tight(groups, offsets, extent, sizes):
+    covered = _covered(groups, offsets, extent)
+    if covered is None:
         return None
+    low, sizes = covered
     room = [values[i].untyped_storage().nbytes() // first.element_size() for i in firsts]
     if any(top > n for top, n in zip((low + sizes).tolist(), room, strict=True)):
         return None  # storages that share one buffer, the first of them too short for all
@@ -195,14 +193,32 @@ def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     return kind, (covers, groups.astype(np.int64), offsets - low[groups], positions)
 
 
-def _tight(groups: np.ndarray, starts: np.ndarray, extent: int, sizes: np.ndarray) -> bool:
-    """Whether covers of ``sizes`` (one per storage) are at most twice the memory their
-    views span (each from its ``starts`` over ``extent``): rows taken sparsely from a big
-    batch travel as spans of their own, not as the batch."""
+def _grouped(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Views grouped by the storage ``keys`` names: (each group's first view, each view's
+    group); None when there are fewer than :data:`_VIEWS_PER_STORAGE` views a storage."""
+    _, firsts, groups = np.unique(keys, return_index=True, return_inverse=True)
+    if len(firsts) * _VIEWS_PER_STORAGE > len(keys):
+        return None
+    return firsts, groups
+
+
+def _covered(
+    groups: np.ndarray, starts: np.ndarray, extent: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per storage, where the cover of its views starts and how long it is (views from
+    ``starts``, each over ``extent``); None when the covers would be more than twice the
+    memory the views span: rows taken sparsely from a big batch travel as spans of their
+    own, not as the batch."""
+    count = int(groups.max()) + 1
+    low = np.full(count, np.iinfo(np.int64).max, np.int64)
+    high = np.zeros(count, np.int64)
+    np.minimum.at(low, groups, starts)
+    np.maximum.at(high, groups, starts)
+    sizes = high - low + extent
     order = np.lexsort((starts, groups))
     gaps = np.diff(starts[order])[groups[order][1:] == groups[order][:-1]]
     spanned = len(starts) * extent - int(np.maximum(extent - gaps, 0).sum())
-    return int(sizes.sum()) <= 2 * spanned
+    return (low, sizes) if int(sizes.sum()) <= 2 * spanned else None
 
 
 _base, _strides = operator.attrgetter("base"), operator.attrgetter("strides")
@@ -232,22 +248,20 @@ def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
         return None
     values, positions = _unique(values)
     count = len(values)
-    bases = np.fromiter(map(id, map(_base, values)), np.int64, count)
-    _, firsts, groups = np.unique(bases, return_index=True, return_inverse=True)
-    if len(firsts) * _VIEWS_PER_STORAGE > count:
+    grouped = _grouped(np.fromiter(map(id, map(_base, values)), np.int64, count))
+    if grouped is None:
         return None
+    groups = grouped[1]
     addresses = np.fromiter(map(_address, values), np.int64, count)
-    order = np.lexsort((addresses, groups))  # by base, then by address
-    lowest = order[np.unique(groups[order], return_index=True)[1]]
-    high = np.zeros(len(firsts), np.int64)
-    np.maximum.at(high, groups, addresses)
-    low = addresses[lowest]
+    extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + dtype.itemsize
+    covered = _covered(groups, addresses, extent)
+    if covered is None:
+        return None
+    low, sizes = covered
     if ((addresses - low[groups]) % dtype.itemsize).any():  # not whole items apart
         return None
-    extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + dtype.itemsize
-    sizes = high - low + extent
-    if not _tight(groups, addresses, extent, sizes):
-        return None
+    order = np.lexsort((addresses, groups))  # by base, then by address: the lowest first
+    lowest = order[np.unique(groups[order], return_index=True)[1]]
     covers = [
         np.lib.stride_tricks.as_strided(
             values[i], shape=(size // dtype.itemsize,), strides=(dtype.itemsize,)
