@@ -3,6 +3,7 @@ records are rebuilt the way their class says; CUDA tensors leave through pinned 
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import dataclasses
 import pickle
@@ -334,8 +335,8 @@ def test_a_record_held_twice_stays_one_object() -> None:
 def test_cuda_records_go_through_a_small_pinned_buffer_in_many_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Chunks alternate between the two halves (here 64 KiB each), across tensors and
-    storages; every byte arrives, views of one storage arrive as views of one buffer."""
+    """Chunks go round the ring's slots (here 16 KiB each), across tensors and storages;
+    every byte arrives, views of one storage arrive as views of one buffer."""
     staging.release()
     monkeypatch.setattr(config, "PINNED", 128 << 10)
     try:
@@ -348,6 +349,52 @@ def test_cuda_records_go_through_a_small_pinned_buffer_in_many_chunks(
             assert storages[0].data_ptr() == storages[1].data_ptr()
     finally:
         staging.release()
+
+
+class _DoneEvent:
+    """A CUDA event whose work is done (copies between CPU tensors complete at once)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    def record_event(self) -> _DoneEvent:
+        return _DoneEvent()
+
+    def wait_event(self, event: _DoneEvent) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "pinned,slots,piece", [(8, 8, 1), (7, 3, 3), (4096, 8, 100), (1 << 16, 2, 4096), (1000, 1, 7)]
+)
+def test_the_pinned_ring_moves_every_byte_whatever_the_sizes(
+    monkeypatch: pytest.MonkeyPatch, pinned: int, slots: int, piece: int
+) -> None:
+    """The ring's bookkeeping on any machine (its CUDA copies are checked on a GPU one):
+    sources larger and smaller than a slot, empty ones, more sources than slots, a ring
+    of fewer bytes than slots; CPU tensors stand in for device memory."""
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _HostStream())
+    monkeypatch.setattr(staging, "_stream", lambda device: _HostStream())
+    monkeypatch.setattr(staging, "_streams", {})
+    monkeypatch.setattr(staging, "_pinned", [torch.empty(pinned, dtype=torch.uint8)])
+    monkeypatch.setattr(staging, "SLOTS", slots)
+    monkeypatch.setattr(staging, "PIECE", piece)
+    gen = torch.Generator().manual_seed(pinned)
+    sizes = [0, 1, 5, 999, 5000, 3, 0, 20_000]
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
+    hosts = [np.zeros(n, np.uint8) for n in sizes]
+    staging.to_host(list(zip(sources, hosts, strict=True)))
+    for source, host in zip(sources, hosts, strict=True):
+        assert np.array_equal(source.numpy(), host)
 
 
 @CUDA

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["run"]
+__all__ = ["run", "submit"]
 
 #: Threads of the pool: one per core, at most this many.
 MAX_THREADS = 16
@@ -42,3 +42,8 @@ def run(fn: Callable[..., T], items: Iterable[Any]) -> list[T]:
     if len(work) <= 1:
         return [fn(item) for item in work]
     return list(_pool().map(fn, work))
+
+
+def submit(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` on the pool's threads, now; its future."""
+    return _pool().submit(fn, *args)
