@@ -223,6 +223,20 @@ def test_numpy_views_keep_strides_byte_order_and_shared_memory() -> None:
     assert out["fortran"].flags.f_contiguous
 
 
+def test_a_broadcast_array_comes_back_as_the_same_read_only_view() -> None:
+    """``np.broadcast_to``'s arrays travel as the row they repeat and stay read-only (a
+    write would change every row); other arrays, read-only or not, come back writable,
+    as pickle gives them."""
+    row = np.arange(1024, dtype=np.float64)
+    obj = {"broadcast": np.broadcast_to(row, (100, 1024)), "frozen": row[::-1].copy()}
+    obj["frozen"].flags.writeable = False
+    out = round_trip(obj)
+    assert_same(out, obj)
+    assert out["broadcast"].strides == (0, 8) and not out["broadcast"].flags.writeable
+    assert _size(obj) < 3 * row.nbytes + (64 << 10)
+    out["frozen"][0] = -1.0
+
+
 @dataclasses.dataclass
 class Plain:
     x: Any

@@ -84,7 +84,10 @@ class Spans:
             low = sum((n - 1) * s for n, s in pairs if s < 0)
             high = sum((n - 1) * s for n, s in pairs if s > 0)
         ref = self._add(None, address + low, address + high + arr.itemsize, arr)
-        return (_rebuild_array, (ref, -low, arr.dtype, arr.shape, arr.strides))
+        args: tuple[Any, ...] = (ref, -low, arr.dtype, arr.shape, arr.strides)
+        if not arr.flags.writeable and _aliased(arr):
+            args += (True,)  # np.broadcast_to's arrays: a write would change many elements
+        return (_rebuild_array, args)
 
     def tensor(self, tensor: torch.Tensor) -> Any:
         """The reduction of a dense, non-empty, detached CPU or CUDA tensor to its span."""
@@ -176,14 +179,27 @@ class Loaded:
         return self.typed[key]
 
 
+def _aliased(arr: np.ndarray[Any, Any]) -> bool:
+    """Whether elements of ``arr`` share memory: a stride of 0 along an axis longer than 1."""
+    return any(s == 0 and n > 1 for n, s in zip(arr.shape, arr.strides, strict=True))
+
+
 def _rebuild_array(
-    at: tuple[Loaded, int, int], first: int, dtype: np.dtype[Any], shape: Any, strides: Any
+    at: tuple[Loaded, int, int],
+    first: int,
+    dtype: np.dtype[Any],
+    shape: Any,
+    strides: Any,
+    readonly: bool = False,
 ) -> np.ndarray[Any, Any]:
+    """The array of a span; read-only where the sender's was and its elements alias."""
     loaded, region, offset = at
     base = loaded.array(region)
     out: np.ndarray[Any, Any] = np.ndarray(
         shape, dtype, buffer=base, offset=offset + first, strides=strides
     )
+    if readonly:
+        out.flags.writeable = False
     return out
 
 
