@@ -675,6 +675,26 @@ def test_a_part_of_format_4_is_still_read() -> None:
     assert {r.untyped_storage().data_ptr() for r in out["rows"]} == {ptr}
 
 
+def _format_5_object() -> dict[str, Any]:
+    batch = np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024)
+    return {
+        "rows": list(batch),
+        "keyed": {i: {"id": i, "score": np.full(3, i, np.float32)} for i in range(70)},
+        "tuples": [(i, np.full(2, i, np.int64)) for i in range(10)],
+        "nested": [{"id": i, "pred": {"boxes": np.full(4, i, np.float32)}} for i in range(10)],
+        "broadcast": np.broadcast_to(np.arange(1024.0), (8, 1024)),
+    }
+
+
+def test_a_part_of_format_5_is_still_read() -> None:
+    """Written by gatherstore with format 5 (columns of numpy views, packed dicts, tuple
+    and nested batches); its broadcast array came back writable then."""
+    raw = (Path(__file__).parent / "data" / "part-format-5.bin").read_bytes()
+    out = serialize.decode(bytearray(raw), bind=b"format-5")
+    assert_same(out, _format_5_object())
+    assert len({id(row.base) for row in out["rows"]}) == 1  # views of one batch
+
+
 def test_truncated_foreign_and_other_version_parts() -> None:
     frame = serialize.encode({"a": 1}).seal(None)
     buf = bytearray(frame.nbytes)

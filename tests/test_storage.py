@@ -387,7 +387,8 @@ class _HostStream:
 
 
 @pytest.mark.parametrize(
-    "pinned,slots,piece", [(8, 8, 1), (7, 3, 3), (4096, 8, 100), (1 << 16, 2, 4096), (1000, 1, 7)]
+    "pinned,slots,piece",
+    [(8, 8, 1), (7, 3, 3), (1 << 15, 8, 100), (1 << 16, 2, 4096), (1000, 1, 7)],
 )
 def test_the_pinned_ring_moves_every_byte_whatever_the_sizes(
     monkeypatch: pytest.MonkeyPatch, pinned: int, slots: int, piece: int

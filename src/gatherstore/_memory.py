@@ -10,6 +10,7 @@ route needs of it is ``gatherstore._fit``'s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,12 +23,26 @@ _UNLIMITED = 1 << 62
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def _read_int(path: Path) -> int | None:
+def _read(path: Path) -> bytes | None:
+    """A small file's bytes (one ``read``: these are read on every call), or None."""
     try:
-        text = path.read_text().strip()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
-    if text == "max":
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read(path)
+    if text is None:
+        return None
+    text = text.strip()
+    if text == b"max":
         return _UNLIMITED
     try:
         return int(text)
@@ -37,17 +52,26 @@ def _read_int(path: Path) -> int | None:
 
 def _reclaimable(stat: Path, field: str) -> int:
     """Page cache the kernel drops before it kills (``inactive_file`` of memory.stat)."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in stat.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == field:
-                return int(value)
+    text = _read(stat)
+    if text is not None:
+        key = b"\n" + field.encode() + b" "
+        start = (b"\n" + text).find(key)
+        if start >= 0:
+            end = text.find(b"\n", start)
+            with contextlib.suppress(ValueError):
+                return int(text[start + len(key) - 1 : None if end < 0 else end])
     return 0
 
 
-def _cgroup_dirs(proc_cgroup: str) -> Iterator[tuple[Path, str, str, str]]:
+@functools.lru_cache(maxsize=8)
+def _cgroup_dirs(proc_cgroup: str) -> tuple[tuple[Path, str, str, str], ...]:
     """(directory, limit file, usage file, reclaimable field) of this process's memory cgroup
-    and every ancestor, for cgroup v2 and v1."""
+    and every ancestor, for cgroup v2 and v1 (the same for as long as the process stays
+    in its cgroups: kept)."""
+    return tuple(_walk(proc_cgroup))
+
+
+def _walk(proc_cgroup: str) -> Iterator[tuple[Path, str, str, str]]:
     for line in proc_cgroup.splitlines():
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and controllers == "":

@@ -55,11 +55,12 @@ __all__ = [
     "verify",
 ]
 
-# 5: columns of numpy views, tuple and nested batches, packed dicts (4 read too); 4: regions
+# 6: read-only aliased arrays (5 read too); 5: columns of numpy views, tuple and nested
+# batches, packed dicts (4 read too); 4: regions
 # named by a global the part's unpickler resolves (3: by persistent ids, read too); 3:
 # storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3
-FORMAT_VERSION = 5
-_READS = (3, 4, 5)
+FORMAT_VERSION = 6
+_READS = (3, 4, 5, 6)
 _MAGIC = b"GSPART\x00\x00"
 # magic, version, flags, out-of-band buffers, persistent regions, pickle length, total
 _HEAD = struct.Struct("<8sIIQQQQ")

@@ -6,9 +6,10 @@ small buffer of its own, and every page of the destination faults on first touch
 copy).  Here each process allocates one pinned buffer at its first use
 (``GATHERSTORE_PINNED`` bytes) and keeps it until ``gs.shutdown()``.  The buffer is
 a ring of :data:`SLOTS` slots.  Sources are packed into one slot after the other, on
-a side stream of their device, asynchronously, one event per slot; as soon as a
-slot's copies are done, worker threads (see ``_workers``) copy it into the part's
-host buffer in pieces of :data:`PIECE` bytes, taking the first-touch faults of its
+a side stream of their device, asynchronously, one event per slot.  Each time a
+slot is filled, every slot whose copies the device has finished goes to worker
+threads (see ``_workers``), which copy it into the part's host buffer in pieces of
+:data:`PIECE` bytes, taking the first-touch faults of its
 fresh pages on many cores, while the device fills the next slots.  A slot is
 refilled once its pieces are out.  The side stream first waits for what the
 caller's current stream has queued, so a tensor that a kernel is still writing is
@@ -17,6 +18,7 @@ copied once that kernel is done.  No GPU memory is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -36,6 +38,8 @@ __all__ = ["release", "to_host"]
 #: halves drained once each 11.0 GB/s; a pinned ``copy_`` alone 54.9 GB/s.
 SLOTS = 8
 PIECE = 4 << 20
+#: Bytes a slot holds at least (a small ``GATHERSTORE_PINNED`` makes fewer slots).
+_MIN_SLOT = 4 << 10
 
 _lock = threading.Lock()
 _pinned: list[torch.Tensor] = []  # the process's pinned buffer, once allocated
@@ -59,7 +63,7 @@ def to_host(copies: list[tuple[torch.Tensor, np.ndarray[Any, Any]]]) -> None:
     pinned ring; returns once every byte is on the host."""
     with _lock:
         pinned = _buffer()
-        ring = _Ring(pinned, min(SLOTS, len(pinned)))
+        ring = _Ring(pinned, max(1, min(SLOTS, len(pinned) // _MIN_SLOT)))
         try:
             ready: set[torch.device] = set()
             for source, host in copies:
@@ -128,9 +132,9 @@ class _Ring:
                 self.out[slot].append(workers.submit(np.copyto, host[start:end], source[start:end]))
 
     def _wait(self, slot: int) -> None:
-        futures, self.out[slot] = self.out[slot], []
-        for future in futures:
+        for future in self.out[slot]:  # kept until all are done: ``settle`` waits for them
             future.result()
+        self.out[slot] = []
 
     def finish(self) -> None:
         """Drain what is left; every byte is on the host when this returns."""
@@ -144,12 +148,15 @@ class _Ring:
             self._wait(slot)
 
     def settle(self) -> None:
-        """After a failure too: no copy in flight still reads or writes the buffer."""
-        for stream in _streams.values():
-            stream.synchronize()
+        """After a failure too: no copy in flight still reads or writes the buffer (the
+        failure itself is already on its way)."""
         for futures in self.out:
             for future in futures:
-                future.exception()  # waits; the failure itself is already on its way
+                with contextlib.suppress(BaseException):
+                    future.exception()  # waits
+        for stream in _streams.values():
+            with contextlib.suppress(Exception):
+                stream.synchronize()
 
 
 def release() -> None:

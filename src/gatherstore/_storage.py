@@ -85,7 +85,7 @@ class Spans:
             high = sum((n - 1) * s for n, s in pairs if s > 0)
         ref = self._add(None, address + low, address + high + arr.itemsize, arr)
         args: tuple[Any, ...] = (ref, -low, arr.dtype, arr.shape, arr.strides)
-        if not arr.flags.writeable and _aliased(arr):
+        if _aliased(arr) and arr.__array_interface__["data"][1]:  # read-only
             args += (True,)  # np.broadcast_to's arrays: a write would change many elements
         return (_rebuild_array, args)
 

@@ -25,6 +25,15 @@ _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}  # by process id
 
 
+def _forked() -> None:
+    """In a forked child: a lock held by a thread that did not come along is free again."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _pool() -> ThreadPoolExecutor:
     with _lock:
         pid = os.getpid()
