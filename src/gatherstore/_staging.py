@@ -19,6 +19,7 @@ copied once that kernel is done.  No GPU memory is allocated.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -65,15 +66,15 @@ def to_host(copies: list[tuple[torch.Tensor, np.ndarray[Any, Any]]]) -> None:
         pinned = _buffer()
         ring = _Ring(pinned, max(1, min(SLOTS, len(pinned) // _MIN_SLOT)))
         try:
-            ready: set[torch.device] = set()
-            for source, host in copies:
-                stream = _stream(source.device)
-                if source.device not in ready:  # after the caller's queued work on it
-                    stream.wait_event(torch.cuda.current_stream(source.device).record_event())
-                    ready.add(source.device)
-                start = 0
-                while start < len(source):
-                    start += ring.put(source[start:], host[start:], stream)
+            for device, group in itertools.groupby(copies, key=lambda pair: pair[0].device):
+                stream = _stream(device)
+                stream.wait_event(torch.cuda.current_stream(device).record_event())
+                ring.streams.add(stream)
+                with torch.cuda.stream(stream):  # the copies queue on the side stream
+                    for source, host in group:
+                        size, start = source.numel(), 0
+                        while start < size:
+                            start += ring.put(source, host, start, size)
             ring.finish()
         finally:
             ring.settle()
@@ -87,19 +88,19 @@ class _Ring:
         self.slots = [buffer[i * self.size : (i + 1) * self.size] for i in range(slots)]
         self.current, self.used = 0, 0
         self.pieces: list[tuple[torch.Tensor, np.ndarray[Any, Any]]] = []
-        self.streams: set[torch.cuda.Stream] = set()
+        self.streams: set[torch.cuda.Stream] = set()  # the side streams used (each slot's events)
         #: filled slots whose pieces are not yet handed to the threads: events, slot, pieces
         self.closed: deque[tuple[list[torch.cuda.Event], int, list[Any]]] = deque()
         self.out: list[list[Future[None]]] = [[] for _ in self.slots]  # each slot's copies
 
-    def put(self, source: torch.Tensor, host: np.ndarray[Any, Any], stream: Any) -> int:
-        """Queue the copy of as much of ``source`` as the current slot holds; how much."""
-        take = min(len(source), self.size - self.used)
+    def put(self, source: torch.Tensor, host: np.ndarray[Any, Any], start: int, end: int) -> int:
+        """Queue the copy of as much of ``source[start:end]`` as the current slot holds
+        (on the current stream); how much."""
+        take = min(end - start, self.size - self.used)
         piece = self.slots[self.current][self.used : self.used + take]
-        with torch.cuda.stream(stream):
-            piece.copy_(source[:take], non_blocking=True)
-        self.streams.add(stream)
-        self.pieces.append((piece, host[:take]))
+        whole = start == 0 and take == end
+        piece.copy_(source if whole else source[start : start + take], non_blocking=True)
+        self.pieces.append((piece, host if whole else host[start : start + take]))
         self.used += take
         if self.used == self.size:
             self._close()
@@ -113,7 +114,7 @@ class _Ring:
         events = [stream.record_event() for stream in self.streams]
         self.closed.append((events, self.current, self.pieces))
         self.current = (self.current + 1) % len(self.slots)
-        self.used, self.pieces, self.streams = 0, [], set()
+        self.used, self.pieces = 0, []
         while self.closed and all(e.query() for e in self.closed[0][0]):  # type: ignore[no-untyped-call]
             self._drain()
         while self.closed and self.closed[0][1] == self.current:
@@ -125,11 +126,23 @@ class _Ring:
         events, slot, pieces = self.closed.popleft()
         for event in events:
             event.synchronize()
-        for piece, host in pieces:
+        task: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+        size = 0
+        for piece, host in pieces:  # small pieces share a task, large ones are cut
             source = piece.numpy()
             for start in range(0, len(source), PIECE):
-                end = start + PIECE
-                self.out[slot].append(workers.submit(np.copyto, host[start:end], source[start:end]))
+                part = (
+                    (host, source)
+                    if len(source) <= PIECE
+                    else (host[start : start + PIECE], source[start : start + PIECE])
+                )
+                task.append(part)
+                size += len(part[1])
+                if size >= PIECE:
+                    self.out[slot].append(workers.submit(_copy, task))
+                    task, size = [], 0
+        if task:
+            self.out[slot].append(workers.submit(_copy, task))
 
     def _wait(self, slot: int) -> None:
         for future in self.out[slot]:  # kept until all are done: ``settle`` waits for them
@@ -157,6 +170,11 @@ class _Ring:
         for stream in _streams.values():
             with contextlib.suppress(Exception):
                 stream.synchronize()
+
+
+def _copy(pairs: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]) -> None:
+    for host, source in pairs:
+        np.copyto(host, source)
 
 
 def release() -> None:

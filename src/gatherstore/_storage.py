@@ -37,6 +37,10 @@ def elements_spanned(shape: Sequence[int], stride: Sequence[int]) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
 
 
+#: Where host spans sort among the CUDA storages' keys (device index, address).
+_HOST = (-1, 0)
+
+
 class SpanRef:
     """A placeholder in the pickle stream for one span (a reference to its region)."""
 
@@ -48,7 +52,7 @@ class SpanRef:
 
 @dataclass
 class _Span:
-    key: Any  # None: host memory; (device, storage address): one CUDA storage
+    key: tuple[int, int] | None  # None: host memory; (device index, storage address): CUDA
     start: int
     end: int
 
@@ -98,7 +102,7 @@ class Spans:
         items = tensor.numel() if contiguous else elements_spanned(tensor.shape, tensor.stride())
         key = None
         if tensor.device.type == "cuda":
-            key = (tensor.device, storage.data_ptr())
+            key = (tensor.device.index or 0, storage.data_ptr())
             if key not in self.storages:
                 flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
                 self.storages[key] = flat.set_(storage)
@@ -112,7 +116,7 @@ class Spans:
         are staged to the host (see ``_staging``)."""
         out = Regions(table=np.empty((len(self.spans), 2), np.int64))
         spans = self.spans
-        order = sorted(range(len(spans)), key=lambda i: (str(spans[i].key), spans[i].start))
+        order = sorted(range(len(spans)), key=lambda i: (spans[i].key or _HOST, spans[i].start))
         merged: list[tuple[Any, int, int]] = []  # key, start, end
         for i in order:
             span = self.spans[i]
