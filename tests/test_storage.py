@@ -413,7 +413,7 @@ def test_the_pinned_ring_moves_every_byte_whatever_the_sizes(
 
 
 @CUDA
-def test_a_tensor_a_kernel_still_writes_is_copied_after_that_kernel() -> None:
+def test_a_cuda_tensor_a_kernel_still_writes_is_copied_after_that_kernel() -> None:
     """The copy runs on a side stream that waits for the caller's current stream."""
     x = torch.zeros(1 << 22, device="cuda")  # 16 MiB
     torch.cuda.synchronize()
