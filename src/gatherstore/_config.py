@@ -11,7 +11,7 @@
 | ``GATHERSTORE_HANDOVER`` | 1 | ``0``: ``tmpdir`` in RAM moves parts as files, not sealed memfds |
 | ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
 | ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
-| ``GATHERSTORE_PINNED`` | 128MiB | pinned memory CUDA tensors reach the host through, per process (a ring of 8 slots; from the first CUDA gather to ``gs.shutdown()``) |
+| ``GATHERSTORE_PINNED`` | 128MiB | pinned memory per process for CUDA tensors, kept to shutdown |
 | ``GATHERSTORE_FLUSH_VALUES`` | 100000 | a result set writes a chunk once this many values wait |
 | ``GATHERSTORE_FLUSH_BYTES`` | 8MiB | ... or once the values waiting make about this many bytes |
 | ``GATHERSTORE_FLUSH_SECONDS`` | 30 | ... or once a value has waited this long |

@@ -6,7 +6,7 @@ small buffer of its own, and every page of the destination faults on first touch
 copy).  Here each process allocates one pinned buffer at its first use
 (``GATHERSTORE_PINNED`` bytes) and keeps it until ``gs.shutdown()``.  The buffer is
 a ring of :data:`SLOTS` slots.  Sources are packed into one slot after the other, on
-a side stream of their device, asynchronously, one event per slot.  Each time a
+a side stream of their device, asynchronously, one event per slot and side stream.  Each time a
 slot is filled, every slot whose copies the device has finished goes to worker
 threads (see ``_workers``), which copy it into the part's host buffer in pieces of
 :data:`PIECE` bytes, taking the first-touch faults of its
@@ -98,7 +98,7 @@ class _Ring:
         (on the current stream); how much."""
         take = min(end - start, self.size - self.used)
         piece = self.slots[self.current][self.used : self.used + take]
-        whole = start == 0 and take == end
+        whole = start == 0 and take == source.numel()
         piece.copy_(source if whole else source[start : start + take], non_blocking=True)
         self.pieces.append((piece, host if whole else host[start : start + take]))
         self.used += take

@@ -71,7 +71,7 @@ class Spans:
     def __init__(self) -> None:
         self.spans: list[_Span] = []
         self.keep: list[Any] = []  # what keeps the spans' memory alive until written
-        self.storages: dict[Any, torch.Tensor] = {}  # CUDA storage key -> its bytes (uint8)
+        self.storages: dict[tuple[int, int], torch.Tensor] = {}  # CUDA key -> storage bytes
 
     def _add(self, key: Any, start: int, end: int, owner: Any) -> SpanRef:
         self.spans.append(_Span(key, start, end))
@@ -103,7 +103,8 @@ class Spans:
         key = None
         if tensor.device.type == "cuda":
             key = (tensor.device.index or 0, storage.data_ptr())
-            if key not in self.storages:
+            known = self.storages.get(key)
+            if known is None or known.numel() < storage.nbytes():  # the longest at that address
                 flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
                 self.storages[key] = flat.set_(storage)
         ref = self._add(key, start, start + int(items) * size, tensor)
