@@ -413,6 +413,18 @@ def test_the_pinned_ring_moves_every_byte_whatever_the_sizes(
 
 
 @CUDA
+def test_two_cuda_storages_at_one_address_arrive_whole() -> None:
+    """DLPack views of a tensor and of its first elements are two storages at one address,
+    the first one shorter: the longer one is staged, and both arrive whole."""
+    x = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+    head, whole = torch.from_dlpack(x[:16]), torch.from_dlpack(x)
+    if head.untyped_storage().nbytes() == whole.untyped_storage().nbytes():
+        pytest.skip("this torch gives DLPack views the tensor's own storage")
+    out = round_trip([head, whole])
+    assert torch.equal(out[0], x[:16].cpu()) and torch.equal(out[1], x.cpu())
+
+
+@CUDA
 def test_a_cuda_tensor_a_kernel_still_writes_is_copied_after_that_kernel() -> None:
     """The copy runs on a side stream that waits for the caller's current stream."""
     x = torch.zeros(1 << 22, device="cuda")  # 16 MiB
