@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import gatherstore as gs
@@ -143,6 +144,9 @@ def rank_main(scenario: str, out: str, redis_url: str) -> None:
     if scenario == "stream-killed-sender":
         killed_sender_rank(out, rank)
         return
+    if scenario == "chunks-killed-sender":
+        killed_chunk_sender_rank(out, rank)
+        return
     if scenario == "slow-reader":
         slow_reader_rank(out, rank)
         return
@@ -249,6 +253,31 @@ def killed_sender_rank(out: str, rank: int) -> None:
     start = time.monotonic()
     try:
         gathered = gs.gather_object(bytes(4 << 20), store="stream", timeout=10)
+        outcome: dict[str, Any] = {"error": None, "parts": None if gathered is None else 3}
+    except Exception as exc:
+        outcome = report(exc, start)
+    Path(out, f"{rank}.json").write_text(json.dumps(outcome))
+    os._exit(0)  # the group lost a rank: leave without a shutdown that would wait for it
+
+
+class _Dies:
+    """Kills its process (SIGKILL) as it is pickled."""
+
+    def __reduce__(self) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_chunk_sender_rank(out: str, rank: int) -> None:
+    """A gather to rank 0 handed over in chunks, in which rank 2 dies (SIGKILL) as it
+    encodes a late chunk."""
+    gs.init_from_env(backend="gloo")
+    Path(out, f"ready-{rank}").write_text(str(os.getpid()))
+    mine: list[Any] = [{"id": i, "x": np.full(1000, i, np.float32)} for i in range(3000)]
+    if rank == 2:
+        mine[2900] = _Dies()
+    start = time.monotonic()
+    try:
+        gathered = gs.gather_object(mine, store="tmpdir", timeout=10)
         outcome: dict[str, Any] = {"error": None, "parts": None if gathered is None else 3}
     except Exception as exc:
         outcome = report(exc, start)
@@ -478,6 +507,21 @@ def test_a_sender_killed_on_the_stream_route_is_named(shm: Path, redis_url: str)
     assert 2 in (dst["ranks"] or [dst["rank"]]), dst
     assert dst["seconds"] < 10 + MARGIN
     assert sender == {"error": None, "parts": None}
+
+
+@pytest.mark.timeout(120)
+def test_a_sender_killed_in_a_late_chunk_is_named(
+    shm: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATHERSTORE_PART_CHUNK", str(64 << 10))  # parts span many chunks
+    with running_job(3, "chunks-killed-sender", shm, redis_url) as procs:
+        codes = [proc.wait(timeout=90) for proc in procs]
+    assert codes[2] == -signal.SIGKILL
+    dst, sender = outcomes(shm, [0, 1]).values()
+    assert dst["gather_error"], dst
+    assert 2 in (dst["ranks"] or [dst["rank"]]), dst
+    assert dst["seconds"] < 10 + MARGIN
+    assert sender["error"] is None or sender["gather_error"], sender  # rank 0 may be gone
 
 
 # --- gs.launch and torchrun: the launcher stops the job ------------------------------------------

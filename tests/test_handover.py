@@ -282,7 +282,7 @@ def test_late_parts_are_dropped_and_a_new_group_listens_anew(tmp_path: Path) -> 
     try:
         handover.token(30)
         assert handover._listener is not None and handover._listener.name != old
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with conn, pytest.raises(ConnectionRefusedError):
             conn.connect(old)
     finally:
@@ -320,7 +320,7 @@ _INTRUDER = """
 import json, os, socket, sys
 fd = os.memfd_create("forged")
 os.write(fd, b"forged")
-conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 conn.connect(bytes.fromhex(sys.argv[1]))
 socket.send_fds(conn, [json.dumps({"call": "call-7", "rank": 0}).encode()], [fd])
 conn.close()

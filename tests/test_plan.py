@@ -13,6 +13,7 @@ import pytest
 
 from gatherstore import _config as config
 from gatherstore._fit import route_need
+from gatherstore._handchunks import WINDOW
 from gatherstore._handover import HandoverRoute
 from gatherstore._parts import BATCH_BYTES, Window
 from gatherstore._plan import Facts, facts, pick, settle
@@ -101,11 +102,15 @@ def test_a_node_short_of_memory_is_named_for_the_routes_it_cannot_take() -> None
     assert found.short["collective"] and not any("on b" in s for s in found.short["store"])
 
 
-def _handing(*tokens: str, receivers: Sequence[int] = (0,), limit: int = 1024) -> bool:
+def _handing(
+    *tokens: str, receivers: Sequence[int] = (0,), limit: int = 1024, chunked: int = 0
+) -> bool:
     statuses = [_status(1) for _ in tokens]
     for status, token in zip(statuses, tokens, strict=True):
         if token != "absent":
             status["hand"], status["hand_fds"] = token, limit
+    for status in statuses[1 : 1 + chunked]:
+        status["chunked"] = True
     found = facts(statuses, receivers, root=0)
     assert found is not None
     return found.handover
@@ -126,6 +131,9 @@ def test_parts_are_handed_over_while_their_descriptors_fit_the_open_file_limit()
     assert _handing(*nine, limit=16)
     assert not _handing(*nine, receivers=range(9), limit=128)  # 72 > 64
     assert _handing(*nine, receivers=range(9), limit=144)
+    # a part sent in chunks has up to WINDOW of them in flight
+    assert _handing(*nine, limit=2 * (7 + WINDOW), chunked=1)
+    assert not _handing(*nine, limit=2 * (7 + WINDOW) - 2, chunked=1)
 
 
 def test_only_gatherstore_s_own_tmpdir_in_ram_is_handed_over(monkeypatch: Any) -> None:

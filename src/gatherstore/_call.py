@@ -26,6 +26,7 @@ from . import _handover as handover
 from . import _memory as memory
 from . import _serialize as serialize
 from . import _topology as topology
+from ._chunks import Chunks
 from ._config import Timeout, to_seconds
 from ._errors import GatherError, MismatchError
 from ._plan import Facts, Plan, facts, settle
@@ -62,8 +63,10 @@ class Call:
         note_timeout(self.deadline.timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.spec = resolve(store)
-        #: This rank's encoded part, until a route takes it (see ``take_frame``).
+        #: This rank's encoded part, until a route takes it (see ``take_frame``); its
+        #: first chunk when the part is sent in ``chunks``.
         self.frame: serialize.Frame | None = None
+        self.chunks: Chunks | None = None
         self.route = str(self.spec)  # named in the log line; the plan's route once agreed
         self.total = 0
         #: (phase, when it ended), in order; what follows the last one is the reading
@@ -78,6 +81,7 @@ class Call:
         full: Sequence[int] | None = None,
         copy_own: bool = False,
         inline: bool = False,
+        chunk: bool = False,
     ) -> Plan:
         """Build this rank's object, encode it when it is sent, and agree on the plan.
 
@@ -86,6 +90,9 @@ class Call:
         others a summary (O(W) bytes in all for a gather, not W²).  ``copy_own``: the
         plan holds a copy of this rank's object (see ``own_copies``).  ``inline``: with
         ``"auto"``, a small part rides on the status exchange (see ``InlineRoute``).
+        ``chunk``: a long list may be sent in chunks (see ``_chunks``) when the parts
+        are handed over; should the plan settle on another route, every rank agrees
+        again, on parts encoded whole.
 
         Raises:
             RemoteRankError / StoreUnavailableError: a rank failed to build or encode
@@ -95,13 +102,15 @@ class Call:
             InsufficientMemoryError / GatherError: see ``gatherstore._plan.settle``.
         """
         own: Any = None
+        built: Any = None
         error: BaseException | None = None
         budget = 0
         shape = {"route": str(self.spec), "root": self.root}
         try:
-            own = prepare()
+            own = built = prepare()
+            hand = self._handover()
             if send:
-                self.frame = serialize.encode(own)
+                self._encode(own, chunk and bool(hand.get("hand")))
             if copy_own:
                 own = serialize.duplicate(self.frame or serialize.encode(own))
             if send or copy_own:
@@ -109,10 +118,11 @@ class Call:
             avail = memory.headroom()
             budget = config.read_ahead(self.read_ahead, avail)
             part = self._inlined() if inline and self.spec == "auto" else None
+            chunks = self.chunks
             mine = status(
                 True,
-                size=self.frame.nbytes if self.frame else 0,
-                rebuilt=self.frame.rebuilt if self.frame else 0,
+                size=chunks.nbytes if chunks else self.frame.nbytes if self.frame else 0,
+                rebuilt=chunks.rebuilt if chunks else self.frame.rebuilt if self.frame else 0,
                 avail=avail,
                 window=budget,
                 shm=memory.shm_free(),
@@ -120,7 +130,8 @@ class Call:
                 call=shape,
                 broken=gloo.broken(),
                 inline=part is not None,
-                **self._handover(),
+                chunked=chunks is not None,
+                **hand,
             )
             mine += b"\n" + (part or b"")
         except Exception as exc:
@@ -157,8 +168,21 @@ class Call:
             sizes[self.rank] = self.frame.nbytes if self.frame else 0
         parts = None if raw is None else [_part_of(s) for s in raw]
         route = settle(self.spec, found, what=self.what, nodes=topology.get_nnodes(), parts=parts)
+        if found.chunked and not isinstance(route, handover.HandoverRoute):
+            self.chunks = self.frame = None  # the parts are encoded again, whole
+            return self.agree(
+                lambda: built, receivers, send=send, full=full, copy_own=copy_own, inline=inline
+            )
         self.route, self.total = str(route), found.total
         return Plan(route, tuple(sizes), found.total, found.longest, budget, own)
+
+    def _encode(self, obj: Any, chunk: bool) -> None:
+        """Encode this rank's part: only its first chunk when ``chunk`` (the parts may be
+        handed over), ``obj`` is a list worth sending in chunks, and ``"auto"`` would not
+        send them across machines."""
+        if chunk and not (self.spec == "auto" and topology.get_nnodes() > 1):
+            self.chunks = Chunks.first(obj)
+        self.frame = self.chunks.head if self.chunks else serialize.encode(obj)
 
     def _same_call(self, statuses: list[Any]) -> None:
         """Raise MismatchError on every rank when ranks disagree on the route or dst/src."""
@@ -188,7 +212,7 @@ class Call:
         another rank's part be too large, a route of its own sends it."""
         if self.frame is None:
             return b""
-        if self.frame.nbytes > INLINE_TOTAL // self.world:
+        if self.chunks is not None or self.frame.nbytes > INLINE_TOTAL // self.world:
             return None
         out = bytearray(self.frame.nbytes)
         self.frame.seal(None).copy_into(memoryview(out))
@@ -199,6 +223,11 @@ class Call:
         no reference, so it is freed once sent)."""
         frame, self.frame = self.frame, None
         return frame
+
+    def take_chunks(self) -> Chunks | None:
+        """This rank's part in chunks, when it is sent so (see ``take_frame``)."""
+        chunks, self.chunks = self.chunks, None
+        return chunks
 
     def exchanging(self, run: Callable[[], T]) -> T:
         """``run()`` (an exchange with every rank); after a failed one, the areas of a

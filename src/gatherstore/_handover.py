@@ -21,6 +21,8 @@ pages, writable (copied on write), and a part several readers hold
   over every part waits on its reader's socket.  A call that fails closes what was
   handed over for it; a part sent too late is closed before the reader's next call
   that may hand parts over agrees on its plan (or at ``gs.shutdown``).
+- A gather's long list goes in chunks, each a sealed memfd of its own, so that the
+  reader rebuilds while the sender still encodes (see ``gatherstore._handchunks``).
 - ``GATHERSTORE_HANDOVER=0`` turns it off: parts are then files in the job's folder.
 """
 
@@ -42,7 +44,7 @@ import socket
 import struct
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -63,7 +65,20 @@ if TYPE_CHECKING:
     from ._call import Call
     from ._plan import Plan
 
-__all__ = ["HandoverRoute", "close", "in_flight", "suits", "token"]
+__all__ = [
+    "HandoverRoute",
+    "binding",
+    "close",
+    "connect",
+    "hand",
+    "in_flight",
+    "listening",
+    "mapped",
+    "received",
+    "sealed",
+    "suits",
+    "token",
+]
 
 #: Whether parts can be handed over here: Linux's sealed memfds and descriptor passing.
 _POSSIBLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
@@ -71,6 +86,7 @@ _SEALS = sum(getattr(fcntl, f"F_SEAL_{seal}", 0) for seal in ("WRITE", "SHRINK",
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _KEY = "handover/"  # + rank: where a rank's socket is named on the rendezvous store
 _HEAD = 1024  # bytes a handover's header may take
+_MEMFD = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING if _POSSIBLE else 0
 _FD = array.array("i")  # a descriptor in a control message
 _log = logging.getLogger("gatherstore")
 
@@ -85,7 +101,7 @@ class _Listener:
         netns = os.stat("/proc/self/ns/net").st_ino  # abstract sockets are per namespace
         #: Where it takes parts: ranks that report the same can hand each other parts.
         self.token = f"{socket.gethostname()}:{netns}:{os.getuid()}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.sock.bind(self.name)
             self.sock.listen(socket.SOMAXCONN)
@@ -103,6 +119,21 @@ class _Listener:
         Raises:
             GatherError: this process has no descriptor left to take one.
         """
+        while (conn := self.connection(until)) is not None:
+            with conn:
+                try:
+                    return received(conn)
+                except OSError:
+                    continue  # a sender that gave up: its call fails on its own
+        return None
+
+    def connection(self, until: Deadline | None) -> socket.socket | None:
+        """The next connection from a process of this user, blocking with a short timeout
+        (a sender writes its first header with its connect); None as ``accept``.
+
+        Raises:
+            GatherError: as ``accept``.
+        """
         while True:
             left = 0.0 if until is None else max(until.left(), 0.0)
             if not self.waiting.poll(math.ceil(left * 1000)):
@@ -116,15 +147,14 @@ class _Listener:
                     f"no descriptor left to take a part handed over ({exc}): raise the limit "
                     "of open files (ulimit -n), or set GATHERSTORE_HANDOVER=0"
                 ) from exc
-            with conn:
-                conn.settimeout(1.0)  # a sender writes its header with its connect
-                try:
-                    if _peer_uid(conn) != os.getuid():
-                        _log.warning("gatherstore: a part handed over by another user refused")
-                        continue
-                    return _received(conn)
-                except OSError:
-                    continue  # a sender that gave up: its call fails on its own
+            conn.settimeout(1.0)
+            try:
+                if _peer_uid(conn) == os.getuid():
+                    return conn
+                _log.warning("gatherstore: a part handed over by another user refused")
+            except OSError:
+                pass  # a sender that gave up
+            conn.close()
 
     def drop(self) -> None:
         """Close every handover waiting here (parts of calls that failed or came late)."""
@@ -137,7 +167,7 @@ class _Listener:
         self.sock.close()
 
 
-def _received(conn: socket.socket) -> tuple[bytes, list[int]]:
+def received(conn: socket.socket) -> tuple[bytes, list[int]]:
     """A handover's header and its descriptors, close-on-exec (a child this process
     starts later inherits none of them)."""
     head, ancillary, _, _ = conn.recvmsg(
@@ -195,7 +225,7 @@ def in_flight() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _listening() -> _Listener:
+def listening() -> _Listener:
     """This process's listener (its rank reported a token for the current call)."""
     if _listener is None:
         raise GatherError("gatherstore was shut down during a call that hands parts over")
@@ -245,7 +275,7 @@ def _close_all(fds: Sequence[int]) -> None:
         os.close(fd)
 
 
-def _binding(call_id: str, rank: int) -> bytes:
+def binding(call_id: str, rank: int) -> bytes:
     """What a handed-over part is sealed with: its call and rank (a part handed to the
     wrong call or as another rank's fails its checksum)."""
     return f"handover\0{call_id}\0{rank}".encode()
@@ -261,22 +291,33 @@ def hand(
         GatherError: a reader's socket is gone (its process ended) or belongs to another
             user; the memfd could not be made (e.g. out of memory).
     """
-    rank = dist.get_rank()
-    head = json.dumps({"call": call_id, "rank": rank}).encode()
+    head = json.dumps({"call": call_id, "rank": dist.get_rank()}).encode()
+    fd = sealed(segments)
     try:
-        fd = os.memfd_create(f"gatherstore-part-{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        for reader in readers:
+            with connect(reader, deadline) as conn:
+                _sent(reader, lambda: socket.send_fds(conn, [head], [fd]))
+    finally:
+        os.close(fd)
+
+
+def sealed(segments: Sequence[memoryview]) -> int:
+    """A memfd holding ``segments`` back to back, sealed: nobody can change it any more.
+
+    Raises:
+        GatherError: the memfd could not be made or filled (e.g. out of memory).
+    """
+    try:
+        fd = os.memfd_create(f"gatherstore-part-{dist.get_rank()}", _MEMFD)
     except OSError as exc:
         raise _unwritten(segments, exc) from exc
     try:
-        try:
-            write_all(fd, segments)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
-        except OSError as exc:
-            raise _unwritten(segments, exc) from exc
-        for reader in readers:
-            _send(reader, head, fd, deadline)
-    finally:
+        write_all(fd, segments)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+    except OSError as exc:
         os.close(fd)
+        raise _unwritten(segments, exc) from exc
+    return fd
 
 
 def _unwritten(segments: Sequence[memoryview], exc: OSError) -> GatherError:
@@ -289,37 +330,49 @@ def _unwritten(segments: Sequence[memoryview], exc: OSError) -> GatherError:
     )
 
 
-def _send(reader: int, head: bytes, fd: int, deadline: Deadline) -> None:
-    """Hand ``fd`` with ``head`` to ``reader``'s listener."""
+def connect(reader: int, deadline: Deadline) -> socket.socket:
+    """A connection to ``reader``'s listener, checked to be this user's.
+
+    Raises:
+        GatherTimeout / GatherError: as ``hand``.
+    """
     peers, key = job.group_state().handover_peers, f"{_KEY}{reader}"
     if reader not in peers:  # published before its plan's status: there already
         peers[reader] = control.bounded(lambda: control.store().get(key), deadline.left(), key)
-    name = peers[reader]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(max(deadline.left(), 0.001))
-        try:
-            conn.connect(name)
-            if _peer_uid(conn) != os.getuid():
-                raise GatherError(
-                    f"the socket rank {reader} takes parts on belongs to another user: "
-                    "run every rank as one user, or set GATHERSTORE_HANDOVER=0"
-                )
-            socket.send_fds(conn, [head], [fd])
-        except TimeoutError:
-            raise GatherTimeout(
-                f"rank {reader} took no part within the call's timeout", ranks=[reader]
-            ) from None
-        except OSError as exc:
-            if exc.errno == errno.ETOOMANYREFS:
-                raise GatherError(
-                    f"could not hand this rank's part to rank {reader}: this user has more "
-                    "descriptors in flight than its limit of open files allows: raise it "
-                    "(ulimit -n) or set GATHERSTORE_HANDOVER=0"
-                ) from exc
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(max(deadline.left(), 0.001))
+    try:
+        _sent(reader, lambda: conn.connect(peers[reader]))
+        if _peer_uid(conn) != os.getuid():
             raise GatherError(
-                f"could not hand this rank's part to rank {reader} ({exc}): its process "
-                "ended, or it left the job"
+                f"the socket rank {reader} takes parts on belongs to another user: "
+                "run every rank as one user, or set GATHERSTORE_HANDOVER=0"
+            )
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _sent(reader: int, run: Callable[[], Any]) -> None:
+    """``run()`` (a connect or send to ``reader``), its errors as ``hand`` raises them."""
+    try:
+        run()
+    except TimeoutError:
+        raise GatherTimeout(
+            f"rank {reader} took no part within the call's timeout", ranks=[reader]
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.ETOOMANYREFS:
+            raise GatherError(
+                f"could not hand this rank's part to rank {reader}: this user has more "
+                "descriptors in flight than its limit of open files allows: raise it "
+                "(ulimit -n) or set GATHERSTORE_HANDOVER=0"
             ) from exc
+        raise GatherError(
+            f"could not hand this rank's part to rank {reader} ({exc}): its process "
+            "ended, or it left the job"
+        ) from exc
 
 
 def take(call_id: str, ranks: Sequence[int], deadline: Deadline, what: str) -> dict[int, int]:
@@ -330,7 +383,7 @@ def take(call_id: str, ranks: Sequence[int], deadline: Deadline, what: str) -> d
         GatherTimeout: parts still missing at ``deadline`` (every sender's send ended
             before the call's confirmation exchange, so this is not a wait).
     """
-    listener = _listening()
+    listener = listening()
     got: dict[int, int] = {}
     try:
         while len(got) < len(ranks):
@@ -457,7 +510,7 @@ class HandoverRoute(Route):
             if not readers:
                 return False
             hand(
-                frame.seal(None, _binding(call_id, call.rank)).segments,
+                frame.seal(None, binding(call_id, call.rank)).segments,
                 readers,
                 call_id,
                 call.deadline,
@@ -465,7 +518,7 @@ class HandoverRoute(Route):
             return True
 
         # after a failure: what others handed this rank for the call goes at once
-        send_confirmed(call, send, lambda sent: _listening().drop())
+        send_confirmed(call, send, lambda sent: listening().drop())
         return call_id
 
 
@@ -515,7 +568,7 @@ def _decoding(
                 view = mapped(fds.pop(rank), plan.sizes[rank], rank, call.what)
                 where = f"{call.what}, handed over"
                 verified = serialize.verify(
-                    view, bind=_binding(call_id, rank), rank=rank, where=where
+                    view, bind=binding(call_id, rank), rank=rank, where=where
                 )
                 value = serialize.load(verified)
                 progress.update(plan.sizes[rank])

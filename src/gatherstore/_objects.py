@@ -207,7 +207,13 @@ def gather_prepared(
     call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, iterated=stream)
     copy_own = _own_copies.get() and call.rank == dst
     plan = call.agree(
-        prepare, [dst], send=call.rank != dst, full=[dst], copy_own=copy_own, inline=True
+        prepare,
+        [dst],
+        send=call.rank != dst,
+        full=[dst],
+        copy_own=copy_own,
+        inline=True,
+        chunk=not stream,
     )
     return plan.route.gather(call, plan, dst, stream=stream)
 

@@ -20,6 +20,7 @@ from . import _config as config
 from . import _fit as fit
 from . import _gloo as gloo
 from . import _handover as handover
+from ._handchunks import WINDOW, ChunkedRoute
 from ._routes import CollectiveRoute, InlineRoute, Route, StoreRoute
 from ._specs import resolve
 from ._stream import StreamRoute
@@ -32,8 +33,9 @@ __all__ = ["Facts", "Plan", "facts", "pick", "settle"]
 class Facts:
     """What every rank decides a call's route and memory check from: the ``total`` and
     ``longest`` part, the ``root``'s part size, why gatherstore's gloo group is
-    ``broken`` (or ""), each kind of route's per-node memory ``short``-falls, and
-    whether every part was ``inlined`` in the statuses."""
+    ``broken`` (or ""), each kind of route's per-node memory ``short``-falls,
+    whether every part was ``inlined`` in the statuses, whether parts can be handed
+    over, and whether a rank's part is ``chunked`` (its size an estimate)."""
 
     total: int
     longest: int
@@ -42,6 +44,7 @@ class Facts:
     short: dict[str, list[str]]
     inlined: bool = False  # every rank's part rode on the status exchange
     handover: bool = False  # every rank can take parts handed over (one machine, one user)
+    chunked: bool = False  # a rank's part is sent in chunks when handed over
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ def facts(
         broken=next((s["broken"] for s in statuses if s["broken"]), ""),
         inlined=all(s.get("inline", False) for s in statuses),
         handover=_can_hand_over(statuses, receivers),
+        chunked=any(s.get("chunked", False) for s in statuses),
         short={
             need: fit.shortfalls(need, statuses, sizes, receivers, iterated=iterated)
             for need in fit.NEEDS
@@ -92,12 +96,16 @@ def _can_hand_over(statuses: list[Any], receivers: Sequence[int]) -> bool:
     one network namespace, one user; none ""), and the descriptors the call puts in
     flight at once (one per sender and receiver) stay within half the smallest limit
     (the kernel counts them per user against the open-file limit; other work of the
-    same user, say a DataLoader's, keeps the other half)."""
+    same user, say a DataLoader's, keeps the other half).  A part sent in chunks has up
+    to ``WINDOW`` of them in flight."""
     places = {s.get("hand", "") for s in statuses}
     if len(places) != 1 or "" in places:
         return False
     senders = [r for r, s in enumerate(statuses) if int(s["size"])]
-    flying = sum(len(receivers) - (r in receivers) for r in senders)
+    flying = sum(
+        (WINDOW if statuses[r].get("chunked") else 1) * (len(receivers) - (r in receivers))
+        for r in senders
+    )
     return flying <= min(int(s.get("hand_fds", 0)) for s in statuses) // 2
 
 
@@ -172,7 +180,8 @@ def settle(
     else:
         assert isinstance(target, Store)
         suits = found.handover and handover.suits(target)
-        route = handover.HandoverRoute(target) if suits else StoreRoute(target)
+        handing = ChunkedRoute if found.chunked else handover.HandoverRoute
+        route = handing(target) if suits else StoreRoute(target)
     fit.check(what, route, found.total, found.short)
     return route
 

@@ -60,11 +60,11 @@ class Progress:
             total=nbytes, desc=what, unit="B", unit_scale=True, unit_divisor=1024, leave=False
         )
 
-    def update(self, nbytes: int) -> None:
-        """One more part of ``nbytes`` is in."""
+    def update(self, nbytes: int, parts: int = 1) -> None:
+        """``nbytes`` more are in, completing ``parts`` parts (0 for a chunk of one)."""
         if not self.enabled:
             return
-        self.done_parts += 1
+        self.done_parts += parts
         self.done_bytes += nbytes
         if self.bar is not None:
             self.bar.update(nbytes)

@@ -398,7 +398,8 @@ class _Packer:
     """One :func:`pack`: what each container became (a container met twice is packed
     once), the containers being searched, and what was replaced (see ``_Screen``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: int) -> None:
+        self.held = held  # the references packing knows of to the top list's items
         self.done: dict[int, Any] = {}
         self.open: set[int] = set()
         self.screen = _Screen()
@@ -427,7 +428,7 @@ class _Packer:
     def _packed(self, obj: Any, depth: int) -> Any:
         kind = type(obj)
         if kind is list and len(obj) >= MIN_RUN:
-            packed = _pack_list(obj, 1, self.screen)
+            packed = _pack_list(obj, 1 if depth else self.held, self.screen)
             if packed is not obj:
                 return packed
         if kind is dict and len(obj) >= _SCAN_LEN:
@@ -445,14 +446,16 @@ class _Packer:
         return _Rebuilt(kind, items) if any(map(operator.is_not, items, obj)) else obj
 
 
-def pack(obj: Any) -> Packed:
+def pack(obj: Any, held: int = 1) -> Packed:
     """``obj`` with its lists of records (and long dicts' values) replaced by batches.
 
     Only exact ``list``/``tuple``/``dict`` containers are searched (short ones,
-    a few levels deep); nothing else is touched.
+    a few levels deep); nothing else is touched.  ``held``: the references packing may
+    take for granted to the items of ``obj`` when it is a list (2 for a slice of a list:
+    the slice and the list).
     """
     _plain_fields.cache_clear()  # a class may have gained a pickling hook since the last
-    packer = _Packer()
+    packer = _Packer(held)
     try:
         value = packer.pack(obj, 0)
     except _Cycle:

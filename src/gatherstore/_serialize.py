@@ -23,14 +23,14 @@ change: what is verified must be what is unpickled.
 
 from __future__ import annotations
 
-import functools
 import gc
 import hmac
 import io
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -47,11 +47,19 @@ from ._errors import GatherError, IntegrityError
 __all__ = [
     "FORMAT_VERSION",
     "Frame",
+    "Pickled",
+    "Regions",
+    "Split",
+    "Unpickler",
     "Verified",
     "decode",
     "duplicate",
     "encode",
+    "framed",
+    "guard",
     "load",
+    "pickler",
+    "rebuilding",
     "verify",
 ]
 
@@ -61,6 +69,7 @@ __all__ = [
 # storage spans, XXH3-128 checksums; 2: signatures are keyed BLAKE3
 FORMAT_VERSION = 6
 _READS = (3, 4, 5, 6)
+T = TypeVar("T")
 _MAGIC = b"GSPART\x00\x00"
 # magic, version, flags, out-of-band buffers, persistent regions, pickle length, total
 _HEAD = struct.Struct("<8sIIQQQQ")
@@ -139,7 +148,7 @@ def _reduce_array(obj: Any, spans: storage.Spans) -> Any:
 
 def _region(ref: int) -> Any:
     """Names a region in a pickle stream (columns count up from 0, spans down from -1);
-    only the unpickler of the part it belongs to resolves it (``_Unpickler.find_class``)."""
+    only the unpickler of the part it belongs to resolves it (``Unpickler.find_class``)."""
     raise GatherError("a region of a gatherstore part was unpickled outside its part")
 
 
@@ -198,7 +207,7 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
 
 
 @dataclass
-class _Pickled:
+class Pickled:
     stream: bytes
     buffers: list[memoryview]
     columns: list[Column]
@@ -215,53 +224,78 @@ _TOO_LARGE = "memo id too large"
 _SLOT = pickle.NONE + pickle.MEMOIZE + pickle.POP
 
 
-class _Split(Exception):
+class Split(Exception):
     """The pickler met, outside its batch, an object that packing replaced."""
 
 
-def _dump(value: Any, flags: int, guarded: list[Any] | None = None) -> _Pickled | None:
-    """``value`` pickled (with cloudpickle when ``flags`` says so); None when plain pickle
-    cannot pickle it.
+def _out_of_band(buffers: list[memoryview]) -> Callable[[pickle.PickleBuffer], bool]:
+    """pickle's ``buffer_callback``: large buffers go to ``buffers`` (regions of the part),
+    small ones stay in the stream (cheaper than a table entry each)."""
 
-    Raises:
-        _Split: the pickler met one of ``guarded`` (objects packing replaced, see
-            ``_records.Packed``): it would be rebuilt twice, no longer one object.
-    """
-    guarded = guarded or []
-    stream = io.BytesIO(_SLOT * len(guarded))
-    stream.seek(0, io.SEEK_END)
-    buffers: list[memoryview] = []
-
-    def out_of_band(buf: pickle.PickleBuffer) -> bool:
-        """Small buffers stay in the stream (cheaper than a table entry each)."""
+    def keep(buf: pickle.PickleBuffer) -> bool:
         raw = buf.raw()
         if raw.nbytes < _OUT_OF_BAND_MIN:
             return True
         buffers.append(raw)
         return False
 
-    pickler_class = _CloudPickler if flags & _CLOUDPICKLE else _Pickler
-    pickler = pickler_class(stream, protocol=5, buffer_callback=out_of_band)
-    if guarded:
-        collecting = gc.isenabled()
-        gc.disable()  # a tuple per guard: no collection of the whole heap for them
-        try:
-            pickler.memo = {id(obj): (_GUARD + i, obj) for i, obj in enumerate(guarded)}
-        finally:
-            if collecting:
-                gc.enable()
+    return keep
+
+
+def pickler(stream: io.BytesIO, flags: int, buffers: list[memoryview]) -> _Pickler | _CloudPickler:
+    """A pickler of parts into ``stream`` (cloudpickle's when ``flags`` says so)."""
+    kind = _CloudPickler if flags & _CLOUDPICKLE else _Pickler
+    return kind(stream, protocol=5, buffer_callback=_out_of_band(buffers))
+
+
+def guard(pickler: _Pickler | _CloudPickler, guarded: list[Any], stream: io.BytesIO) -> None:
+    """Add ``guarded`` to ``pickler``'s memo under ids it refuses to write (see ``_GUARD``),
+    and to ``stream`` the memo slots that keep the unpickler's ids in step.
+
+    Raises:
+        Split: the pickler already wrote one of ``guarded`` (an earlier chunk of the
+            same pickler, see ``_chunks``).
+    """
+    if not guarded:
+        return
+    collecting = gc.isenabled()
+    gc.disable()  # a tuple per guard: no collection of the whole heap for them
     try:
-        pickler.dump(value)
+        memo = pickler.memo.copy()
+        if any(id(obj) in memo for obj in guarded):
+            raise Split
+        memo.update((id(obj), (_GUARD + i, obj)) for i, obj in enumerate(guarded))
+        pickler.memo = memo
+    finally:
+        if collecting:
+            gc.enable()
+    stream.write(_SLOT * len(guarded))
+
+
+def _dump(value: Any, flags: int, guarded: list[Any] | None = None) -> Pickled | None:
+    """``value`` pickled (with cloudpickle when ``flags`` says so); None when plain pickle
+    cannot pickle it.
+
+    Raises:
+        Split: the pickler met one of ``guarded`` (objects packing replaced, see
+            ``_records.Packed``): it would be rebuilt twice, no longer one object.
+    """
+    stream = io.BytesIO()
+    buffers: list[memoryview] = []
+    pickling = pickler(stream, flags, buffers)
+    guard(pickling, guarded or [], stream)
+    try:
+        pickling.dump(value)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         if guarded and _TOO_LARGE in str(exc):
-            raise _Split from exc
+            raise Split from exc
         if flags:
             raise
         return None
-    return _Pickled(stream.getvalue(), buffers, pickler.columns, pickler.spans, flags)
+    return Pickled(stream.getvalue(), buffers, pickling.columns, pickling.spans, flags)
 
 
-def _pickle(obj: Any) -> _Pickled:
+def _pickle(obj: Any) -> Pickled:
     """``obj`` pickled with its records packed; as it is when packing would split an
     object held in two places; with cloudpickle when plain pickle cannot pickle it."""
     packed = records.pack(obj)
@@ -270,7 +304,7 @@ def _pickle(obj: Any) -> _Pickled:
     if not plain:
         try:
             done = _dump(packed.value, 0, packed.shared)
-        except _Split:
+        except Split:
             plain = True
     if plain:
         done = _dump(obj, 0)
@@ -292,7 +326,11 @@ def encode(obj: Any) -> Frame:
     Raises:
         Exception: whatever pickling raises when neither pickle nor cloudpickle can.
     """
-    pickled = _pickle(obj)
+    return framed(_pickle(obj), sizing.rebuilt_size(obj, _OUT_OF_BAND_MIN))
+
+
+def framed(pickled: Pickled, rebuilt: int) -> Frame:
+    """The unsealed frame of a pickled object (``rebuilt``: see ``Frame.rebuilt``)."""
     data, flags = pickled.stream, pickled.flags
     regions = [[b.cast("B")] for b in pickled.buffers] + [c.segments for c in pickled.columns]
     persistent = len(pickled.columns)
@@ -318,7 +356,6 @@ def encode(obj: Any) -> Frame:
         pos += size
     table_view = memoryview(struct.pack(f"<{len(table)}Q", *table))
     fields = (flags, len(pickled.buffers), persistent, len(data))
-    rebuilt = sizing.rebuilt_size(obj, _OUT_OF_BAND_MIN)
     return Frame(pos, fields, [table_view, *body], rebuilt=rebuilt, _keep=pickled.spans.keep)
 
 
@@ -427,30 +464,41 @@ def duplicate(frame: Frame) -> Any:
     return load(_regions(view, flags, count, columns, pickle_len))
 
 
-class _Unpickler(pickle.Unpickler):
-    """Unpickles a verified part from ``stream`` (a file over its pickle stream), its
-    columns and spans from its regions (named by ``_region``, or in a part of format 3 by
-    persistent ids)."""
+class Regions:
+    """The regions a pickle stream's references resolve to (those of the part, or of the
+    chunk, being unpickled): columns (from 0 up), then spans (from -1 down)."""
 
-    def __init__(self, verified: Verified, stream: Any) -> None:
-        super().__init__(stream, buffers=verified.buffers)
+    def __init__(self, verified: Verified) -> None:
+        self.use(verified)
+
+    def use(self, verified: Verified) -> None:
+        """Resolve from now on to the regions of ``verified``."""
         self.columns = verified.columns
         self.loaded = storage.Loaded(verified.columns, verified.spans)
 
+    def resolve(self, ref: int) -> Any:
+        """The region ``ref`` names."""
+        return self.columns[ref] if ref >= 0 else self.loaded.at(-1 - ref)
+
+
+class Unpickler(pickle.Unpickler):
+    """Unpickles verified parts from ``stream`` (a file over their pickle streams), their
+    columns and spans from ``regions`` (named by ``_region``, or in a part of format 3 by
+    persistent ids)."""
+
+    def __init__(self, regions: Regions, stream: Any, buffers: Any) -> None:
+        super().__init__(stream, buffers=buffers)
+        self.regions = regions
+
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == _region.__name__:
-            # not a bound method: the unpickler's memo keeps what this returns, and a
-            # reference back to the unpickler would keep the part alive until a collection
-            return functools.partial(_resolve, self.columns, self.loaded)
+            # not a bound method of the unpickler: the unpickler's memo keeps what this
+            # returns, and a reference back to it would keep the part alive until a collection
+            return self.regions.resolve
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        return _resolve(self.columns, self.loaded, pid)
-
-
-def _resolve(columns: list[memoryview], loaded: storage.Loaded, ref: int) -> Any:
-    """The region ``ref`` names: a column (from 0 up) or a span (from -1 down)."""
-    return columns[ref] if ref >= 0 else loaded.at(-1 - ref)
+        return self.regions.resolve(pid)
 
 
 def _unpickle(verified: Verified) -> Any:
@@ -459,9 +507,10 @@ def _unpickle(verified: Verified) -> Any:
     if watch.needs_watch(len(verified.stream)):
         who = "a part" if verified.rank is None else f"the part of rank {verified.rank}"
         reader = io.BufferedReader(watch.Watched(verified.stream, who), watch.STEP)
-        return _Unpickler(verified, reader).load()
+        return Unpickler(Regions(verified), reader, verified.buffers).load()
     if verified.columns:
-        return _Unpickler(verified, io.BytesIO(verified.stream)).load()
+        stream = io.BytesIO(verified.stream)
+        return Unpickler(Regions(verified), stream, verified.buffers).load()
     return pickle.loads(verified.stream, buffers=verified.buffers)
 
 
@@ -474,8 +523,13 @@ def load(verified: Verified) -> Any:
             missing here or its ``__setstate__`` fails); names the rank whose part it
             is, with the unpickler's error as its cause.
     """
+    return rebuilding(verified, _unpickle)
+
+
+def rebuilding(verified: Verified, rebuild: Callable[[Verified], T]) -> T:
+    """``rebuild(verified)``, its errors as :func:`load` raises them."""
     try:
-        return _unpickle(verified)
+        return rebuild(verified)
     except (GatherError, MemoryError):
         raise
     except Exception as exc:

@@ -1,0 +1,186 @@
+"""A long list encoded in chunks: frames that rebuild it in order.
+
+A gather's destination need not wait for a sender's whole part before it decodes:
+a sender whose object is a long list encodes it as a run of chunks, each a frame
+of its own (a slice of the list, its records packed, its regions, its digest), and
+hands each over as soon as it is encoded (see ``gatherstore._handover``), while the
+destination rebuilds the chunks already in.
+
+One pickler encodes the chunks in order and one unpickler rebuilds them in the same
+order, so pickle's memo spans them: an object that two chunks hold is written once
+and rebuilt once, one object, as in a part sent whole.  Packing (see
+``gatherstore._records``) replaces a slice's records by columns; those that something
+besides the list holds are guarded, as within one part: a later chunk that meets
+one of them, the list itself inside an item, or an item that plain pickle cannot
+write, breaks the run (``Unchunkable``), and the sender then sends its object whole.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+from . import _config as config
+from . import _records as records
+from . import _serialize as serialize
+from . import _sizing as sizing
+from . import _storage as storage
+
+__all__ = ["CHUNK", "MIN_PART", "Assembly", "Chunks", "Unchunkable"]
+
+#: Bytes a chunk aims at (``GATHERSTORE_PART_CHUNK``): small enough that the destination
+#: starts early and the senders stay ahead of it, large enough that each chunk's own
+#: costs (a frame, a handover) stay a small share.
+CHUNK = config.PART_CHUNK
+#: Estimated bytes of a part from which a list is sent in chunks.
+MIN_PART = 4 * CHUNK
+#: The first chunk holds at most this share of the items: it is encoded before the
+#: call's plan is agreed, and it gives the estimate of the whole part's size.
+_FIRST = 64
+
+
+class Unchunkable(Exception):
+    """A chunk cannot continue the run: the object must be sent whole."""
+
+
+class Chunks:
+    """One list's chunks, encoded one after another (see the module's docstring)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.done = 0
+        self._written = 0  # bytes of the chunks encoded so far
+        self._stream = io.BytesIO()
+        self._buffers: list[memoryview] = []
+        self._pickler = serialize.pickler(self._stream, 0, self._buffers)
+        self._guards = [items]  # an item that holds the list itself: rebuilt twice
+
+    #: The first chunk, and estimates from it of the whole part: its bytes, and what
+    #: rebuilding it allocates besides them (see ``Frame.rebuilt``).
+    head: serialize.Frame
+    nbytes: int
+    rebuilt: int
+
+    @classmethod
+    def first(cls, obj: Any) -> Chunks | None:
+        """``obj``'s chunks, the first one encoded, when it is a list worth sending in
+        chunks; None when it is not (the caller encodes it whole)."""
+        if type(obj) is not list or not CHUNK:
+            return None
+        count = max(records.MIN_RUN, math.ceil(len(obj) / _FIRST))
+        if len(obj) < 2 * count:
+            return None
+        chunks = cls(obj)
+        try:
+            chunks.head = chunks._next(count, alone=True)
+        except Unchunkable:
+            return None
+        chunks.nbytes = round(chunks.head.nbytes * len(obj) / count)
+        chunks.rebuilt = round(chunks.head.rebuilt * len(obj) / count)
+        return chunks if chunks.nbytes >= MIN_PART else None
+
+    @property
+    def finished(self) -> bool:
+        """Whether every item is in a chunk already encoded."""
+        return self.done == len(self.items)
+
+    def rest(self) -> Iterator[serialize.Frame]:
+        """The chunks after the first, of about ``CHUNK`` bytes each.
+
+        Raises:
+            Unchunkable: a chunk cannot continue the run (see the module's docstring).
+        """
+        while not self.finished:
+            per_item = max(self._written / self.done, 1.0)
+            count = min(max(1, round(CHUNK / per_item)), len(self.items) - self.done)
+            yield self._next(count)
+
+    def _next(self, count: int, *, alone: bool = False) -> serialize.Frame:
+        """The next ``count`` items' chunk; ``alone``: refuse one whose packed records or
+        arrays something else may hold (a later chunk would likely meet them again)."""
+        piece = self.items[self.done : self.done + count]
+        packed = records.pack(piece, held=2)  # the slice, and the list
+        held = [obj for obj in packed.shared if obj is not piece]  # a slice of our own
+        if packed.twice or (alone and held):
+            raise Unchunkable("records or arrays are held elsewhere too")
+        pickler, stream = self._pickler, self._stream
+        pickler.columns, pickler.spans = [], storage.Spans()
+        try:
+            serialize.guard(pickler, self._guards + held, stream)
+            self._guards = []
+            pickler.dump(packed.value)
+        except (serialize.Split, pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise Unchunkable(str(exc)) from exc
+        pickled = serialize.Pickled(
+            stream.getvalue(), list(self._buffers), pickler.columns, pickler.spans, 0
+        )
+        stream.seek(0)
+        stream.truncate()
+        self._buffers.clear()
+        frame = serialize.framed(pickled, sizing.rebuilt_size(piece))
+        self.done += count
+        self._written += frame.nbytes
+        return frame
+
+
+class _Input:
+    """The file the unpickler of an ``Assembly`` reads: the current chunk's stream."""
+
+    def __init__(self) -> None:
+        self.stream = io.BytesIO()
+
+    def read(self, size: int = -1) -> bytes:
+        return self.stream.read(size)
+
+    def readinto(self, out: Any) -> int:
+        return self.stream.readinto(out)
+
+    def readline(self) -> bytes:
+        return self.stream.readline()
+
+
+class _Buffers:
+    """The out-of-band buffers of the chunks added so far, taken in order."""
+
+    def __init__(self) -> None:
+        self.waiting: list[memoryview] = []
+
+    def __iter__(self) -> _Buffers:
+        return self
+
+    def __next__(self) -> memoryview:
+        if not self.waiting:
+            raise StopIteration
+        return self.waiting.pop(0)
+
+
+class Assembly:
+    """A list rebuilt from its chunks, added in order as each is verified."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self._input = _Input()
+        self._buffers = _Buffers()
+        self._regions: serialize.Regions | None = None
+        self._unpickler: Any = None
+
+    def add(self, verified: serialize.Verified) -> None:
+        """Rebuild the next chunk (views into its buffer, as a part's).
+
+        Raises:
+            GatherError: the chunk cannot be rebuilt here (see ``_serialize.load``).
+        """
+        serialize.rebuilding(verified, self._add)
+
+    def _add(self, verified: serialize.Verified) -> None:
+        self._input.stream = io.BytesIO(verified.stream)
+        self._buffers.waiting = list(verified.buffers)
+        if self._regions is None:
+            self._regions = serialize.Regions(verified)
+            self._unpickler = serialize.Unpickler(self._regions, self._input, self._buffers)
+        else:
+            self._regions.use(verified)
+        self.items.extend(self._unpickler.load())

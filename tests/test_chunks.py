@@ -1,0 +1,129 @@
+"""A long list encoded in chunks and rebuilt in order, in one process: what the chunks
+rebuild, the identities they keep, and when a list is sent whole instead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gatherstore import _chunks as chunks
+from gatherstore import _serialize as serialize
+
+
+def _sealed(frame: serialize.Frame) -> bytearray:
+    out = bytearray(frame.nbytes)
+    frame.seal(None).copy_into(memoryview(out))
+    return out
+
+
+def _encoded(items: list[Any]) -> list[serialize.Frame]:
+    run = chunks.Chunks.first(items)
+    assert run is not None, "the list is not sent in chunks"
+    return [run.head, *run.rest()]
+
+
+def _rebuilt(frames: list[serialize.Frame]) -> list[Any]:
+    assembly = chunks.Assembly()
+    for frame in frames:
+        assembly.add(serialize.verify(_sealed(frame)))
+    return assembly.items
+
+
+def _detections(count: int) -> list[dict[str, Any]]:
+    """Per-image records whose arrays are views of three batch arrays."""
+    rng = np.random.default_rng(0)
+    boxes = rng.random((count, 100, 4), dtype=np.float32)
+    scores = rng.random((count, 100), dtype=np.float32)
+    labels = rng.integers(0, 80, (count, 100))
+    return [
+        {"image_id": i, "boxes": boxes[i], "scores": scores[i], "labels": labels[i], "name": f"{i}"}
+        for i in range(count)
+    ]
+
+
+@dataclass
+class Box:
+    label: int
+    xyxy: torch.Tensor
+
+
+def test_records_come_back_whole_and_in_order_from_many_chunks() -> None:
+    items = _detections(30000)  # 84 MB
+    frames = _encoded(items)
+    assert len(frames) > 8
+    got = _rebuilt(frames)
+    assert len(got) == len(items)
+    for mine, theirs in zip(got, items, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert mine["image_id"] == theirs["image_id"] and mine["name"] == theirs["name"]
+        for name in ("boxes", "scores", "labels"):
+            assert np.array_equal(mine[name], theirs[name])
+    got[5]["boxes"][0, 0] = -1.0  # writable, as a part's arrays
+    assert got[5]["boxes"][0, 0] == -1.0
+
+
+def test_objects_two_chunks_hold_stay_one_object() -> None:
+    meta = {"classes": ["cat", "dog"]}
+    items: list[Any] = [
+        {"id": i, "scores": torch.full((40000,), float(i)), "meta": meta} for i in range(400)
+    ]
+    items[350] = dict(items[350], parent=items[20])  # a record of a later chunk holds an earlier
+    got = _rebuilt(_encoded(items))
+    assert all(item["meta"] is got[0]["meta"] for item in got)
+    assert got[350]["parent"] is got[20]
+    assert all(
+        torch.equal(mine["scores"], theirs["scores"])
+        for mine, theirs in zip(got, items, strict=True)
+    )
+
+
+def test_dataclass_records_in_chunks() -> None:
+    items = [Box(i % 80, torch.arange(4000.0) + i) for i in range(4000)]
+    got = _rebuilt(_encoded(items))
+    assert [b.label for b in got] == [b.label for b in items]
+    assert all(torch.equal(mine.xyxy, theirs.xyxy) for mine, theirs in zip(got, items, strict=True))
+
+
+def test_a_record_packed_in_one_chunk_and_met_in_a_later_one_breaks_the_run() -> None:
+    items: list[Any] = [{"id": i, "x": np.full(4000, i, np.float32)} for i in range(20000)]
+    items[15000] = {"other": [items[10000]]}
+    run = chunks.Chunks.first(items)
+    assert run is not None
+    with pytest.raises(chunks.Unchunkable):
+        list(run.rest())
+    got = serialize.decode(_sealed(serialize.encode(items)))  # what the sender sends instead
+    assert got[15000]["other"][0] is got[10000]
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        pytest.param([np.zeros(1 << 20)] * 3, id="too-few-items"),
+        pytest.param([{"id": i} for i in range(5000)], id="too-few-bytes"),
+        pytest.param(tuple(np.zeros(1 << 18) for _ in range(64)), id="not-a-list"),
+    ],
+)
+def test_what_is_not_worth_chunks_goes_whole(items: Any) -> None:
+    assert chunks.Chunks.first(items) is None
+
+
+def test_records_that_share_an_array_go_whole() -> None:
+    """Packing would rebuild the shared array once per chunk: the list goes whole."""
+    shared = np.arange(4000.0)
+    items = [{"id": i, "x": np.full(4000, i, np.float32), "w": shared} for i in range(20000)]
+    assert chunks.Chunks.first(items) is None
+    got = serialize.decode(_sealed(serialize.encode(items)))
+    assert got[0]["w"] is got[-1]["w"]
+
+
+def test_a_list_inside_its_own_item_breaks_the_run() -> None:
+    items: list[Any] = [{"id": i, "x": np.full(4000, i, np.float32)} for i in range(20000)]
+    items[19000] = {"up": items}
+    run = chunks.Chunks.first(items)
+    assert run is not None
+    with pytest.raises(chunks.Unchunkable):
+        list(run.rest())

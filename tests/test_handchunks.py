@@ -1,0 +1,185 @@
+"""A gather's long lists handed over in chunks: real gloo groups of real processes, real
+sockets and memfds.  Chunks are made small (``GATHERSTORE_PART_CHUNK``) so that parts
+of a few MB span many of them."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gatherstore as gs
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATHERSTORE_PART_CHUNK", str(CHUNK))
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    monkeypatch.delenv("GATHERSTORE_HANDOVER", raising=False)
+
+
+def _records(rank: int, count: int = 3000) -> list[dict[str, Any]]:
+    """Per-image records of views of batch arrays and tensors, one ``meta`` dict for all."""
+    boxes = np.arange(count * 40, dtype=np.float32).reshape(count, 10, 4) + rank
+    logits = torch.arange(count * 16, dtype=torch.float32).view(count, 16) * (rank + 1)
+    meta = {"rank": rank, "classes": ["cat", "dog"]}
+    return [
+        {"image_id": rank * count + i, "boxes": boxes[i], "logits": logits[i], "meta": meta}
+        for i in range(count)
+    ]
+
+
+def _same(got: list[dict[str, Any]], rank: int) -> bool:
+    expected = _records(rank)
+    return (
+        len(got) == len(expected)
+        and all(item["meta"] is got[0]["meta"] for item in got)
+        and all(
+            a["image_id"] == b["image_id"]
+            and np.array_equal(a["boxes"], b["boxes"])
+            and torch.equal(a["logits"], b["logits"])
+            for a, b in zip(got, expected, strict=True)
+        )
+    )
+
+
+def _routes(run: Any) -> tuple[Any, list[str]]:
+    """``run()``'s result and the routes of the calls it made (their DEBUG lines)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("gatherstore")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        out = run()
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    return out, [line.split(": route ")[1].split(", ")[0] for line in lines if ": route " in line]
+
+
+def _areas() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("gatherstore-*")}
+
+
+def _gathers() -> dict[str, Any]:
+    rank, world = gs.get_rank(), gs.get_world_size()
+    areas = _areas()
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        got = gs.gather_object(_records(rank), store="tmpdir", timeout=60)
+        out["to 0"] = got is not None and all(_same(got[r], r) for r in range(world))
+        # to another rank, with one sender whose part is small: it goes whole
+        mine = {"small": rank} if rank == 1 else _records(rank)
+        got = gs.gather_object(mine, dst=2, store="tmpdir", timeout=60)
+        if got is not None:
+            out["to 2"] = got[1] == {"small": 1} and _same(got[0], 0) and _same(got[2], 2)
+        out["after"] = gs.all_gather_object(rank, timeout=60)
+        return out
+
+    out, routes = _routes(run)
+    out["routes"] = routes
+    out["new_areas"] = sorted(_areas() - areas)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_long_lists_are_handed_over_in_chunks_and_rebuilt_whole() -> None:
+    results = gs.launch(_gathers, nproc_per_node=3, backend="gloo", timeout=120)
+    assert results[0]["to 0"] and results[2]["to 2"], results
+    for out in results:
+        assert out["after"] == [0, 1, 2]
+        assert out["routes"][:2] == ["tmpdir (handed over) in chunks"] * 2, out["routes"]
+        assert out["new_areas"] == []  # nothing went through files
+
+
+class _Unpicklable:
+    def __reduce__(self) -> Any:
+        raise ValueError("item 2900 cannot be pickled")
+
+
+def _refuse() -> Any:
+    raise ValueError("this item cannot be rebuilt")
+
+
+class _Fussy:
+    """Pickles fine; rebuilding it raises."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _outcome(run: Any) -> dict[str, Any]:
+    try:
+        run()
+    except Exception as exc:
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "rank": getattr(exc, "rank", None),
+            "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
+        }
+    return {"error": None}
+
+
+def _failing(bad: str) -> dict[str, Any]:
+    rank = gs.get_rank()
+    mine: list[Any] = _records(rank)
+    if rank == 1:  # late in the list: in a chunk well after the plan was agreed
+        mine[2900] = _Unpicklable() if bad == "sender" else _Fussy()
+    out = _outcome(lambda: gs.gather_object(mine, store="tmpdir", timeout=60))
+    out["after"] = gs.gather_object(_records(rank), store="tmpdir", timeout=60) is not None
+    out["fds"] = len(os.listdir("/proc/self/fd"))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_sender_that_fails_in_a_late_chunk_fails_the_call_on_every_rank() -> None:
+    dst, sender, other = gs.launch(
+        _failing, nproc_per_node=3, backend="gloo", args=("sender",), timeout=120
+    )
+    assert sender["error"] == "ValueError" and "2900" in sender["message"], sender
+    for out in (dst, other):
+        assert out["error"] == "RemoteRankError" and out["rank"] == 1, out
+        assert "2900" in out["message"], out
+    assert dst["after"] and not sender["after"]  # the next gather works
+
+
+@pytest.mark.timeout(180)
+def test_a_chunk_the_destination_cannot_rebuild_stops_the_senders() -> None:
+    dst, *senders = gs.launch(
+        _failing, nproc_per_node=3, backend="gloo", args=("reader",), timeout=120
+    )
+    assert dst["error"] == "GatherError" and dst["cause"] == "ValueError", dst
+    assert "part of rank 1" in dst["message"] and "cannot be rebuilt" in dst["message"], dst
+    for out in senders:
+        assert out["error"] == "RemoteRankError" and out["rank"] == 0, out
+    assert dst["after"]
+
+
+def _one_rank_without_handover() -> dict[str, Any]:
+    rank = gs.get_rank()
+    if rank == 2:
+        os.environ["GATHERSTORE_HANDOVER"] = "0"
+    got, routes = _routes(lambda: gs.gather_object(_records(rank), store="tmpdir", timeout=60))
+    return {
+        "same": got is None or all(_same(got[r], r) for r in range(3)),
+        "routes": routes,
+    }
+
+
+@pytest.mark.timeout(180)
+def test_parts_that_cannot_be_handed_over_are_agreed_again_whole() -> None:
+    results = gs.launch(_one_rank_without_handover, nproc_per_node=3, backend="gloo", timeout=120)
+    for out in results:
+        assert out["same"], out
+        assert out["routes"] == ["tmpdir"], out  # files, every part whole
