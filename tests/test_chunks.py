@@ -127,3 +127,33 @@ def test_a_list_inside_its_own_item_breaks_the_run() -> None:
     assert run is not None
     with pytest.raises(chunks.Unchunkable):
         list(run.rest())
+
+
+def test_views_of_one_storage_in_two_chunks_break_the_run() -> None:
+    """Sent in chunks, memory two chunks share would go once per chunk, and come back as
+    two buffers: the list goes whole, and its views share one storage again."""
+    big = torch.arange(1 << 18, dtype=torch.float32)
+    items = [{"id": i, "w": big[:], "x": torch.full((4000,), float(i))} for i in range(4000)]
+    run = chunks.Chunks.first(items)
+    assert run is not None
+    with pytest.raises(chunks.Unchunkable):
+        list(run.rest())
+    got = serialize.decode(_sealed(serialize.encode(items)))
+    assert got[0]["w"].untyped_storage().data_ptr() == got[-1]["w"].untyped_storage().data_ptr()
+
+
+def test_rows_of_one_batch_split_at_a_chunks_edge_stay_in_their_chunk() -> None:
+    batch = torch.arange(10000 * 1024, dtype=torch.float32).view(10000, 1024)  # 41 MB
+    items = [{"id": i, "row": batch[i]} for i in range(10000)]
+    got = _rebuilt(_encoded(items))
+    assert all(torch.equal(item["row"], batch[i]) for i, item in enumerate(got))
+
+
+def test_a_record_held_elsewhere_in_a_later_chunk_breaks_the_run() -> None:
+    items = [{"id": i, "x": np.full(400, i, np.float32)} for i in range(200000)]
+    kept = items[150000]  # the caller still holds it: packing it would rebuild it twice
+    run = chunks.Chunks.first(items)
+    assert run is not None
+    with pytest.raises(chunks.Unchunkable):
+        list(run.rest())
+    assert kept["id"] == 150000

@@ -518,6 +518,7 @@ def test_a_sender_killed_in_a_late_chunk_is_named(
         codes = [proc.wait(timeout=90) for proc in procs]
     assert codes[2] == -signal.SIGKILL
     dst, sender = outcomes(shm, [0, 1]).values()
+    note("chunks-killed-sender", dst=dst, sender=sender)
     assert dst["gather_error"], dst
     assert 2 in (dst["ranks"] or [dst["rank"]]), dst
     assert dst["seconds"] < 10 + MARGIN

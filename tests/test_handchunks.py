@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import gatherstore as gs
+from gatherstore import _handover as handover
 
 CHUNK = 64 << 10
 
@@ -133,12 +135,22 @@ def _outcome(run: Any) -> dict[str, Any]:
 
 def _failing(bad: str) -> dict[str, Any]:
     rank = gs.get_rank()
+    gs.gather_object(_records(rank), store="tmpdir", timeout=60)  # every lazy resource made
+    fds = len(os.listdir("/proc/self/fd"))
     mine: list[Any] = _records(rank)
     if rank == 1:  # late in the list: in a chunk well after the plan was agreed
         mine[2900] = _Unpicklable() if bad == "sender" else _Fussy()
+    if bad == "late":  # the first chunk fails on the destination; rank 2 connects late
+        if rank == 1:
+            mine[0] = _Fussy()
+        if rank == 2:
+            connect = handover.connect
+            handover.connect = lambda *a: (time.sleep(2.0), connect(*a))[1]  # type: ignore[assignment]
+    start = time.monotonic()
     out = _outcome(lambda: gs.gather_object(mine, store="tmpdir", timeout=60))
+    out["seconds"] = time.monotonic() - start
     out["after"] = gs.gather_object(_records(rank), store="tmpdir", timeout=60) is not None
-    out["fds"] = len(os.listdir("/proc/self/fd"))
+    out["fds"] = len(os.listdir("/proc/self/fd")) - fds
     return out
 
 
@@ -152,6 +164,7 @@ def test_a_sender_that_fails_in_a_late_chunk_fails_the_call_on_every_rank() -> N
         assert out["error"] == "RemoteRankError" and out["rank"] == 1, out
         assert "2900" in out["message"], out
     assert dst["after"] and not sender["after"]  # the next gather works
+    assert [out["fds"] for out in (dst, sender, other)] == [0, 0, 0]  # no descriptor left
 
 
 @pytest.mark.timeout(180)
@@ -164,6 +177,19 @@ def test_a_chunk_the_destination_cannot_rebuild_stops_the_senders() -> None:
     for out in senders:
         assert out["error"] == "RemoteRankError" and out["rank"] == 0, out
     assert dst["after"]
+    assert [out["fds"] for out in (dst, *senders)] == [0, 0, 0]
+
+
+@pytest.mark.timeout(180)
+def test_a_sender_that_connects_after_the_destination_stopped_stops_too() -> None:
+    dst, *senders = gs.launch(
+        _failing, nproc_per_node=3, backend="gloo", args=("late",), timeout=120
+    )
+    assert dst["error"] == "GatherError" and "part of rank 1" in dst["message"], dst
+    for out in senders:
+        assert out["error"] == "RemoteRankError" and out["rank"] == 0, out
+        assert out["seconds"] < 30  # not the call's timeout of 60 s
+    assert [out["fds"] for out in (dst, *senders)] == [0, 0, 0]
 
 
 def _one_rank_without_handover() -> dict[str, Any]:

@@ -28,7 +28,7 @@ from . import _serialize as serialize
 from . import _topology as topology
 from ._chunks import Chunks
 from ._config import Timeout, to_seconds
-from ._errors import GatherError, MismatchError
+from ._errors import GatherError, InsufficientMemoryError, MismatchError
 from ._plan import Facts, Plan, facts, settle
 from ._progress import log_call
 from ._report import failure, raise_failures, status
@@ -91,8 +91,9 @@ class Call:
         plan holds a copy of this rank's object (see ``own_copies``).  ``inline``: with
         ``"auto"``, a small part rides on the status exchange (see ``InlineRoute``).
         ``chunk``: a long list may be sent in chunks (see ``_chunks``) when the parts
-        are handed over; should the plan settle on another route, every rank agrees
-        again, on parts encoded whole.
+        are handed over; should the plan settle on another route (or find the sizes
+        estimated from first chunks too large for memory), every rank agrees again, on
+        parts encoded whole.
 
         Raises:
             RemoteRankError / StoreUnavailableError: a rank failed to build or encode
@@ -103,6 +104,7 @@ class Call:
         """
         own: Any = None
         built: Any = None
+        mine_size = 0
         error: BaseException | None = None
         budget = 0
         shape = {"route": str(self.spec), "root": self.root}
@@ -119,9 +121,10 @@ class Call:
             budget = config.read_ahead(self.read_ahead, avail)
             part = self._inlined() if inline and self.spec == "auto" else None
             chunks = self.chunks
+            mine_size = chunks.nbytes if chunks else self.frame.nbytes if self.frame else 0
             mine = status(
                 True,
-                size=chunks.nbytes if chunks else self.frame.nbytes if self.frame else 0,
+                size=mine_size,
                 rebuilt=chunks.rebuilt if chunks else self.frame.rebuilt if self.frame else 0,
                 avail=avail,
                 window=budget,
@@ -165,10 +168,19 @@ class Call:
             sizes = [0] * self.world
             if root is not None:
                 sizes[root] = found.root
-            sizes[self.rank] = self.frame.nbytes if self.frame else 0
+            sizes[self.rank] = int(mine_size)
         parts = None if raw is None else [_part_of(s) for s in raw]
-        route = settle(self.spec, found, what=self.what, nodes=topology.get_nnodes(), parts=parts)
-        if found.chunked and not isinstance(route, handover.HandoverRoute):
+        try:
+            route = settle(
+                self.spec, found, what=self.what, nodes=topology.get_nnodes(), parts=parts
+            )
+        except InsufficientMemoryError:
+            if not found.chunked:  # sizes estimated from a first chunk may be too large
+                raise
+            route = None
+        if route is None or (found.chunked and not isinstance(route, handover.HandoverRoute)):
+            if self.chunks is not None:
+                self.chunks.close()
             self.chunks = self.frame = None  # the parts are encoded again, whole
             return self.agree(
                 lambda: built, receivers, send=send, full=full, copy_own=copy_own, inline=inline

@@ -8,15 +8,22 @@ destination rebuilds the chunks already in.
 
 One pickler encodes the chunks in order and one unpickler rebuilds them in the same
 order, so pickle's memo spans them: an object that two chunks hold is written once
-and rebuilt once, one object, as in a part sent whole.  Packing (see
-``gatherstore._records``) replaces a slice's records by columns; those that something
-besides the list holds are guarded, as within one part: a later chunk that meets
-one of them, the list itself inside an item, or an item that plain pickle cannot
-write, breaks the run (``Unchunkable``), and the sender then sends its object whole.
+and rebuilt once, one object, as in a part sent whole.  What pickle's memo cannot
+keep one breaks the run (``Unchunkable``), and the sender then sends its object
+whole:
+
+- records or arrays that packing (see ``gatherstore._records``) would replace by
+  columns while something besides the list holds them: a later chunk could meet
+  them again and rebuild them a second time;
+- memory that two chunks' arrays or tensors share (views of one storage, which a
+  whole part sends once and rebuilds as views of one buffer); views of one batch
+  that only touch at a chunk's edge come back as views of each chunk's buffer;
+- the list itself inside an item, or an item that plain pickle cannot write.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import pickle
@@ -57,6 +64,8 @@ class Chunks:
         self._buffers: list[memoryview] = []
         self._pickler = serialize.pickler(self._stream, 0, self._buffers)
         self._guards = [items]  # an item that holds the list itself: rebuilt twice
+        #: Memory the chunks so far sent, by storage key: sorted, disjoint (start, end).
+        self._sent: dict[Any, list[tuple[int, int]]] = {}
 
     #: The first chunk, and estimates from it of the whole part: its bytes, and what
     #: rebuilding it allocates besides them (see ``Frame.rebuilt``).
@@ -75,8 +84,9 @@ class Chunks:
             return None
         chunks = cls(obj)
         try:
-            chunks.head = chunks._next(count, alone=True)
+            chunks.head = chunks._next(count)
         except Unchunkable:
+            chunks.close()
             return None
         chunks.nbytes = round(chunks.head.nbytes * len(obj) / count)
         chunks.rebuilt = round(chunks.head.rebuilt * len(obj) / count)
@@ -97,19 +107,27 @@ class Chunks:
             per_item = max(self._written / self.done, 1.0)
             count = min(max(1, round(CHUNK / per_item)), len(self.items) - self.done)
             yield self._next(count)
+        self.close()
 
-    def _next(self, count: int, *, alone: bool = False) -> serialize.Frame:
-        """The next ``count`` items' chunk; ``alone``: refuse one whose packed records or
-        arrays something else may hold (a later chunk would likely meet them again)."""
+    def close(self) -> None:
+        """Forget what the pickler wrote: the objects it keeps for the chunks to come
+        (copied columns among them) are freed."""
+        self._pickler.clear_memo()
+
+    def _next(self, count: int) -> serialize.Frame:
+        """The next ``count`` items' chunk.
+
+        Raises:
+            Unchunkable: see the module's docstring.
+        """
         piece = self.items[self.done : self.done + count]
         packed = records.pack(piece, held=2)  # the slice, and the list
-        held = [obj for obj in packed.shared if obj is not piece]  # a slice of our own
-        if packed.twice or (alone and held):
-            raise Unchunkable("records or arrays are held elsewhere too")
+        if packed.twice or any(obj is not piece for obj in packed.shared):
+            raise Unchunkable("records or arrays that packing replaces are held elsewhere too")
         pickler, stream = self._pickler, self._stream
         pickler.columns, pickler.spans = [], storage.Spans()
         try:
-            serialize.guard(pickler, self._guards + held, stream)
+            serialize.guard(pickler, self._guards, stream)
             self._guards = []
             pickler.dump(packed.value)
         except (serialize.Split, pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -121,9 +139,22 @@ class Chunks:
         stream.truncate()
         self._buffers.clear()
         frame = serialize.framed(pickled, sizing.rebuilt_size(piece))
+        self._claim(pickler.spans.extents)
         self.done += count
         self._written += frame.nbytes
         return frame
+
+    def _claim(self, extents: list[tuple[Any, int, int]]) -> None:
+        """Note the memory a chunk sends; raise Unchunkable when an earlier chunk sent
+        some of it (touching is fine: rows of one batch split at a chunk's edge)."""
+        for key, start, end in extents:
+            sent = self._sent.setdefault(key, [])
+            at = bisect.bisect_left(sent, (start, end))
+            before = sent[at - 1] if at else None
+            after = sent[at] if at < len(sent) else None
+            if (before and before[1] > start) or (after and after[0] < end):
+                raise Unchunkable("two chunks share memory (views of one storage)")
+            sent.insert(at, (start, end))
 
 
 class _Input:

@@ -12,10 +12,12 @@ rebuilds it onto that sender's list; then every rank confirms.
 - The destination acknowledges each chunk it took, and a sender keeps at most
   ``WINDOW`` of them unacknowledged: at most ``WINDOW`` descriptors in flight per
   sender, and a sender never runs far ahead of a destination that is busy.
-- A sender that fails says so on its connection, and the confirmation exchange
-  raises its error on every rank.  A destination that stops (a chunk it cannot
-  rebuild) closes its connections: the senders stop handing over, and the
-  confirmation raises the destination's error.
+- A sender that fails says so on its connection (connecting to say it, if need
+  be), and the confirmation exchange raises its error on every rank.  A destination
+  that stops (a sender failed, or a chunk it cannot rebuild) says so on the
+  rendezvous store and closes its connections: a sender waiting for an
+  acknowledgement, or one that connects later, stops handing over.  Every rank then
+  confirms, and the confirmation says why.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from . import _control as control
 from . import _handover as handover
 from . import _serialize as serialize
 from ._chunks import Assembly, Chunks, Unchunkable
-from ._errors import GatherError, GatherTimeout, IntegrityError
+from ._errors import GatherError, GatherTimeout, IntegrityError, RemoteRankError
 from ._progress import Progress, wanted
 from ._routes import confirmed, send_confirmed
 
@@ -49,6 +51,9 @@ WINDOW = 16
 _ACK = b"\x01"
 #: Chunks encoded that wait for the thread that hands them over.
 _QUEUED = 2
+#: Seconds between a sender's checks, while it waits for an acknowledgement, of whether
+#: the destination stopped.
+_CHECK = 0.2
 #: What a chunk is: one of a run, its last one, or a part sent whole after a run broke.
 _KINDS = ("chunk", "last", "whole")
 
@@ -58,14 +63,21 @@ def _bind(call_id: str, rank: int, index: int, kind: str) -> bytes:
 
 
 class _Stopped(Exception):
-    """The destination closed its end: it stopped taking chunks."""
+    """The destination stopped taking chunks."""
+
+
+def _halt_key(call_id: str) -> str:
+    """Where a destination that stopped says so, on the rendezvous store."""
+    return f"chunks/{call_id}/stopped"
 
 
 class _Sender:
-    """This rank's side of one connection to the destination."""
+    """This rank's side of its connection to the destination, made once the first
+    chunk is sealed (so that its message follows the connect at once)."""
 
-    def __init__(self, conn: socket.socket, call: Call, call_id: str, dst: int) -> None:
-        self.conn, self.call, self.call_id, self.dst = conn, call, call_id, dst
+    def __init__(self, call: Call, call_id: str, dst: int) -> None:
+        self.call, self.call_id, self.dst = call, call_id, dst
+        self.conn: socket.socket | None = None
         self.sent = self.acked = 0
 
     def put(self, frame: serialize.Frame, kind: str) -> None:
@@ -78,10 +90,16 @@ class _Sender:
         head["size"] = frame.nbytes
         fd = handover.sealed(frame.seal(None, _bind(self.call_id, rank, index, kind)).segments)
         try:
-            self._io(lambda: socket.send_fds(self.conn, [json.dumps(head).encode()], [fd]))
+            conn = self._connected()
+            self._io(lambda: socket.send_fds(conn, [json.dumps(head).encode()], [fd]))
         finally:
             os.close(fd)
         self.sent += 1
+
+    def _connected(self) -> socket.socket:
+        if self.conn is None:
+            self.conn = handover.connect(self.dst, self.call.deadline)
+        return self.conn
 
     def drain(self) -> None:
         """Wait until the destination took every chunk: closing a connection with
@@ -90,31 +108,85 @@ class _Sender:
             self._ack()
 
     def _ack(self) -> None:
-        if not self._io(lambda: self.conn.recv(len(_ACK))):
-            raise _Stopped
-        self.acked += 1
+        """Take one acknowledgement; check now and then whether the destination stopped
+        (it may never accept this connection)."""
+        deadline = self.call.deadline
+        while True:
+            left = deadline.left()
+            if left <= 0:
+                raise GatherTimeout(
+                    f"{self.call.what}: rank {self.dst} took no chunk of this rank's part "
+                    "within the call's timeout",
+                    ranks=[self.dst],
+                )
+            try:
+                got = self._io(lambda: self._connected().recv(len(_ACK)), min(left, _CHECK))
+            except TimeoutError:
+                if self._halted():
+                    raise _Stopped from None
+                continue
+            if not got:
+                raise _Stopped
+            self.acked += 1
+            return
 
-    def _io(self, run: Any) -> Any:
-        """``run()`` on the connection within the call's deadline."""
-        self.conn.settimeout(max(self.call.deadline.left(), 0.001))
+    def _io(self, run: Any, timeout: float | None = None) -> Any:
+        """``run()`` on the connection, within ``timeout`` (raised as TimeoutError) or
+        else the call's deadline (raised as GatherTimeout)."""
+        conn = self._connected()
+        conn.settimeout(max(self.call.deadline.left() if timeout is None else timeout, 0.001))
         try:
             return run()
         except (BrokenPipeError, ConnectionResetError):
             raise _Stopped from None
         except TimeoutError:
+            if timeout is not None:
+                raise
             raise GatherTimeout(
                 f"{self.call.what}: rank {self.dst} took no chunk of this rank's part within "
                 "the call's timeout",
                 ranks=[self.dst],
             ) from None
+        except OSError as exc:
+            raise handover.unsent(self.dst, exc) from exc
+
+    def _halted(self) -> bool:
+        """Whether the destination said it stopped."""
+        key = _halt_key(self.call_id)
+        left = max(self.call.deadline.left(), 0.001)
+        return bool(control.bounded(lambda: control.store().check([key]), left, self.call.what))
+
+    def stopped(self) -> None:
+        """The destination stopped taking chunks: fine when it said so (the confirmation
+        exchange says why).
+
+        Raises:
+            RemoteRankError: it closed its end without a word: its process ended.
+        """
+        if not self._halted():
+            raise RemoteRankError(
+                self.dst,
+                "its connection closed before it took every chunk: its process ended",
+                context=self.call.what,
+            )
 
     def fail(self) -> None:
         """Tell the destination that this rank stopped (best effort: it may be gone)."""
+        head = {"call": self.call_id, "rank": self.call.rank, "failed": True}
         try:
-            head = {"call": self.call_id, "rank": self.call.rank, "failed": True}
-            self.conn.send(json.dumps(head).encode())
-        except OSError:
+            conn = self._connected()
+            conn.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while conn.recv(len(_ACK)):  # acknowledgements left unread reset the
+                    pass  # connection, and the message with it
+            conn.setblocking(True)
+            conn.send(json.dumps(head).encode())
+        except (OSError, GatherError):
             pass
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
 
 def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
@@ -124,15 +196,12 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
 
     Raises:
         GatherTimeout / GatherError: as ``_handover.hand``; whatever encoding a chunk
-            raises.  A destination that stopped is not an error here (the confirmation
-            exchange says why it stopped).
+            raises.  A destination that stopped and said so is not an error here (the
+            confirmation exchange says why it stopped).
     """
-    with (
-        handover.connect(dst, call.deadline) as conn,
-        ThreadPoolExecutor(1, "gatherstore-chunks") as thread,
-    ):
-        sender = _Sender(conn, call, call_id, dst)
-        queued: list[Future[None]] = []
+    sender = _Sender(call, call_id, dst)
+    queued: list[Future[None]] = []
+    with ThreadPoolExecutor(1, "gatherstore-chunks") as thread:
 
         def put(frame: serialize.Frame, kind: str) -> None:
             queued.append(thread.submit(sender.put, frame, kind))
@@ -145,18 +214,21 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
                 for frame in chunks.rest():
                     put(frame, "last" if chunks.finished else "chunk")
             except Unchunkable:
+                chunks.close()
                 put(serialize.encode(chunks.items), "whole")
             while queued:
                 queued.pop(0).result()
             sender.drain()
         except _Stopped:
-            return
+            sender.stopped()
         except BaseException:
             for waiting in queued:
                 waiting.cancel()
             wait(queued)
             sender.fail()
             raise
+        finally:
+            sender.close()
 
 
 class _Inbox:
@@ -167,7 +239,8 @@ class _Inbox:
         self.listener = handover.listening()
         self.waiting = select.poll()
         self.waiting.register(self.listener.sock, select.POLLIN)
-        self.conns: dict[int, tuple[socket.socket, int]] = {}  # fileno: (conn, rank)
+        #: fileno: (connection, its sender's rank, None until its first message)
+        self.conns: dict[int, tuple[socket.socket, int | None]] = {}
         self.due = dict.fromkeys(senders, 0)  # rank: the next chunk's index
         self.runs: dict[int, Assembly] = {}
         self.done: dict[int, Any] = {}
@@ -199,26 +272,30 @@ class _Inbox:
             for fileno, _ in events:
                 if fileno == listening:
                     conn = self.listener.connection(None)
-                    if conn is not None:
-                        self._take(conn, None)
+                    if conn is not None:  # its first message is read once it is in
+                        self.conns[conn.fileno()] = (conn, None)
+                        self.waiting.register(conn, select.POLLIN)
                 elif fileno in self.conns:
                     self._take(*self.conns[fileno])
         return None if self.stopped else self.done
 
     def _take(self, conn: socket.socket, rank: int | None) -> None:
-        """Take the next message on ``conn`` (from ``rank``; None: a new connection)."""
+        """Take the next message on ``conn`` (from ``rank``; None: its first one)."""
         try:
             head, fds = handover.received(conn)
         except OSError:
             head, fds = b"", []
         found = _header(head)
-        ours = found is not None and found["call"] == self.call_id and found["rank"] in self.due
-        if found is None or not ours or (rank is not None and found["rank"] != rank):
+        if found is None or found["call"] != self.call_id or found["rank"] not in self.due:
             self._close(conn, fds)
             if rank is not None:  # an end without a word: the sender's process ended
                 self.stopped = True
             return
         sender: int = found["rank"]
+        if rank is not None and sender != rank:  # not what its sender would send
+            self._close(conn, fds)
+            self.stopped = True
+            return
         if rank is None and (sender in self.done or self._has(sender)):
             self._close(conn, fds)  # a second connection for one rank: not a sender's
             return
@@ -226,19 +303,15 @@ class _Inbox:
             self.stopped = True
             self._close(conn, fds)
             return
+        self.conns[conn.fileno()] = (conn, sender)
         try:
             self._chunk(sender, found, fds)
-        except BaseException:
-            self._close(conn, [])
-            raise
-        if "chunk" not in found:  # a part handed over whole, by ``_handover.hand``
-            conn.close()
-            return
-        if rank is None:
-            self.conns[conn.fileno()] = (conn, sender)
-            self.waiting.register(conn, select.POLLIN)
-        with contextlib.suppress(OSError):  # the sender is done, or gone: its confirmation
-            conn.send(_ACK)  # says which
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if "chunk" in found:  # not a part whole, by ``_handover.hand``
+            with contextlib.suppress(OSError):  # the sender is gone: its confirmation says so
+                conn.send(_ACK)
         if sender in self.done:
             self._close(conn, [])
 
@@ -246,23 +319,25 @@ class _Inbox:
         return any(r == rank for _, r in self.conns.values())
 
     def _chunk(self, rank: int, found: dict[str, Any], fds: list[int]) -> None:
-        """Verify a chunk of ``rank`` and rebuild it onto its list (``fds`` are closed)."""
+        """Verify a chunk of ``rank`` and rebuild it onto its list (its descriptor is
+        taken out of ``fds``)."""
         what = self.call.what
+        index: Any
+        kind: Any
+        size: Any
         if "chunk" not in found:  # whole, sealed by ``_handover.hand``
             index, kind, size = self.due[rank], "whole", self.plan.sizes[rank]
             bind = handover.binding(self.call_id, rank)
         else:
-            index, kind, size = found["chunk"], found["kind"], found["size"]
-            bind = _bind(self.call_id, rank, index, kind)
-        if len(fds) != 1 or index != self.due[rank] or kind not in _KINDS:
-            for fd in fds:
-                os.close(fd)
+            index, kind, size = found["chunk"], found.get("kind"), found.get("size")
+            bind = _bind(self.call_id, rank, index, str(kind))
+        if len(fds) != 1 or index != self.due[rank] or kind not in _KINDS or type(size) is not int:
             raise IntegrityError(
                 f"{what}: rank {rank} handed over chunk {index} ({kind}) where chunk "
                 f"{self.due[rank]} was due",
                 rank=rank,
             )
-        view = handover.mapped(fds[0], size, rank, what)
+        view = handover.mapped(fds.pop(), size, rank, what)
         verified = serialize.verify(view, bind=bind, rank=rank, where=f"{what}, handed over")
         if kind == "whole":
             self.runs.pop(rank, None)
@@ -282,11 +357,22 @@ class _Inbox:
             self.waiting.unregister(conn)
         conn.close()
 
-    def close(self) -> None:
-        """Close every connection: senders still handing over stop."""
+    def close(self) -> bool:
+        """Close every connection.  When not every part is in, say on the rendezvous
+        store that this rank stopped, first: the senders still handing over stop, also
+        those whose connection was never taken (dropped here).  Returns whether it
+        said so."""
+        stopping = len(self.done) < len(self.due)
+        if stopping:
+            key, left = _halt_key(self.call_id), max(self.call.deadline.left(), 0.001)
+            with contextlib.suppress(GatherError):
+                control.bounded(lambda: control.store().set(key, b"1"), left, self.call.what)
         for conn, _ in list(self.conns.values()):
             self._close(conn, [])
+        if stopping:
+            self.listener.drop()
         self.progress.close()
+        return stopping
 
 
 def _header(head: bytes) -> dict[str, Any] | None:
@@ -324,25 +410,30 @@ class ChunkedRoute(handover.HandoverRoute):
             send_confirmed(call, send, lambda sent: None)
             call.finish()
             return None
-        senders = [r for r in range(call.world) if r != dst]
+        inbox = _Inbox(call, plan, call_id, [r for r in range(call.world) if r != dst])
+        halted = False
+
+        def read() -> dict[int, Any] | None:
+            nonlocal halted
+            try:
+                return inbox.run()
+            finally:
+                halted = inbox.close()
+
         try:
-            got = confirmed(call, lambda: _receive(call, plan, call_id, senders), call.what)
+            got = confirmed(call, read, call.what)
         finally:
+            if halted:  # every sender is past its last look at the key
+                _forget(call, call_id)
             call.finish()
         if got is None:  # a sender stopped, yet no rank reported a failure
             raise GatherError(f"{call.what}: a rank stopped handing over its part")
         return iter([plan.own if r == dst else got[r] for r in range(call.world)])
 
 
-def _receive(call: Call, plan: Plan, call_id: str, senders: list[int]) -> dict[int, Any] | None:
-    """Every sender's object, rebuilt chunk by chunk as the chunks come (see ``_Inbox``);
-    None when a sender stopped.
-
-    Raises:
-        GatherTimeout / IntegrityError / GatherError: see ``_Inbox.run``.
-    """
-    inbox = _Inbox(call, plan, call_id, senders)
-    try:
-        return inbox.run()
-    finally:
-        inbox.close()
+def _forget(call: Call, call_id: str) -> None:
+    """Delete the key that said the destination stopped (best effort: a key left goes
+    with the job)."""
+    key = _halt_key(call_id)
+    with contextlib.suppress(GatherError):
+        control.bounded(lambda: control.store().delete_key(key), 5.0, call.what)

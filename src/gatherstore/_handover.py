@@ -78,6 +78,7 @@ __all__ = [
     "sealed",
     "suits",
     "token",
+    "unsent",
 ]
 
 #: Whether parts can be handed over here: Linux's sealed memfds and descriptor passing.
@@ -128,8 +129,8 @@ class _Listener:
         return None
 
     def connection(self, until: Deadline | None) -> socket.socket | None:
-        """The next connection from a process of this user, blocking with a short timeout
-        (a sender writes its first header with its connect); None as ``accept``.
+        """The next connection from a process of this user (a sender connects once its
+        first message is ready: reading it blocks for 1 s at most); None as ``accept``.
 
         Raises:
             GatherError: as ``accept``.
@@ -363,16 +364,21 @@ def _sent(reader: int, run: Callable[[], Any]) -> None:
             f"rank {reader} took no part within the call's timeout", ranks=[reader]
         ) from None
     except OSError as exc:
-        if exc.errno == errno.ETOOMANYREFS:
-            raise GatherError(
-                f"could not hand this rank's part to rank {reader}: this user has more "
-                "descriptors in flight than its limit of open files allows: raise it "
-                "(ulimit -n) or set GATHERSTORE_HANDOVER=0"
-            ) from exc
-        raise GatherError(
-            f"could not hand this rank's part to rank {reader} ({exc}): its process "
-            "ended, or it left the job"
-        ) from exc
+        raise unsent(reader, exc) from exc
+
+
+def unsent(reader: int, exc: OSError) -> GatherError:
+    """The error of a connect or send to ``reader`` that failed with ``exc``."""
+    if exc.errno == errno.ETOOMANYREFS:
+        return GatherError(
+            f"could not hand this rank's part to rank {reader}: this user has more "
+            "descriptors in flight than its limit of open files allows: raise it "
+            "(ulimit -n) or set GATHERSTORE_HANDOVER=0"
+        )
+    return GatherError(
+        f"could not hand this rank's part to rank {reader} ({exc}): its process "
+        "ended, or it left the job"
+    )
 
 
 def take(call_id: str, ranks: Sequence[int], deadline: Deadline, what: str) -> dict[int, int]:

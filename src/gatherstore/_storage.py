@@ -72,6 +72,8 @@ class Spans:
         self.spans: list[_Span] = []
         self.keep: list[Any] = []  # what keeps the spans' memory alive until written
         self.storages: dict[tuple[int, int], torch.Tensor] = {}  # CUDA key -> storage bytes
+        #: The merged spans (key, start, end), in order, once ``regions`` ran.
+        self.extents: list[tuple[Any, int, int]] = []
 
     def _add(self, key: Any, start: int, end: int, owner: Any) -> SpanRef:
         self.spans.append(_Span(key, start, end))
@@ -127,6 +129,7 @@ class Spans:
             else:
                 merged.append((span.key, span.start, span.end))
             out.table[i] = (len(merged) - 1, span.start - merged[-1][1])
+        self.extents = merged
         on_device = sum(end - start for key, start, end in merged if key is not None)
         host = np.empty(on_device, np.uint8)  # one buffer for every CUDA region of the part
         copies, used = [], 0
