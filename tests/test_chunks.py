@@ -14,6 +14,13 @@ from gatherstore import _chunks as chunks
 from gatherstore import _serialize as serialize
 
 
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 1 MiB, and lists from 4 MiB: lists of a few MB span many chunks."""
+    monkeypatch.setattr(chunks, "CHUNK", 1 << 20)
+    monkeypatch.setattr(chunks, "MIN_PART", 4 << 20)
+
+
 def _sealed(frame: serialize.Frame) -> bytearray:
     out = bytearray(frame.nbytes)
     frame.seal(None).copy_into(memoryview(out))
@@ -52,7 +59,7 @@ class Box:
 
 
 def test_records_come_back_whole_and_in_order_from_many_chunks() -> None:
-    items = _detections(30000)  # 84 MB
+    items = _detections(4000)  # 11 MB
     frames = _encoded(items)
     assert len(frames) > 8
     got = _rebuilt(frames)
@@ -89,14 +96,14 @@ def test_dataclass_records_in_chunks() -> None:
 
 
 def test_a_record_packed_in_one_chunk_and_met_in_a_later_one_breaks_the_run() -> None:
-    items: list[Any] = [{"id": i, "x": np.full(4000, i, np.float32)} for i in range(20000)]
-    items[15000] = {"other": [items[10000]]}
+    items: list[Any] = [{"id": i, "x": np.full(4000, i, np.float32)} for i in range(2000)]
+    items[1500] = {"other": [items[1000]]}
     run = chunks.Chunks.first(items)
     assert run is not None
     with pytest.raises(chunks.Unchunkable):
         list(run.rest())
     got = serialize.decode(_sealed(serialize.encode(items)))  # what the sender sends instead
-    assert got[15000]["other"][0] is got[10000]
+    assert got[1500]["other"][0] is got[1000]
 
 
 @pytest.mark.parametrize(
@@ -114,15 +121,15 @@ def test_what_is_not_worth_chunks_goes_whole(items: Any) -> None:
 def test_records_that_share_an_array_go_whole() -> None:
     """Packing would rebuild the shared array once per chunk: the list goes whole."""
     shared = np.arange(4000.0)
-    items = [{"id": i, "x": np.full(4000, i, np.float32), "w": shared} for i in range(20000)]
+    items = [{"id": i, "x": np.full(4000, i, np.float32), "w": shared} for i in range(2000)]
     assert chunks.Chunks.first(items) is None
     got = serialize.decode(_sealed(serialize.encode(items)))
     assert got[0]["w"] is got[-1]["w"]
 
 
 def test_a_list_inside_its_own_item_breaks_the_run() -> None:
-    items: list[Any] = [{"id": i, "x": np.full(4000, i, np.float32)} for i in range(20000)]
-    items[19000] = {"up": items}
+    items: list[Any] = [{"id": i, "x": np.full(4000, i, np.float32)} for i in range(2000)]
+    items[1900] = {"up": items}
     run = chunks.Chunks.first(items)
     assert run is not None
     with pytest.raises(chunks.Unchunkable):
@@ -133,7 +140,7 @@ def test_views_of_one_storage_in_two_chunks_break_the_run() -> None:
     """Sent in chunks, memory two chunks share would go once per chunk, and come back as
     two buffers: the list goes whole, and its views share one storage again."""
     big = torch.arange(1 << 18, dtype=torch.float32)
-    items = [{"id": i, "w": big[:], "x": torch.full((4000,), float(i))} for i in range(4000)]
+    items = [{"id": i, "w": big[:], "x": torch.full((4000,), float(i))} for i in range(2000)]
     run = chunks.Chunks.first(items)
     assert run is not None
     with pytest.raises(chunks.Unchunkable):
@@ -143,17 +150,17 @@ def test_views_of_one_storage_in_two_chunks_break_the_run() -> None:
 
 
 def test_rows_of_one_batch_split_at_a_chunks_edge_stay_in_their_chunk() -> None:
-    batch = torch.arange(10000 * 1024, dtype=torch.float32).view(10000, 1024)  # 41 MB
-    items = [{"id": i, "row": batch[i]} for i in range(10000)]
+    batch = torch.arange(2000 * 1024, dtype=torch.float32).view(2000, 1024)  # 8 MB
+    items = [{"id": i, "row": batch[i]} for i in range(2000)]
     got = _rebuilt(_encoded(items))
     assert all(torch.equal(item["row"], batch[i]) for i, item in enumerate(got))
 
 
 def test_a_record_held_elsewhere_in_a_later_chunk_breaks_the_run() -> None:
-    items = [{"id": i, "x": np.full(400, i, np.float32)} for i in range(200000)]
-    kept = items[150000]  # the caller still holds it: packing it would rebuild it twice
+    items = [{"id": i, "x": np.full(400, i, np.float32)} for i in range(20000)]
+    kept = items[15000]  # the caller still holds it: packing it would rebuild it twice
     run = chunks.Chunks.first(items)
     assert run is not None
     with pytest.raises(chunks.Unchunkable):
         list(run.rest())
-    assert kept["id"] == 150000
+    assert kept["id"] == 15000

@@ -4,16 +4,14 @@ of a few MB span many of them."""
 
 from __future__ import annotations
 
-import io
-import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from test_handover import _areas, _logged
 
 import gatherstore as gs
 from gatherstore import _handover as handover
@@ -55,21 +53,10 @@ def _same(got: list[dict[str, Any]], rank: int) -> bool:
 
 def _routes(run: Any) -> tuple[Any, list[str]]:
     """``run()``'s result and the routes of the calls it made (their DEBUG lines)."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    logger = logging.getLogger("gatherstore")
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        out = run()
-    finally:
-        logger.removeHandler(handler)
-    lines = stream.getvalue().splitlines()
-    return out, [line.split(": route ")[1].split(", ")[0] for line in lines if ": route " in line]
-
-
-def _areas() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("gatherstore-*")}
+    out, log = _logged(run)
+    return out, [
+        line.split(": route ")[1].split(", ")[0] for line in log.splitlines() if ": route " in line
+    ]
 
 
 def _gathers() -> dict[str, Any]:
@@ -88,10 +75,8 @@ def _gathers() -> dict[str, Any]:
         out["after"] = gs.all_gather_object(rank, timeout=60)
         return out
 
-    out, routes = _routes(run)
-    out["routes"] = routes
-    out["new_areas"] = sorted(_areas() - areas)
-    return out
+    out, out_routes = _routes(run)
+    return {**out, "routes": out_routes, "new_areas": sorted(_areas() - areas)}
 
 
 @pytest.mark.timeout(180)
@@ -164,7 +149,7 @@ def test_a_sender_that_fails_in_a_late_chunk_fails_the_call_on_every_rank() -> N
         assert out["error"] == "RemoteRankError" and out["rank"] == 1, out
         assert "2900" in out["message"], out
     assert dst["after"] and not sender["after"]  # the next gather works
-    assert [out["fds"] for out in (dst, sender, other)] == [0, 0, 0]  # no descriptor left
+    assert all(out["fds"] <= 0 for out in (dst, sender, other))  # no descriptor left
 
 
 @pytest.mark.timeout(180)
@@ -177,7 +162,7 @@ def test_a_chunk_the_destination_cannot_rebuild_stops_the_senders() -> None:
     for out in senders:
         assert out["error"] == "RemoteRankError" and out["rank"] == 0, out
     assert dst["after"]
-    assert [out["fds"] for out in (dst, *senders)] == [0, 0, 0]
+    assert all(out["fds"] <= 0 for out in (dst, *senders))
 
 
 @pytest.mark.timeout(180)
@@ -189,7 +174,7 @@ def test_a_sender_that_connects_after_the_destination_stopped_stops_too() -> Non
     for out in senders:
         assert out["error"] == "RemoteRankError" and out["rank"] == 0, out
         assert out["seconds"] < 30  # not the call's timeout of 60 s
-    assert [out["fds"] for out in (dst, *senders)] == [0, 0, 0]
+    assert all(out["fds"] <= 0 for out in (dst, *senders))
 
 
 def _one_rank_without_handover() -> dict[str, Any]:

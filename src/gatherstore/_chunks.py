@@ -138,7 +138,8 @@ class Chunks:
         stream.seek(0)
         stream.truncate()
         self._buffers.clear()
-        frame = serialize.framed(pickled, sizing.rebuilt_size(piece))
+        # what rebuilding allocates: estimated from the first chunk only (see ``first``)
+        frame = serialize.framed(pickled, 0 if self.done else sizing.rebuilt_size(piece))
         self._claim(pickler.spans.extents)
         self.done += count
         self._written += frame.nbytes

@@ -9,7 +9,7 @@
 | ``GATHERSTORE_STREAM_CHUNK`` | 16MiB | bytes per message of the ``stream`` route |
 | ``GATHERSTORE_TMPDIR`` | /dev/shm, else the temp dir | the base folder of ``tmpdir`` |
 | ``GATHERSTORE_HANDOVER`` | 1 | ``0``: ``tmpdir`` in RAM moves parts as files, not sealed memfds |
-| ``GATHERSTORE_PART_CHUNK`` | 8MiB | a gather's long list handed over in chunks of this; 0: whole |
+| ``GATHERSTORE_PART_CHUNK`` | 16MiB | bytes per chunk of a long list handed over; 0: whole parts |
 | ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
 | ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
 | ``GATHERSTORE_PINNED`` | 128MiB | pinned memory per process for CUDA tensors, kept to shutdown |
@@ -131,7 +131,7 @@ AUTO_THRESHOLD = _size_setting("GATHERSTORE_AUTO_THRESHOLD", "128KiB", at_least=
 #: Bytes per point-to-point message of the ``stream`` route.
 STREAM_CHUNK = _size_setting("GATHERSTORE_STREAM_CHUNK", "16MiB")
 #: Bytes a chunk of a part handed over aims at (0: parts go whole; see ``_chunks``).
-PART_CHUNK = _size_setting("GATHERSTORE_PART_CHUNK", "8MiB", at_least=0)
+PART_CHUNK = _size_setting("GATHERSTORE_PART_CHUNK", "16MiB", at_least=0)
 #: Bytes of pinned host memory a process stages CUDA tensors through, in two halves
 #: (allocated at the first gather of a CUDA tensor, released at ``gs.shutdown()``).
 PINNED = _size_setting("GATHERSTORE_PINNED", "128MiB", at_least=2)
