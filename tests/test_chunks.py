@@ -27,17 +27,17 @@ def _sealed(frame: serialize.Frame) -> bytearray:
     return out
 
 
-def _encoded(items: list[Any]) -> list[serialize.Frame]:
+def _encoded(items: list[Any] | dict[Any, Any]) -> list[serialize.Frame]:
     run = chunks.Chunks.first(items)
     assert run is not None, "the list is not sent in chunks"
     return [run.head, *run.rest()]
 
 
-def _rebuilt(frames: list[serialize.Frame]) -> list[Any]:
+def _rebuilt(frames: list[serialize.Frame]) -> Any:
     assembly = chunks.Assembly()
     for frame in frames:
         assembly.add(serialize.verify(_sealed(frame)))
-    return assembly.items
+    return assembly.value
 
 
 def _detections(count: int) -> list[dict[str, Any]]:
@@ -50,6 +50,18 @@ def _detections(count: int) -> list[dict[str, Any]]:
         {"image_id": i, "boxes": boxes[i], "scores": scores[i], "labels": labels[i], "name": f"{i}"}
         for i in range(count)
     ]
+
+
+def test_records_keyed_by_id_come_back_as_one_dict_in_order() -> None:
+    meta = {"classes": ["cat", "dog"]}
+    items = {f"img-{i}": dict(record, meta=meta) for i, record in enumerate(_detections(4000))}
+    frames = _encoded(items)
+    assert len(frames) > 8
+    got = _rebuilt(frames)
+    assert type(got) is dict and list(got) == list(items)
+    for key, theirs in items.items():
+        assert np.array_equal(got[key]["boxes"], theirs["boxes"]), key
+    assert all(record["meta"] is got["img-0"]["meta"] for record in got.values())
 
 
 @dataclass

@@ -72,6 +72,11 @@ def _gathers() -> dict[str, Any]:
         got = gs.gather_object(mine, dst=2, store="tmpdir", timeout=60)
         if got is not None:
             out["to 2"] = got[1] == {"small": 1} and _same(got[0], 0) and _same(got[2], 2)
+        keyed = {record["image_id"]: record for record in _records(rank)}  # a dict by id
+        got = gs.gather_object(keyed, store="tmpdir", timeout=60)
+        out["keyed"] = got is not None and all(
+            type(got[r]) is dict and _same(list(got[r].values()), r) for r in range(world)
+        )
         out["after"] = gs.all_gather_object(rank, timeout=60)
         return out
 
@@ -82,10 +87,10 @@ def _gathers() -> dict[str, Any]:
 @pytest.mark.timeout(180)
 def test_long_lists_are_handed_over_in_chunks_and_rebuilt_whole() -> None:
     results = gs.launch(_gathers, nproc_per_node=3, backend="gloo", timeout=120)
-    assert results[0]["to 0"] and results[2]["to 2"], results
+    assert results[0]["to 0"] and results[2]["to 2"] and results[0]["keyed"], results
     for out in results:
         assert out["after"] == [0, 1, 2]
-        assert out["routes"][:2] == ["tmpdir (handed over) in chunks"] * 2, out["routes"]
+        assert out["routes"][:3] == ["tmpdir (handed over) in chunks"] * 3, out["routes"]
         assert out["new_areas"] == []  # nothing went through files
 
 

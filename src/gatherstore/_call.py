@@ -90,7 +90,7 @@ class Call:
         others a summary (O(W) bytes in all for a gather, not W²).  ``copy_own``: the
         plan holds a copy of this rank's object (see ``own_copies``).  ``inline``: with
         ``"auto"``, a small part rides on the status exchange (see ``InlineRoute``).
-        ``chunk``: a long list may be sent in chunks (see ``_chunks``) when the parts
+        ``chunk``: a long list or dict may be sent in chunks (see ``_chunks``) when the parts
         are handed over; should the plan settle on another route (or find the sizes
         estimated from first chunks too large for memory), every rank agrees again, on
         parts encoded whole.

@@ -1,8 +1,9 @@
-"""A long list encoded in chunks: frames that rebuild it in order.
+"""A long list (or dict) encoded in chunks: frames that rebuild it in order.
 
 A gather's destination need not wait for a sender's whole part before it decodes:
-a sender whose object is a long list encodes it as a run of chunks, each a frame
-of its own (a slice of the list, its records packed, its regions, its digest), and
+a sender whose object is a long list, or a long dict (records keyed by id), encodes
+it as a run of chunks, each a frame of its own (a slice of the list or of the dict's
+items, its records packed, its regions, its digest), and
 hands each over as soon as it is encoded (see ``gatherstore._handover``), while the
 destination rebuilds the chunks already in.
 
@@ -18,7 +19,7 @@ whole:
 - memory that two chunks' arrays or tensors share (views of one storage, which a
   whole part sends once and rebuilds as views of one buffer); views of one batch
   that only touch at a chunk's edge come back as views of each chunk's buffer;
-- the list itself inside an item, or an item that plain pickle cannot write.
+- the list (or dict) itself inside an item, or an item that plain pickle cannot write.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ class Unchunkable(Exception):
 
 
 class Chunks:
-    """One list's chunks, encoded one after another (see the module's docstring)."""
+    """One list's (or dict's) chunks, encoded one after another (see the module's
+    docstring): slices of the list, or dicts of consecutive items of the dict."""
 
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, items: list[Any] | dict[Any, Any]) -> None:
         self.items = items
+        # a dict's keys in order (an iterator over its items would hold its last value,
+        # which packing would then count as held elsewhere)
+        self._keys = list(items) if type(items) is dict else None
         self.done = 0
         self._written = 0  # bytes of the chunks encoded so far
         self._stream = io.BytesIO()
@@ -75,9 +80,9 @@ class Chunks:
 
     @classmethod
     def first(cls, obj: Any) -> Chunks | None:
-        """``obj``'s chunks, the first one encoded, when it is a list worth sending in
-        chunks; None when it is not (the caller encodes it whole)."""
-        if type(obj) is not list or not CHUNK:
+        """``obj``'s chunks, the first one encoded, when it is a list or dict worth sending
+        in chunks; None when it is not (the caller encodes it whole)."""
+        if type(obj) not in (list, dict) or not CHUNK:
             return None
         count = max(records.MIN_RUN, math.ceil(len(obj) / _FIRST))
         if len(obj) < 2 * count:
@@ -120,8 +125,12 @@ class Chunks:
         Raises:
             Unchunkable: see the module's docstring.
         """
-        piece = self.items[self.done : self.done + count]
-        packed = records.pack(piece, held=2)  # the slice, and the list
+        piece: Any
+        if self._keys is None:
+            piece = self.items[self.done : self.done + count]
+        else:
+            piece = {key: self.items[key] for key in self._keys[self.done : self.done + count]}
+        packed = records.pack(piece, held=2)  # the slice, and the whole
         if packed.twice or any(obj is not piece for obj in packed.shared):
             raise Unchunkable("records or arrays that packing replaces are held elsewhere too")
         pickler, stream = self._pickler, self._stream
@@ -190,10 +199,10 @@ class _Buffers:
 
 
 class Assembly:
-    """A list rebuilt from its chunks, added in order as each is verified."""
+    """A list (or dict) rebuilt from its chunks, added in order as each is verified."""
 
     def __init__(self) -> None:
-        self.items: list[Any] = []
+        self.value: Any = None
         self._input = _Input()
         self._buffers = _Buffers()
         self._regions: serialize.Regions | None = None
@@ -215,4 +224,10 @@ class Assembly:
             self._unpickler = serialize.Unpickler(self._regions, self._input, self._buffers)
         else:
             self._regions.use(verified)
-        self.items.extend(self._unpickler.load())
+        piece = self._unpickler.load()
+        if self.value is None:
+            self.value = piece
+        elif type(self.value) is dict:
+            self.value.update(piece)
+        else:
+            self.value.extend(piece)

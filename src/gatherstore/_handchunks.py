@@ -1,10 +1,10 @@
 """A gather's parts handed over in chunks: the destination rebuilds while the senders encode.
 
 With ``tmpdir`` handed over in RAM (see ``gatherstore._handover``), a sender whose
-object is a long list (see ``gatherstore._chunks``) opens one connection to the
+object is a long list or dict (see ``gatherstore._chunks``) opens one connection to the
 destination and hands each chunk over as a sealed memfd as soon as it is encoded.
 The destination takes the chunks of every sender as they come, verifies each and
-rebuilds it onto that sender's list; then every rank confirms.
+rebuilds it onto that sender's list or dict; then every rank confirms.
 
 - Each chunk is sealed with its call, its rank, its place in the run, and whether
   it is the last one, or a whole part (a sender whose run broke sends its object
@@ -345,7 +345,7 @@ class _Inbox:
         else:
             self.runs.setdefault(rank, Assembly()).add(verified)
             if kind == "last":
-                self.done[rank] = self.runs.pop(rank).items
+                self.done[rank] = self.runs.pop(rank).value
         self.due[rank] += 1
         self.progress.update(size, parts=int(rank in self.done))
 

@@ -21,7 +21,7 @@ pages, writable (copied on write), and a part several readers hold
   over every part waits on its reader's socket.  A call that fails closes what was
   handed over for it; a part sent too late is closed before the reader's next call
   that may hand parts over agrees on its plan (or at ``gs.shutdown``).
-- A gather's long list goes in chunks, each a sealed memfd of its own, so that the
+- A gather's long list or dict goes in chunks, each a sealed memfd of its own, so that the
   reader rebuilds while the sender still encodes (see ``gatherstore._handchunks``).
 - ``GATHERSTORE_HANDOVER=0`` turns it off: parts are then files in the job's folder.
 """

@@ -399,7 +399,7 @@ class _Packer:
     once), the containers being searched, and what was replaced (see ``_Screen``)."""
 
     def __init__(self, held: int) -> None:
-        self.held = held  # the references packing knows of to the top list's items
+        self.held = held  # the references packing knows of to the top container's items
         self.done: dict[int, Any] = {}
         self.open: set[int] = set()
         self.screen = _Screen()
@@ -427,13 +427,14 @@ class _Packer:
 
     def _packed(self, obj: Any, depth: int) -> Any:
         kind = type(obj)
+        held = self.held if depth == 0 else 1  # the references to the container's items
         if kind is list and len(obj) >= MIN_RUN:
-            packed = _pack_list(obj, 1 if depth else self.held, self.screen)
+            packed = _pack_list(obj, held, self.screen)
             if packed is not obj:
                 return packed
         if kind is dict and len(obj) >= _SCAN_LEN:
             values = list(obj.values())
-            packed = _pack_list(values, 2, self.screen)  # the dict and ``values``
+            packed = _pack_list(values, held + 1, self.screen)  # and ``values``
             if packed is not values:
                 return _Keyed(list(obj), packed)
         if depth >= _SCAN_DEPTH or len(obj) >= _SCAN_LEN:
@@ -451,8 +452,8 @@ def pack(obj: Any, held: int = 1) -> Packed:
 
     Only exact ``list``/``tuple``/``dict`` containers are searched (short ones,
     a few levels deep); nothing else is touched.  ``held``: the references packing may
-    take for granted to the items of ``obj`` when it is a list (2 for a slice of a list:
-    the slice and the list).
+    take for granted to the items of ``obj`` when it is a list or a dict (2 for a slice
+    of one: the slice and the whole).
     """
     _plain_fields.cache_clear()  # a class may have gained a pickling hook since the last
     packer = _Packer(held)
