@@ -68,7 +68,6 @@ class Chunks:
         self._stream = io.BytesIO()
         self._buffers: list[memoryview] = []
         self._pickler = serialize.pickler(self._stream, 0, self._buffers)
-        self._guards = [items]  # an item that holds the list itself: rebuilt twice
         #: Memory the chunks so far sent, by storage key: sorted, disjoint (start, end).
         self._sent: dict[Any, list[tuple[int, int]]] = {}
 
@@ -136,10 +135,10 @@ class Chunks:
         pickler, stream = self._pickler, self._stream
         pickler.columns, pickler.spans = [], storage.Spans()
         try:
-            serialize.guard(pickler, self._guards, stream)
-            self._guards = []
+            if not self.done:  # an item that holds the list itself would be rebuilt twice
+                serialize.guard(pickler, [self.items], stream)
             pickler.dump(packed.value)
-        except (serialize.Split, pickle.PicklingError, TypeError, AttributeError) as exc:
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise Unchunkable(str(exc)) from exc
         pickled = serialize.Pickled(
             stream.getvalue(), list(self._buffers), pickler.columns, pickler.spans, 0

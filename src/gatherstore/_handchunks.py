@@ -114,11 +114,7 @@ class _Sender:
         while True:
             left = deadline.left()
             if left <= 0:
-                raise GatherTimeout(
-                    f"{self.call.what}: rank {self.dst} took no chunk of this rank's part "
-                    "within the call's timeout",
-                    ranks=[self.dst],
-                )
+                raise self._late()
             try:
                 got = self._io(lambda: self._connected().recv(len(_ACK)), min(left, _CHECK))
             except TimeoutError:
@@ -142,13 +138,16 @@ class _Sender:
         except TimeoutError:
             if timeout is not None:
                 raise
-            raise GatherTimeout(
-                f"{self.call.what}: rank {self.dst} took no chunk of this rank's part within "
-                "the call's timeout",
-                ranks=[self.dst],
-            ) from None
+            raise self._late() from None
         except OSError as exc:
             raise handover.unsent(self.dst, exc) from exc
+
+    def _late(self) -> GatherTimeout:
+        return GatherTimeout(
+            f"{self.call.what}: rank {self.dst} took no chunk of this rank's part within "
+            "the call's timeout",
+            ranks=[self.dst],
+        )
 
     def _halted(self) -> bool:
         """Whether the destination said it stopped."""

@@ -49,7 +49,6 @@ __all__ = [
     "Frame",
     "Pickled",
     "Regions",
-    "Split",
     "Unpickler",
     "Verified",
     "decode",
@@ -224,7 +223,7 @@ _TOO_LARGE = "memo id too large"
 _SLOT = pickle.NONE + pickle.MEMOIZE + pickle.POP
 
 
-class Split(Exception):
+class _Split(Exception):
     """The pickler met, outside its batch, an object that packing replaced."""
 
 
@@ -249,23 +248,15 @@ def pickler(stream: io.BytesIO, flags: int, buffers: list[memoryview]) -> _Pickl
 
 
 def guard(pickler: _Pickler | _CloudPickler, guarded: list[Any], stream: io.BytesIO) -> None:
-    """Add ``guarded`` to ``pickler``'s memo under ids it refuses to write (see ``_GUARD``),
-    and to ``stream`` the memo slots that keep the unpickler's ids in step.
-
-    Raises:
-        Split: the pickler already wrote one of ``guarded`` (an earlier chunk of the
-            same pickler, see ``_chunks``).
-    """
+    """Give a ``pickler`` that has written nothing yet a memo of ``guarded`` under ids it
+    refuses to write (see ``_GUARD``), and ``stream`` the memo slots that keep the
+    unpickler's ids in step."""
     if not guarded:
         return
     collecting = gc.isenabled()
     gc.disable()  # a tuple per guard: no collection of the whole heap for them
     try:
-        memo = pickler.memo.copy()
-        if any(id(obj) in memo for obj in guarded):
-            raise Split
-        memo.update((id(obj), (_GUARD + i, obj)) for i, obj in enumerate(guarded))
-        pickler.memo = memo
+        pickler.memo = {id(obj): (_GUARD + i, obj) for i, obj in enumerate(guarded)}
     finally:
         if collecting:
             gc.enable()
@@ -277,7 +268,7 @@ def _dump(value: Any, flags: int, guarded: list[Any] | None = None) -> Pickled |
     cannot pickle it.
 
     Raises:
-        Split: the pickler met one of ``guarded`` (objects packing replaced, see
+        _Split: the pickler met one of ``guarded`` (objects packing replaced, see
             ``_records.Packed``): it would be rebuilt twice, no longer one object.
     """
     stream = io.BytesIO()
@@ -288,7 +279,7 @@ def _dump(value: Any, flags: int, guarded: list[Any] | None = None) -> Pickled |
         pickling.dump(value)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         if guarded and _TOO_LARGE in str(exc):
-            raise Split from exc
+            raise _Split from exc
         if flags:
             raise
         return None
@@ -304,7 +295,7 @@ def _pickle(obj: Any) -> Pickled:
     if not plain:
         try:
             done = _dump(packed.value, 0, packed.shared)
-        except Split:
+        except _Split:
             plain = True
     if plain:
         done = _dump(obj, 0)
