@@ -227,8 +227,8 @@ def test_a_handed_over_part_cannot_change(tmp_path: Path) -> None:
     _one_rank_group(tmp_path)
     try:
         assert handover.token(30)  # listening, and named on the rendezvous store
-        frame = serialize.encode({"x": torch.arange(1000)}).seal(None, b"bind")
-        handover.hand(frame.segments, [0], "call-1", Deadline.start(30))
+        frame = serialize.encode({"x": torch.arange(1000)})
+        handover.hand(frame, b"bind", [0], "call-1", Deadline.start(30))
         fds = handover.take("call-1", [0], Deadline.start(30), "test")
         fd = fds[0]
         with pytest.raises(PermissionError):
@@ -268,8 +268,8 @@ def test_late_parts_are_dropped_and_a_new_group_listens_anew(tmp_path: Path) -> 
     _one_rank_group(tmp_path)
     try:
         handover.token(30)
-        frame = serialize.encode("late").seal(None, b"")
-        handover.hand(frame.segments, [0], "call-3", Deadline.start(30))
+        frame = serialize.encode("late")
+        handover.hand(frame, b"", [0], "call-3", Deadline.start(30))
         handover.token(30)  # the next call: nothing of it can be there yet
         with pytest.raises(gs.GatherTimeout, match=r"ranks \[0\] were never handed over"):
             handover.take("call-3", [0], Deadline.start(0.2), "gather_object")
@@ -302,8 +302,8 @@ def test_descriptors_past_1024_are_fine(tmp_path: Path) -> None:
     try:
         assert handover.token(30)
         assert handover._listener is not None and handover._listener.sock.fileno() >= 1024
-        frame = serialize.encode({"x": torch.arange(10)}).seal(None, b"")
-        handover.hand(frame.segments, [0], "call-9", Deadline.start(30))
+        frame = serialize.encode({"x": torch.arange(10)})
+        handover.hand(frame, b"", [0], "call-9", Deadline.start(30))
         fds = handover.take("call-9", [0], Deadline.start(30), "test")
         assert fcntl.fcntl(fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # never inherited
         view = handover.mapped(fds[0], frame.nbytes, 0, "test")
@@ -341,8 +341,8 @@ def test_a_part_from_another_user_is_refused(
         if python is None:
             pytest.skip("no system python3 for another user to run")
         other_user.run(python, "-c", _INTRUDER, name.hex())
-        frame = serialize.encode("mine").seal(None, b"")
-        handover.hand(frame.segments, [0], "call-7", Deadline.start(30))
+        frame = serialize.encode("mine")
+        handover.hand(frame, b"", [0], "call-7", Deadline.start(30))
         with caplog.at_level(logging.WARNING, logger="gatherstore"):
             fds = handover.take("call-7", [0], Deadline.start(30), "test")
         view = handover.mapped(fds[0], frame.nbytes, 0, "test")

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from fsspec_raw import FsspecRaw
 
+from gatherstore.stores import _fileio as fileio
 from gatherstore.stores.base import Store
 from gatherstore.stores.file import FileStore
 from gatherstore.stores.fsspec import FsspecStore
@@ -105,3 +110,45 @@ def test_a_store_that_skips_the_base_init_is_told_how_to_fix_it(tmp_path: Path) 
         Forgetful(tmp_path).sign_parts  # noqa: B018
     with pytest.raises(AttributeError):  # any other missing attribute stays an AttributeError
         Forgetful(tmp_path).nonexistent  # noqa: B018
+
+
+def test_vectored_writes_cut_short_resume_where_they_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pipe read slowly, with a timer's signal interrupting the writer, cuts ``writev``
+    short mid-buffer: ``write_all`` resumes there, and strided arrays go as their values."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (200, 3000), dtype=np.uint8)
+    buffers = [memoryview(base[0].tobytes()), *base[1:100], *base[100:, ::2]]
+    expected = b"".join(np.ascontiguousarray(b).tobytes() for b in buffers)
+    short = []
+    writev = os.writev
+
+    def counted(fd: int, batch: list[Any]) -> int:
+        written = writev(fd, batch)
+        short.append(written < sum(memoryview(np.ascontiguousarray(b)).nbytes for b in batch))
+        return written
+
+    monkeypatch.setattr(os, "writev", counted)
+    read, write = os.pipe()
+    got = bytearray()
+
+    def reader() -> None:
+        while chunk := os.read(read, 4096):
+            got.extend(chunk)
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+    try:
+        fileio.write_all(write, buffers)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.close(write)
+        thread.join(timeout=30)
+        os.close(read)
+    assert bytes(got) == expected
+    assert any(short), "no write was cut short: the test did not exercise resuming"

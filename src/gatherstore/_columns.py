@@ -17,6 +17,7 @@ travels as one column (see :mod:`gatherstore._records`):
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Callable
 from itertools import repeat
@@ -38,20 +39,38 @@ VIEW_VALUE = 4 << 10
 #: Values of a column looked at to choose how it travels.
 _SAMPLE = 16
 # a column's looks at its values are passes in C (map), not Python loops over thousands
-_dtype, _ndim = operator.attrgetter("dtype"), operator.attrgetter("ndim")
+_dtype, _shape = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 Kind = tuple[Any, ...]
 
 
 class Column:
-    """An out-of-band region made of segments written back to back."""
+    """An out-of-band region: the bytes of ``pieces`` back to back, ``nbytes`` of them.
 
-    __slots__ = ("nbytes", "segments")
+    A column of small numpy arrays keeps the arrays themselves as its pieces, not yet
+    joined: a part written into a file takes their bytes straight from them (see
+    ``_serialize.Frame.seal_into``), one copy instead of two; anything else asks for
+    :attr:`segments`, which joins them once.
+    """
 
-    def __init__(self, segments: list[memoryview]) -> None:
-        self.segments = segments
-        self.nbytes = sum(s.nbytes for s in segments)
+    __slots__ = ("nbytes", "pieces")
+
+    def __init__(self, pieces: list[Any], nbytes: int | None = None) -> None:
+        self.pieces = pieces
+        self.nbytes = sum(p.nbytes for p in pieces) if nbytes is None else nbytes
+
+    @property
+    def segments(self) -> list[memoryview]:
+        """The column as memoryviews of its bytes (its arrays joined into one the first
+        time: a view of each small array would cost more than copying it)."""
+        if self.pieces and type(self.pieces[0]) is np.ndarray:
+            dtype = self.pieces[0].dtype
+            joined = np.concatenate(self.pieces, axis=None)
+            if joined.dtype != dtype:  # numpy joins in native byte order; keep the original
+                joined = joined.astype(dtype)
+            self.pieces = [joined.view(np.uint8).data]
+        return self.pieces
 
 
 def _unique(values: list[Any]) -> tuple[list[Any], np.ndarray[Any, Any] | None]:
@@ -79,24 +98,26 @@ def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
     if type(values[0]) is not np.ndarray or set(map(type, values)) != {np.ndarray}:
         return None
     dtypes = set(map(_dtype, values))
-    ndims = set(map(_ndim, values))
-    if len(dtypes) != 1 or len(ndims) != 1:
+    shapes = set(map(_shape, values))
+    if len(dtypes) != 1 or len({(len(s), s[1:]) for s in shapes}) != 1:  # ndim, trailing
         return None
-    (dtype,), (ndim,) = dtypes, ndims
+    (dtype,), shape = dtypes, next(iter(shapes))
     if dtype.hasobject or dtype.fields is not None:
         return None
     if not _joinable(values, _array_bytes, _array_view):
         return None
     values, positions = _unique(values)
-    try:
-        joined = np.stack(values) if ndim == 0 else np.concatenate(values)
-    except ValueError:  # trailing shapes differ
-        return None
-    if joined.dtype != dtype:  # numpy joins in native byte order; keep the original
-        joined = joined.astype(dtype)
-    lengths = None if ndim == 0 else np.fromiter(map(len, values), np.int64, len(values))
-    column = Column([joined.reshape(-1).view(np.uint8).data])
-    kind = ("np", dtype.str, joined.shape[1:], ndim == 0)
+    lengths: np.ndarray | int | None
+    if not shape:
+        lengths, rows = None, len(values)
+    elif len(shapes) == 1:
+        lengths, rows = shape[0], len(values) * shape[0]
+    else:
+        lengths = np.fromiter(map(len, values), np.int64, len(values))
+        rows = int(lengths.sum())
+    trailing = shape[1:]
+    column = Column(values, rows * math.prod(trailing) * dtype.itemsize)
+    kind = ("np", dtype.str, trailing, not shape)
     return kind, (column, _compact(lengths), positions)
 
 
@@ -282,10 +303,10 @@ def joined(values: list[Any]) -> tuple[Kind, Any] | None:
     )
 
 
-def _compact(lengths: np.ndarray | None) -> Any:
+def _compact(lengths: np.ndarray | int | None) -> Any:
     """None (0-d), an int (all equal) or the lengths array."""
-    if lengths is None:
-        return None
+    if lengths is None or isinstance(lengths, int):
+        return lengths
     if len(lengths) and (lengths == lengths[0]).all():
         return int(lengths[0])
     return lengths

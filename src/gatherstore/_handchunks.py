@@ -88,7 +88,7 @@ class _Sender:
         rank, index = self.call.rank, self.sent
         head = {"call": self.call_id, "rank": rank, "chunk": index, "kind": kind}
         head["size"] = frame.nbytes
-        fd = handover.sealed(frame.seal(None, _bind(self.call_id, rank, index, kind)).segments)
+        fd = handover.sealed(frame, _bind(self.call_id, rank, index, kind))
         try:
             conn = self._connected()
             self._io(lambda: socket.send_fds(conn, [json.dumps(head).encode()], [fd]))
@@ -401,7 +401,7 @@ class ChunkedRoute(handover.HandoverRoute):
                 chunks = call.take_chunks()
                 if chunks is None:
                     bind = handover.binding(call_id, call.rank)
-                    handover.hand(frame.seal(None, bind).segments, [dst], call_id, call.deadline)
+                    handover.hand(frame, bind, [dst], call_id, call.deadline)
                 else:
                     _send(call, chunks, dst, call_id)
                 return True

@@ -56,7 +56,6 @@ from . import _serialize as serialize
 from ._errors import GatherError, GatherTimeout, IntegrityError
 from ._progress import Progress, wanted
 from ._routes import Route, confirmed, send_confirmed
-from .stores._fileio import write_all
 from .stores.base import Store
 from .stores.deadline import Deadline
 from .stores.tmpdir import TmpdirStore
@@ -283,9 +282,10 @@ def binding(call_id: str, rank: int) -> bytes:
 
 
 def hand(
-    segments: Sequence[memoryview], readers: Sequence[int], call_id: str, deadline: Deadline
+    frame: serialize.Frame, bind: bytes, readers: Sequence[int], call_id: str, deadline: Deadline
 ) -> None:
-    """Write this rank's part into a sealed memfd and hand it to each of ``readers``.
+    """Seal this rank's part into a memfd (see :func:`sealed`) and hand it to each of
+    ``readers``.
 
     Raises:
         GatherTimeout: a reader's socket took no connection before ``deadline``.
@@ -293,7 +293,7 @@ def hand(
             user; the memfd could not be made (e.g. out of memory).
     """
     head = json.dumps({"call": call_id, "rank": dist.get_rank()}).encode()
-    fd = sealed(segments)
+    fd = sealed(frame, bind)
     try:
         for reader in readers:
             with connect(reader, deadline) as conn:
@@ -302,8 +302,9 @@ def hand(
         os.close(fd)
 
 
-def sealed(segments: Sequence[memoryview]) -> int:
-    """A memfd holding ``segments`` back to back, sealed: nobody can change it any more.
+def sealed(frame: serialize.Frame, bind: bytes) -> int:
+    """A memfd holding ``frame`` with its digest over ``bind`` (see ``Frame.seal_into``),
+    sealed: nobody can change it any more.
 
     Raises:
         GatherError: the memfd could not be made or filled (e.g. out of memory).
@@ -311,22 +312,21 @@ def sealed(segments: Sequence[memoryview]) -> int:
     try:
         fd = os.memfd_create(f"gatherstore-part-{dist.get_rank()}", _MEMFD)
     except OSError as exc:
-        raise _unwritten(segments, exc) from exc
+        raise _unwritten(frame, exc) from exc
     try:
-        write_all(fd, segments)
+        frame.seal_into(fd, None, bind)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
     except OSError as exc:
         os.close(fd)
-        raise _unwritten(segments, exc) from exc
+        raise _unwritten(frame, exc) from exc
     return fd
 
 
-def _unwritten(segments: Sequence[memoryview], exc: OSError) -> GatherError:
+def _unwritten(frame: serialize.Frame, exc: OSError) -> GatherError:
     """The error of a part that could not be put into memory to hand over."""
-    nbytes = sum(memoryview(s).nbytes for s in segments)
     return GatherError(
-        f"this rank's part ({nbytes} bytes) could not be put in memory to hand over: {exc}; "
-        "free memory on this machine, or gather through a store on disk "
+        f"this rank's part ({frame.nbytes} bytes) could not be put in memory to hand over: "
+        f"{exc}; free memory on this machine, or gather through a store on disk "
         "(store='tmpdir:///var/tmp')"
     )
 
@@ -515,12 +515,7 @@ class HandoverRoute(Route):
         def send(frame: serialize.Frame) -> bool:
             if not readers:
                 return False
-            hand(
-                frame.seal(None, binding(call_id, call.rank)).segments,
-                readers,
-                call_id,
-                call.deadline,
-            )
+            hand(frame, binding(call_id, call.rank), readers, call_id, call.deadline)
             return True
 
         # after a failure: what others handed this rank for the call goes at once

@@ -26,6 +26,8 @@ from __future__ import annotations
 import gc
 import hmac
 import io
+import mmap
+import os
 import pickle
 import struct
 from collections.abc import Callable
@@ -43,6 +45,7 @@ from . import _storage as storage
 from . import _watch as watch
 from ._columns import Column
 from ._errors import GatherError, IntegrityError
+from .stores._fileio import write_all
 
 __all__ = [
     "FORMAT_VERSION",
@@ -80,6 +83,8 @@ _CLOUDPICKLE, _SIGNED, _SPANS = 1, 2, 4
 _ALIGN_LARGE, _ALIGN_SMALL, _LARGE = 64, 16, 1 << 16
 _PADDING = bytes(_ALIGN_LARGE)
 _OUT_OF_BAND_MIN = 4096
+#: How :meth:`Frame.seal_into` maps what it wrote, to digest it: its pages mapped at once.
+_MAPPED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass
@@ -92,7 +97,7 @@ class Frame:
 
     nbytes: int
     _fields: tuple[int, int, int, int]  # flags, buffers, persistent regions, pickle length
-    _body: list[memoryview]  # table, padding, pickle stream, regions
+    _body: list[memoryview | Column]  # table, padding, pickle stream, regions
     segments: list[memoryview] = field(default_factory=list)
     #: Estimated bytes unpickling allocates besides the part (see ``_sizing``).
     rebuilt: int = 0
@@ -105,14 +110,44 @@ class Frame:
         ``bind`` names where the part belongs (job, call, rank); the reader must
         pass the same bytes to :func:`verify`.  Returns self.
         """
+        head = self._head(key)
+        body = self._segments()
+        sealed = _digest.digest([head, *body], key, bind)
+        self.segments = [head, memoryview(sealed), *body]
+        return self
+
+    def seal_into(self, fd: int, key: bytes | None, bind: bytes = b"") -> None:
+        """Write the frame into the empty file ``fd`` (a memfd), sealed as :meth:`seal`
+        would: its regions go straight from their memory (a column's arrays unjoined,
+        one copy instead of two), and the digest is computed over what the file holds,
+        then written in its place.  Nothing else may write ``fd`` meanwhile.
+
+        Raises:
+            OSError: the file could not be written (e.g. out of memory).
+        """
+        head = self._head(key)
+        pieces: list[Any] = [head, memoryview(bytes(_DIGEST_SIZE))]
+        for region in self._body:
+            pieces += region.pieces if isinstance(region, Column) else (region,)
+        write_all(fd, pieces)
+        mapped = mmap.mmap(fd, self.nbytes, _MAPPED, mmap.PROT_READ)
+        with mapped, memoryview(mapped) as written:
+            sealed = _digest.digest([head, written[_PREFIX:]], key, bind)
+        os.pwrite(fd, sealed, _HEAD_SIZE)
+
+    def _head(self, key: bytes | None) -> memoryview:
         flags, count, columns, pickle_len = self._fields
         if key is not None:
             flags |= _SIGNED
         head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, columns, pickle_len, self.nbytes)
-        head_view = memoryview(head.ljust(_HEAD_SIZE, b"\0"))
-        sealed = _digest.digest([head_view, *self._body], key, bind)
-        self.segments = [head_view, memoryview(sealed), *self._body]
-        return self
+        return memoryview(head.ljust(_HEAD_SIZE, b"\0"))
+
+    def _segments(self) -> list[memoryview]:
+        """The body as memoryviews (columns' arrays joined, see ``Column.segments``)."""
+        found: list[memoryview] = []
+        for region in self._body:
+            found += region.segments if isinstance(region, Column) else (region,)
+        return found
 
     def copy_into(self, out: memoryview) -> None:
         """Copy the sealed frame into ``out`` (``nbytes`` long)."""
@@ -323,27 +358,28 @@ def encode(obj: Any) -> Frame:
 def framed(pickled: Pickled, rebuilt: int) -> Frame:
     """The unsealed frame of a pickled object (``rebuilt``: see ``Frame.rebuilt``)."""
     data, flags = pickled.stream, pickled.flags
-    regions = [[b.cast("B")] for b in pickled.buffers] + [c.segments for c in pickled.columns]
+    regions: list[memoryview | Column] = [b.cast("B") for b in pickled.buffers]
+    regions += pickled.columns
     persistent = len(pickled.columns)
     if pickled.spans.spans:
         spans = pickled.spans.regions()
         spans.table[:, 0] += len(pickled.columns)  # regions count among the persistent ones
-        regions += [[seg] for seg in spans.segments] + [[spans.table.data.cast("B")]]
+        regions += [*spans.segments, spans.table.data.cast("B")]
         persistent += len(spans.segments) + 1
         flags |= _SPANS
     pos = _PREFIX + 16 * len(regions)
     pad = _pad(pos, len(data))
-    body: list[memoryview] = [memoryview(_PADDING[:pad]), memoryview(data)]
+    body: list[memoryview | Column] = [memoryview(_PADDING[:pad]), memoryview(data)]
     pos += pad + len(data)
     table: list[int] = []
-    for segments in regions:
-        size = sum(s.nbytes for s in segments)
+    for region in regions:
+        size = region.nbytes
         pad = _pad(pos, size)
         if pad:
             body.append(memoryview(_PADDING[:pad]))
         pos += pad
         table += (pos, size)
-        body += segments
+        body.append(region)
         pos += size
     table_view = memoryview(struct.pack(f"<{len(table)}Q", *table))
     fields = (flags, len(pickled.buffers), persistent, len(data))
@@ -448,7 +484,7 @@ def duplicate(frame: Frame) -> Any:
     buf = bytearray(frame.nbytes)
     view = memoryview(buf)
     pos = _PREFIX  # the header and digest stay zero: nobody reads them
-    for segment in frame._body:
+    for segment in frame._segments():
         view[pos : pos + segment.nbytes] = segment.cast("B")
         pos += segment.nbytes
     flags, count, columns, pickle_len = frame._fields

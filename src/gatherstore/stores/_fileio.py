@@ -11,9 +11,13 @@ ranges, four at once: faster from a network filesystem than one stream, and on
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
 
 from .base import Buffer
 from .layout import writable
@@ -26,20 +30,42 @@ _RANGES = 4
 _IOV_MAX = 1024
 
 
-def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
+def write_all(fd: int, buffers: Sequence[memoryview | np.ndarray]) -> None:
     """Write ``buffers`` back to back with ``writev``, handling partial writes (in time
-    linear in their count: a part may have a segment per array)."""
-    views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+    linear in their count: a part may have a segment per array).
+
+    numpy arrays are written as they are: a memoryview of each would cost more than its
+    bytes when there are many small ones (a column's, see ``_columns``).
+    """
+    pending: list[Any] = list(buffers)  # numpy arrays: buffers to writev, untyped
     first = 0
-    while first < len(views):
-        written = os.writev(fd, views[first : first + _IOV_MAX])
-        while written:
-            if written >= len(views[first]):
-                written -= len(views[first])
-                first += 1
-            else:
-                views[first] = views[first][written:]
-                written = 0
+    while first < len(pending):
+        batch = pending[first : first + _IOV_MAX]
+        try:
+            written = os.writev(fd, batch)
+        except (BufferError, ValueError):  # numpy: "ndarray is not C-contiguous"
+            batch = pending[first : first + _IOV_MAX] = list(map(_raw, batch))
+            written = os.writev(fd, batch)
+        if written == sum(map(_nbytes, batch)):
+            first += len(batch)
+            continue
+        for index, buf in enumerate(batch, first):  # a partial write: resume inside a buffer
+            if written < buf.nbytes:
+                pending[index] = _raw(buf)[written:]
+                first = index
+                break
+            written -= buf.nbytes
+
+
+#: A memoryview's or an array's bytes (a pass in C over many small buffers).
+_nbytes = operator.attrgetter("nbytes")
+
+
+def _raw(buf: memoryview | np.ndarray) -> memoryview:
+    """``buf``'s bytes as a flat memoryview (a contiguous copy of a strided array)."""
+    if isinstance(buf, np.ndarray):
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
+    return buf.cast("B")
 
 
 def read_whole(fd: int) -> Buffer:

@@ -180,7 +180,7 @@ class FileStore(Store):
                     raise
         try:
             try:
-                fileio.write_all(out, buffers)
+                fileio.write_all(out, [memoryview(b) for b in buffers])
             finally:
                 os.close(out)
             publish(tmp, key, fd)
