@@ -73,16 +73,16 @@ class Column:
         return self.pieces
 
 
-def _unique(values: list[Any]) -> tuple[list[Any], np.ndarray[Any, Any] | None]:
+def _unique(values: list[Any], once: bool) -> tuple[list[Any], np.ndarray[Any, Any] | None]:
     """The distinct objects of ``values`` (by identity, first seen first) and, when some
-    repeat, each value's position among them."""
-    if distinct(values):
+    repeat, each value's position among them (``once``: none repeats, known already)."""
+    if once or distinct(values):
         return values, None
     first: dict[int, int] = {}
     for value in values:
         first.setdefault(id(value), len(first))
-    once = list({id(v): v for v in values}.values())
-    return once, np.fromiter(map(first.__getitem__, map(id, values)), np.int64, len(values))
+    seen = list({id(v): v for v in values}.values())
+    return seen, np.fromiter(map(first.__getitem__, map(id, values)), np.int64, len(values))
 
 
 def _joinable(values: list[Any], nbytes: Callable[[Any], int], view: Callable[[Any], bool]) -> bool:
@@ -93,7 +93,7 @@ def _joinable(values: list[Any], nbytes: Callable[[Any], int], view: Callable[[A
     return average < VIEW_VALUE or (average < LARGE_VALUE and not any(map(view, sample)))
 
 
-def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
+def _numpy_column(values: list[Any], once: bool) -> tuple[Kind, Any] | None:
     """One raw-bytes column for small arrays of one plain dtype and trailing shape, else None."""
     if type(values[0]) is not np.ndarray or set(map(type, values)) != {np.ndarray}:
         return None
@@ -106,7 +106,7 @@ def _numpy_column(values: list[Any]) -> tuple[Kind, Any] | None:
         return None
     if not _joinable(values, _array_bytes, _array_view):
         return None
-    values, positions = _unique(values)
+    values, positions = _unique(values, once)
     lengths: np.ndarray | int | None
     if not shape:
         lengths, rows = None, len(values)
@@ -137,7 +137,7 @@ def _tensor_view(value: torch.Tensor) -> bool:
     return value._base is not None
 
 
-def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
+def _tensor_column(values: list[Any], once: bool) -> tuple[Kind, Any] | None:
     """One column for small dense CPU tensors of one dtype and trailing shape, else None
     (CUDA tensors travel as storage spans: no copy on the device, one staging)."""
     if not all(type(v) is torch.Tensor for v in values):
@@ -152,7 +152,7 @@ def _tensor_column(values: list[Any]) -> tuple[Kind, Any] | None:
     (dtype,), (ndim,) = dtypes, ndims
     if not _joinable(values, _tensor_bytes, _tensor_view):
         return None
-    values, positions = _unique(values)
+    values, positions = _unique(values, once)
     detached = [v.detach() for v in values]
     try:
         joined = torch.stack(detached) if ndim == 0 else torch.cat(detached)
@@ -174,7 +174,7 @@ _data_ptr, _storage_offset = (
 )
 
 
-def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
+def _view_column(values: list[Any], once: bool) -> tuple[Kind, Any] | None:
     """A column of CPU tensor views of one dtype, shape and strides that share a few
     storages (the rows of batch tensors), else None: per storage, one tensor covering its
     views (pickled as a span, so memory that other objects share still travels once),
@@ -190,7 +190,7 @@ def _view_column(values: list[Any]) -> tuple[Kind, Any] | None:
         return None
     if any(v.device != first.device or v.is_conj() or v.is_neg() for v in values):
         return None
-    values, positions = _unique(values)
+    values, positions = _unique(values, once)
     count = len(values)
     offsets = np.fromiter(map(_storage_offset, values), np.int64, count)
     starts = np.fromiter(map(_data_ptr, values), np.int64, count) - offsets * first.element_size()
@@ -249,7 +249,7 @@ def _address(array: np.ndarray[Any, Any]) -> int:
     return int(array.__array_interface__["data"][0])
 
 
-def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
+def _array_view_column(values: list[Any], once: bool) -> tuple[Kind, Any] | None:
     """The numpy twin of ``_view_column``: views of one dtype, shape and strides that share
     a few base arrays (the rows of batches), as one array per base covering its views (a
     span) and each view's byte offset into it; else None."""
@@ -267,7 +267,7 @@ def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
         return None
     if {v.dtype for v in values} != {dtype}:
         return None
-    values, positions = _unique(values)
+    values, positions = _unique(values, once)
     count = len(values)
     grouped = _grouped(np.fromiter(map(id, map(_base, values)), np.int64, count))
     if grouped is None:
@@ -293,13 +293,14 @@ def _array_view_column(values: list[Any]) -> tuple[Kind, Any] | None:
     return kind, (covers, groups.astype(np.int64), addresses - low[groups], positions)
 
 
-def joined(values: list[Any]) -> tuple[Kind, Any] | None:
-    """``values`` (a field of records, or a list's items) as one column, else None."""
+def joined(values: list[Any], once: bool = False) -> tuple[Kind, Any] | None:
+    """``values`` (a field of records, or a list's items) as one column, else None;
+    ``once``: the caller knows that no object appears twice in ``values``."""
     return (
-        _numpy_column(values)
-        or _tensor_column(values)
-        or _view_column(values)
-        or _array_view_column(values)
+        _numpy_column(values, once)
+        or _tensor_column(values, once)
+        or _view_column(values, once)
+        or _array_view_column(values, once)
     )
 
 

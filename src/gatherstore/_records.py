@@ -108,6 +108,15 @@ def _plain_fields(kind: type) -> tuple[str, ...] | None:
     return tuple(f.name for f in dataclasses.fields(kind))
 
 
+def _references(values: list[Any]) -> np.ndarray:
+    """Each of ``values``' reference counts (one of them the count's own).
+
+    Something that ``values`` holds twice, among ``held`` references each, has more than
+    ``held + 1``: so when none has, every object of ``values`` is there once.
+    """
+    return np.fromiter(map(sys.getrefcount, values), np.int64, len(values))
+
+
 class _Screen:
     """What one :func:`pack` replaced that something else may also hold (see ``Packed``),
     and how deep it nests batches in records' fields."""
@@ -117,11 +126,13 @@ class _Screen:
         self.twice = False
         self.nesting = 0
 
-    def check(self, values: list[Any], held: int) -> None:
+    def check(self, values: list[Any], held: int, counts: np.ndarray | None = None) -> None:
         """Note the objects of ``values`` (replaced by packing) that something holds
         besides the ``held`` references packing knows of, ``values`` itself among them;
-        one noted here and before is replaced in two places."""
-        counts = np.fromiter(map(sys.getrefcount, values), np.int64, len(values))
+        one noted here and before is replaced in two places.  ``counts``: their
+        :func:`_references`, taken before anything else held them."""
+        if counts is None:
+            counts = _references(values)
         found = {id(values[i]): values[i] for i in np.flatnonzero(counts > held + 1).tolist()}
         if found:
             self.twice = self.twice or not self.shared.keys().isdisjoint(found)
@@ -184,9 +195,12 @@ class Batch:
                 values = list(map(operator.itemgetter(name), records))
             else:
                 values = [r.__dict__[name] for r in records]
-            packed = columns.joined(values)
+            # the references each array may have: its record, and ``values``
+            counts = _references(values) if type(values[0]) in _ARRAYS else None
+            once = counts is not None and bool((counts <= 3).all())
+            packed = columns.joined(values, once)
             if packed is not None:
-                screen.check(values, 2)  # its record, and ``values``
+                screen.check(values, 2, counts)
             else:
                 packed = _nested(values, screen)
                 plain += packed[1] is values
@@ -293,10 +307,11 @@ def _keyed(keys: list[Any], values: list[Any]) -> dict[Any, Any]:
 
 def _pack_arrays(items: list[Any], held: int, screen: _Screen) -> Any:
     """``items``, arrays or tensors, as one column when they join (see ``_columns``)."""
-    packed = columns.joined(items)
+    counts = _references(items)
+    packed = columns.joined(items, bool((counts <= held + 1).all()))
     if packed is None:
         return items
-    screen.check(items, held)
+    screen.check(items, held, counts)
     return _Arrays(packed[0], len(items), packed[1])
 
 
