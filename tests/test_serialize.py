@@ -782,6 +782,7 @@ def test_strided_swapped_ragged_and_0d_arrays_of_a_column_are_written_as_their_v
     items = [
         {
             "boxes": base[i, ::2],  # not contiguous
+            "transposed": base[i].T,  # Fortran order
             "swapped": base[i, 0],
             "ragged": np.full((i % 3, 2), i, "<i2"),
             "score": np.array(i / 2, ">f8"),  # 0-d

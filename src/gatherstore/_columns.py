@@ -65,11 +65,11 @@ class Column:
         """The column as memoryviews of its bytes (its arrays joined into one the first
         time: a view of each small array would cost more than copying it)."""
         if self.pieces and type(self.pieces[0]) is np.ndarray:
-            dtype = self.pieces[0].dtype
-            joined = np.concatenate(self.pieces, axis=None)
-            if joined.dtype != dtype:  # numpy joins in native byte order; keep the original
-                joined = joined.astype(dtype)
-            self.pieces = [joined.view(np.uint8).data]
+            first = self.pieces[0]  # the arrays share a dtype, a dimension and a trailing shape
+            joined = np.concatenate(self.pieces) if first.ndim else np.stack(self.pieces)
+            if joined.dtype != first.dtype:  # numpy joins in native byte order; keep the original
+                joined = joined.astype(first.dtype)
+            self.pieces = [joined.reshape(-1).view(np.uint8).data]
         return self.pieces
 
 
