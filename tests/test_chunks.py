@@ -168,6 +168,17 @@ def test_rows_of_one_batch_split_at_a_chunks_edge_stay_in_their_chunk() -> None:
     assert all(torch.equal(item["row"], batch[i]) for i, item in enumerate(got))
 
 
+def test_numpy_rows_of_one_batch_go_in_chunks_each_row_once() -> None:
+    """Rows of 4 KiB of one batch array travel as a cover of each chunk's rows (the cover
+    is no other holder of a row): in chunks, and the batch's bytes once."""
+    batch = np.random.default_rng(0).random((2000, 1024), dtype=np.float32)  # 8 MB
+    items = [{"id": i, "row": batch[i]} for i in range(2000)]
+    frames = _encoded(items)
+    assert len(frames) > 4 and sum(f.nbytes for f in frames) < 1.01 * batch.nbytes
+    got = _rebuilt(frames)
+    assert all(np.array_equal(item["row"], batch[i]) for i, item in enumerate(got))
+
+
 def test_a_record_held_elsewhere_in_a_later_chunk_breaks_the_run() -> None:
     items = [{"id": i, "x": np.full(400, i, np.float32)} for i in range(20000)]
     kept = items[15000]  # the caller still holds it: packing it would rebuild it twice

@@ -8,6 +8,7 @@ import gc
 import itertools
 import os
 import pickle
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -792,3 +793,18 @@ def test_strided_swapped_ragged_and_0d_arrays_of_a_column_are_written_as_their_v
     written = _sealed_into_memfd(serialize.encode(items), None)
     assert written == _sealed_in_memory(serialize.encode(items), None)
     assert_same(serialize.decode(bytearray(written), bind=b"bind", rank=0), items)
+
+
+def test_no_thread_keeps_a_view_of_what_was_digested() -> None:
+    """The checksum hashes blocks on the pool's threads; once it returns, nothing views
+    the memory it read: a part sealed into a memfd unmaps its view before the seal."""
+    data = bytearray(3 * _digest.BLOCK)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns all the time: any window shows
+    try:
+        for _ in range(500):
+            _digest.digest([memoryview(data)], None, b"")
+            data.append(0)  # a bytearray with views exported cannot be resized
+            del data[-1]
+    finally:
+        sys.setswitchinterval(interval)

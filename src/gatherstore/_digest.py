@@ -71,6 +71,13 @@ def digest(segments: list[memoryview], key: bytes | None, bind: bytes) -> bytes:
     views = [memoryview(seg).cast("B") for seg in segments]
     total = sum(len(v) for v in views)
     blocks = _blocks(views, total)
-    found = workers.run(_xxh3, blocks) if len(blocks) > 1 else [_xxh3(views)]
+    if len(blocks) > 1:
+        # the pool's threads are handed indices, and the views are dropped here: a thread
+        # keeps what it was handed a moment after it handed its result in, and a view
+        # kept so would stop the caller from unmapping what it digested
+        found = workers.run(lambda index: _xxh3(blocks[index]), range(len(blocks)))
+        blocks.clear()
+    else:
+        found = [_xxh3(views)]
     summary = [prefix, memoryview(struct.pack("<Q", total)), *(memoryview(d) for d in found)]
     return _xxh3(summary).ljust(SIZE, b"\0")

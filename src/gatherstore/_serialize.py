@@ -131,7 +131,7 @@ class Frame:
             pieces += region.pieces if isinstance(region, Column) else (region,)
         write_all(fd, pieces)
         mapped = mmap.mmap(fd, self.nbytes, _MAPPED, mmap.PROT_READ)
-        with mapped, memoryview(mapped) as written:
+        with mapped, memoryview(mapped) as written:  # unmapped before the memfd is sealed
             sealed = _digest.digest([head, written[_PREFIX:]], key, bind)
         os.pwrite(fd, sealed, _HEAD_SIZE)
 
