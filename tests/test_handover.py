@@ -22,11 +22,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import OtherUser
 
 import gatherstore as gs
+from gatherstore import _digest
 from gatherstore import _handover as handover
 from gatherstore import _serialize as serialize
 from gatherstore.stores.deadline import Deadline
@@ -396,3 +398,25 @@ def test_a_small_dev_shm_no_longer_sends_the_parts_to_disk(tmp_path: Path, setti
     expected = "tmpdir (handed over)" if setting == "1" else f"tmpdir://{tempfile.gettempdir()}"
     assert f"ROUTE {expected}\n" in done.stdout, done.stdout + done.stderr
     assert "SUMS [16777216.0, 16777216.0]" in done.stdout
+
+
+def test_a_part_that_fails_as_it_is_sealed_leaves_no_memfd_and_its_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory while the checksum runs: that error, not a failure to unmap what the
+    error's traceback still views, and the memfd is closed."""
+    _one_rank_group(tmp_path)
+    try:
+
+        def exhausted(*_: Any) -> Any:
+            raise MemoryError("no room for the checksum's blocks")
+
+        monkeypatch.setattr(_digest, "_blocks", exhausted)
+        frame = serialize.encode([np.full(100, i, np.float32) for i in range(2000)])
+        before = _open_parts()
+        with pytest.raises(MemoryError, match="checksum's blocks"):
+            handover.sealed(frame, b"bind")
+        gc.collect()  # the error's traceback, which viewed the mapping
+        assert _open_parts() == before
+    finally:
+        torch.distributed.destroy_process_group()

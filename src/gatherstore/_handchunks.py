@@ -214,6 +214,8 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
                     put(frame, "last" if chunks.finished else "chunk")
             except Unchunkable:
                 chunks.close()
+                # chunks still queued hold their arrays: encoding whole may count those as
+                # held elsewhere too, which costs a little time, never a wrong result
                 put(serialize.encode(chunks.items), "whole")
             while queued:
                 queued.pop(0).result()

@@ -316,9 +316,11 @@ def sealed(frame: serialize.Frame, bind: bytes) -> int:
     try:
         frame.seal_into(fd, None, bind)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
-    except OSError as exc:
+    except BaseException as exc:
         os.close(fd)
-        raise _unwritten(frame, exc) from exc
+        if isinstance(exc, OSError):
+            raise _unwritten(frame, exc) from exc
+        raise
     return fd
 
 

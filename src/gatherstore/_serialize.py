@@ -23,6 +23,7 @@ change: what is verified must be what is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hmac
 import io
@@ -83,8 +84,9 @@ _CLOUDPICKLE, _SIGNED, _SPANS = 1, 2, 4
 _ALIGN_LARGE, _ALIGN_SMALL, _LARGE = 64, 16, 1 << 16
 _PADDING = bytes(_ALIGN_LARGE)
 _OUT_OF_BAND_MIN = 4096
-#: How :meth:`Frame.seal_into` maps what it wrote, to digest it: its pages mapped at once.
-_MAPPED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+#: How :meth:`Frame.seal_into` maps what it wrote, to digest it: its pages mapped at once,
+#: privately (a shared one, even read-only, stops the memfd's seal for as long as it lives).
+_MAPPED = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass
@@ -131,8 +133,11 @@ class Frame:
             pieces += region.pieces if isinstance(region, Column) else (region,)
         write_all(fd, pieces)
         mapped = mmap.mmap(fd, self.nbytes, _MAPPED, mmap.PROT_READ)
-        with mapped, memoryview(mapped) as written:  # unmapped before the memfd is sealed
-            sealed = _digest.digest([head, written[_PREFIX:]], key, bind)
+        try:
+            sealed = _digest.digest([head, memoryview(mapped)[_PREFIX:]], key, bind)
+        finally:
+            with contextlib.suppress(BufferError):  # still viewed (an error's traceback):
+                mapped.close()  # unmapped when the view goes
         os.pwrite(fd, sealed, _HEAD_SIZE)
 
     def _head(self, key: bytes | None) -> memoryview:

@@ -11,6 +11,7 @@ ranges, four at once: faster from a network filesystem than one stream, and on
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
 from collections.abc import Sequence
@@ -28,6 +29,10 @@ _READ_STEP = 1 << 30  # bytes per read() call (Linux returns at most ~2 GiB per 
 _RANGE = 16 << 20  # bytes per read of a large value, a few ranges at once
 _RANGES = 4
 _IOV_MAX = 1024
+
+
+#: A memoryview's or an array's bytes (a pass in C over many small buffers).
+_nbytes = operator.attrgetter("nbytes")
 
 
 def write_all(fd: int, buffers: Sequence[memoryview | np.ndarray]) -> None:
@@ -49,16 +54,14 @@ def write_all(fd: int, buffers: Sequence[memoryview | np.ndarray]) -> None:
         if written == sum(map(_nbytes, batch)):
             first += len(batch)
             continue
+        if not written:
+            raise OSError(errno.EIO, "the file took none of the bytes written to it")
         for index, buf in enumerate(batch, first):  # a partial write: resume inside a buffer
             if written < buf.nbytes:
                 pending[index] = _raw(buf)[written:]
                 first = index
                 break
             written -= buf.nbytes
-
-
-#: A memoryview's or an array's bytes (a pass in C over many small buffers).
-_nbytes = operator.attrgetter("nbytes")
 
 
 def _raw(buf: memoryview | np.ndarray) -> memoryview:
