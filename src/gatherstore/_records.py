@@ -117,6 +117,11 @@ def _references(values: list[Any]) -> np.ndarray:
     return np.fromiter(map(sys.getrefcount, values), np.int64, len(values))
 
 
+def _once(counts: np.ndarray, held: int) -> bool:
+    """Whether :func:`_references` ``counts`` show every object there once (see there)."""
+    return bool((counts <= held + 1).all())
+
+
 class _Screen:
     """What one :func:`pack` replaced that something else may also hold (see ``Packed``),
     and how deep it nests batches in records' fields."""
@@ -197,7 +202,7 @@ class Batch:
                 values = [r.__dict__[name] for r in records]
             # the references each array may have: its record, and ``values``
             counts = _references(values) if type(values[0]) in _ARRAYS else None
-            once = counts is not None and bool((counts <= 3).all())
+            once = counts is not None and _once(counts, 2)
             packed = columns.joined(values, once)
             if packed is not None:
                 screen.check(values, 2, counts)
@@ -308,7 +313,7 @@ def _keyed(keys: list[Any], values: list[Any]) -> dict[Any, Any]:
 def _pack_arrays(items: list[Any], held: int, screen: _Screen) -> Any:
     """``items``, arrays or tensors, as one column when they join (see ``_columns``)."""
     counts = _references(items)
-    packed = columns.joined(items, bool((counts <= held + 1).all()))
+    packed = columns.joined(items, _once(counts, held))
     if packed is None:
         return items
     screen.check(items, held, counts)

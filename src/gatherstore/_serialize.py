@@ -113,7 +113,7 @@ class Frame:
         pass the same bytes to :func:`verify`.  Returns self.
         """
         head = self._head(key)
-        body = self._segments()
+        body = self._buffers(joined=True)
         sealed = _digest.digest([head, *body], key, bind)
         self.segments = [head, memoryview(sealed), *body]
         return self
@@ -128,10 +128,7 @@ class Frame:
             OSError: the file could not be written (e.g. out of memory).
         """
         head = self._head(key)
-        pieces: list[Any] = [head, memoryview(bytes(_DIGEST_SIZE))]
-        for region in self._body:
-            pieces += region.pieces if isinstance(region, Column) else (region,)
-        write_all(fd, pieces)
+        write_all(fd, [head, memoryview(bytes(_DIGEST_SIZE)), *self._buffers(joined=False)])
         mapped = mmap.mmap(fd, self.nbytes, _MAPPED, mmap.PROT_READ)
         try:
             sealed = _digest.digest([head, memoryview(mapped)[_PREFIX:]], key, bind)
@@ -147,11 +144,15 @@ class Frame:
         head = _HEAD.pack(_MAGIC, FORMAT_VERSION, flags, count, columns, pickle_len, self.nbytes)
         return memoryview(head.ljust(_HEAD_SIZE, b"\0"))
 
-    def _segments(self) -> list[memoryview]:
-        """The body as memoryviews (columns' arrays joined, see ``Column.segments``)."""
-        found: list[memoryview] = []
+    def _buffers(self, joined: bool) -> list[Any]:
+        """The body's buffers: memoryviews, and each column's arrays joined into one
+        (``joined``, see ``Column.segments``) or as they are (its ``pieces``)."""
+        found: list[Any] = []
         for region in self._body:
-            found += region.segments if isinstance(region, Column) else (region,)
+            if isinstance(region, Column):
+                found += region.segments if joined else region.pieces
+            else:
+                found.append(region)
         return found
 
     def copy_into(self, out: memoryview) -> None:
@@ -489,7 +490,7 @@ def duplicate(frame: Frame) -> Any:
     buf = bytearray(frame.nbytes)
     view = memoryview(buf)
     pos = _PREFIX  # the header and digest stay zero: nobody reads them
-    for segment in frame._segments():
+    for segment in frame._buffers(joined=True):
         view[pos : pos + segment.nbytes] = segment.cast("B")
         pos += segment.nbytes
     flags, count, columns, pickle_len = frame._fields
