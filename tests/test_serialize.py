@@ -151,6 +151,25 @@ def test_dataclass_records_and_none_fields() -> None:
     assert_same(round_trip(dets), dets)
 
 
+def test_rebuilt_records_are_each_an_object_of_their_own() -> None:
+    """A batch rebuilds its records a field at a time: each is a dict (or instance) of its
+    own, with its fields in their order, and a change to one touches no other."""
+    dicts = [{"id": i, "x": np.arange(3) + i, "name": f"r{i}"} for i in range(20)]
+    dets = [Detection(np.full((2, 4), i, np.float32), i / 7, f"d{i}") for i in range(20)]
+    out_dicts, out_dets = round_trip([dicts, dets])
+    assert len({id(r) for r in out_dicts}) == len({id(vars(d)) for d in out_dets}) == 20
+    assert [list(r) for r in out_dicts] == [["id", "x", "name"]] * 20
+    assert [list(vars(d)) for d in out_dets] == [["boxes", "score", "name"]] * 20
+    out_dicts[0]["id"] = out_dets[0].score = -1
+    assert [r["id"] for r in out_dicts[1:]] == list(range(1, 20))
+    assert [d.score for d in out_dets[1:]] == [i / 7 for i in range(1, 20)]
+
+
+def test_a_batch_whose_fields_differ_in_length_is_not_rebuilt() -> None:
+    with pytest.raises(ValueError, match="a batch of 2 records has a field of another length"):
+        _records._unbatch(dict, ("a", "b"), [("py",), ("py",)], 2, [[1, 2], [3]])
+
+
 def test_numpy_and_torch_interleaved() -> None:
     items = [
         {"a": np.arange(3), "b": torch.arange(3)}
