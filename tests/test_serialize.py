@@ -12,7 +12,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import hypothesis.extra.numpy as hnp
 import numpy as np
@@ -546,6 +546,42 @@ def test_big_part_from_a_file_is_memory_mapped(tmp_path: Path) -> None:
     out = serialize.decode(store.get("part"))
     assert isinstance(_root(out["x"]), memoryview)
     assert_same(out, data)
+
+
+class CollectorProbe:
+    """Notes, as it is unpickled, whether Python's cycle collection is on; fails to
+    unpickle when its state says so."""
+
+    seen: ClassVar[list[bool]] = []
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        CollectorProbe.seen.append(gc.isenabled())
+        if state["fail"]:
+            raise RuntimeError("this probe does not unpickle")
+        self.__dict__.update(state)
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_cycle_collection_is_paused_while_a_part_is_rebuilt(collecting: bool) -> None:
+    """Unpickling makes many containers that stay alive: the collection would walk them
+    again and again (see ``_serialize._collection_paused``).  It is back as the caller had
+    it afterwards, also when the rebuild fails."""
+    CollectorProbe.seen.clear()
+    was = gc.isenabled()
+    try:
+        gc.enable() if collecting else gc.disable()
+        assert len(round_trip([CollectorProbe() for _ in range(3)])) == 3
+        assert gc.isenabled() is collecting
+        with pytest.raises(gs.GatherError, match="cannot be rebuilt here") as caught:
+            round_trip([CollectorProbe(), CollectorProbe(fail=True)])
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert gc.isenabled() is collecting
+    finally:
+        gc.enable() if was else gc.disable()
+    assert CollectorProbe.seen == [False] * 5
 
 
 def test_cloudpickle_only_when_pickle_fails() -> None:
