@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,27 @@ def test_logits_payload_is_a_tensor_per_sample() -> None:
     assert {t.shape for t in got} == {(payloads.CLASSES,)}
     assert len({t.untyped_storage().data_ptr() for t in got}) == len(got)
     assert torch.equal(payloads.make("logits", 8 << 20, 1, 2)[5], got[5])
+
+
+def test_coco_payload_is_plain_dicts_of_about_the_bytes_asked_made_on_request() -> None:
+    got = payloads.make("coco", 4 << 20, 1, 2)
+    assert len(got) == (4 << 20) // 2 // payloads.COCO_BYTES
+    assert {tuple(d) for d in got} == {("image_id", "category_id", "bbox", "score")}
+    assert [d["image_id"] for d in got[:: payloads.BOXES]][:3] == [1, 3, 5]  # as a shard's
+    assert {type(v) for d in got for v in d["bbox"]} == {float}
+    assert len(pickle.dumps(got, protocol=5)) == pytest.approx(2 << 20, rel=0.05)
+    assert got[7] == payloads.make("coco", 4 << 20, 1, 2)[7]
+    assert "coco" in payloads.available() and "coco" not in payloads.defaults()
+
+
+@pytest.mark.timeout(300)
+def test_bench_gathers_coco_results_when_asked() -> None:
+    chosen = f"{BASELINE},gs.tmpdir"
+    result = run_bench("--payloads", "coco", "--cases", chosen, "--json", "-", timeout=290)
+    assert result.returncode == 0, result.stderr
+    cases = [json.loads(line) for line in result.stdout.splitlines()][1:]
+    assert [(c["case"], c["payload"]) for c in cases] == [(BASELINE, "coco"), ("gs.tmpdir", "coco")]
+    assert all(c["error"] is None and c["seconds"] > 0 for c in cases), cases
 
 
 def test_records_payload_holds_views_of_each_records_scores() -> None:

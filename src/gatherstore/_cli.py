@@ -23,7 +23,7 @@ from . import _objects as objects
 from . import _rs_admin as result_sets
 from . import _topology as topology
 from ._bench.measure import parse_size
-from ._bench.payloads import KINDS, available
+from ._bench.payloads import KINDS, available, defaults
 from ._cleanup import collect, parse_duration
 from ._config import ROUTES
 from ._errors import first_line
@@ -305,8 +305,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--payloads",
         type=_argtype(_payloads),
-        default=available(),
-        help=f"payload kinds ({','.join(KINDS)}; cuda-records where CUDA is)",
+        default=defaults(),
+        help=f"payload kinds ({','.join(KINDS)}; cuda-records where CUDA is; coco on request)",
     )
     p.add_argument("--redis", help="redis:// URL ($GATHERSTORE_TEST_REDIS_URL)")
     p.add_argument("--s3", metavar="ENDPOINT", help="S3 endpoint ($GATHERSTORE_TEST_S3_ENDPOINT)")

@@ -301,13 +301,10 @@ def guard(pickler: _Pickler | _CloudPickler, guarded: list[Any], stream: io.Byte
 
 @contextlib.contextmanager
 def _collection_paused() -> Iterator[None]:
-    """Python's cycle collection paused (when it runs: a caller's ``gc.disable()`` holds).
-
-    Building many containers that all stay alive, as unpickling does, sets it off every
-    700 of them, each time over every container made since: 1M COCO result dicts took
-    2.5 s to unpickle with it, 0.96 s with it paused and one collection after.  What it
-    would have found it finds once it runs again.
-    """
+    """Python's cycle collection paused (a caller's ``gc.disable()`` holds): unpickling
+    keeps every container it makes, and would set it off every 700 of them, each time
+    over all made since (1M COCO result dicts: 2.5 s with it, 0.96 s paused and one
+    collection after).  What it would have found it finds once it runs again."""
     collecting = gc.isenabled()
     gc.disable()
     try:

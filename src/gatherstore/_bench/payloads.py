@@ -10,9 +10,12 @@ a dict of four large float32 tensors.
 tensor>, "boxes": scores.view(-1, 4)[:, 1:3]}`` (``boxes`` a view of
 ``scores``' storage), and ``cuda-records`` the same records on the GPU (on
 ``cuda:<rank % GPUs>``).  ``logits`` is a list of one float32 tensor of 1000
-class scores per sample, as a classifier's evaluation loop collects them.  All
-are sized so that all ranks together hold about the requested bytes (counting
-each storage once).
+class scores per sample, as a classifier's evaluation loop collects them.
+``coco`` is COCO's result format, one plain dict per detected box
+(``{"image_id", "category_id", "bbox": [x, y, w, h], "score"}``), as detectron2's
+COCOEvaluator gathers them: made only when asked for (millions of small dicts).
+All are sized so that all ranks together hold about the requested bytes
+(counting each storage once; ``coco``: the bytes pickle writes).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ __all__ = [
     "detections",
     "digest",
     "available",
+    "coco",
     "cuda_device",
+    "defaults",
     "image_count",
     "keyed",
     "logits",
@@ -43,12 +48,16 @@ __all__ = [
 BOXES = 100
 #: Array bytes of one image: boxes float32 (100, 4), scores float32 (100,), labels int64 (100,).
 IMAGE_BYTES = BOXES * 4 * 4 + BOXES * 4 + BOXES * 8
-KINDS = ("detections", "keyed", "tensors", "records", "logits", "cuda-records")
+KINDS = ("detections", "keyed", "tensors", "records", "logits", "cuda-records", "coco")
+#: Kinds made only when asked for: millions of small dicts take a while to make and pickle.
+ON_REQUEST = ("coco",)
 _TENSORS = 4
 #: Bytes of one record's ``scores`` in ``records``.
 RECORD_BYTES = 4 << 20
 #: Classes of one sample's scores in ``logits``.
 CLASSES = 1000
+#: Bytes pickle writes for one box of ``coco``.
+COCO_BYTES = 66
 
 
 def image_count(nbytes: int) -> int:
@@ -129,6 +138,20 @@ def logits(nbytes: int, rank: int, world: int, seed: int = 0) -> list[torch.Tens
     return [torch.randn(CLASSES, generator=gen) for _ in range(count)]
 
 
+def coco(nbytes: int, rank: int, world: int, seed: int = 0) -> list[dict[str, Any]]:
+    """COCO results, one plain dict per box, :data:`BOXES` boxes an image (``image_id``
+    as in :func:`shard`); all ranks together about ``nbytes`` pickled (at least one box)."""
+    count = max(1, nbytes // world // COCO_BYTES)
+    rng = np.random.default_rng([seed, rank])
+    boxes = (rng.random((count, 4)) * 640).tolist()
+    categories = rng.integers(1, 91, count).tolist()
+    scores = rng.random(count).tolist()
+    return [
+        {"image_id": rank + world * (i // BOXES), "category_id": c, "bbox": b, "score": s}
+        for i, (c, b, s) in enumerate(zip(categories, boxes, scores, strict=True))
+    ]
+
+
 def cuda_device(rank: int) -> str:
     """The GPU that ``rank`` holds its ``cuda-records`` on (ranks share GPUs round robin)."""
     return f"cuda:{rank % torch.cuda.device_count()}"
@@ -137,6 +160,12 @@ def cuda_device(rank: int) -> str:
 def available() -> list[str]:
     """The payload kinds this machine can make (``cuda-records`` needs a CUDA device)."""
     return [k for k in KINDS if k != "cuda-records" or torch.cuda.is_available()]
+
+
+def defaults() -> list[str]:
+    """The payload kinds the bench makes unless told which: those available, but for
+    :data:`ON_REQUEST`."""
+    return [k for k in available() if k not in ON_REQUEST]
 
 
 def make(kind: str, nbytes: int, rank: int, world: int, seed: int = 0) -> Any:
@@ -155,6 +184,8 @@ def make(kind: str, nbytes: int, rank: int, world: int, seed: int = 0) -> Any:
         return records(nbytes, rank, world, seed)
     if kind == "logits":
         return logits(nbytes, rank, world, seed)
+    if kind == "coco":
+        return coco(nbytes, rank, world, seed)
     if kind == "cuda-records":
         if not torch.cuda.is_available():
             raise ValueError("payload 'cuda-records' needs a CUDA device; this machine has none")
