@@ -3,6 +3,7 @@ rebuild, the identities they keep, and when a list is sent whole instead."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,3 +188,27 @@ def test_a_record_held_elsewhere_in_a_later_chunk_breaks_the_run() -> None:
     with pytest.raises(chunks.Unchunkable):
         list(run.rest())
     assert kept["id"] == 15000
+
+
+class Slow:
+    """An item that takes at least a millisecond to pickle (as thousands of plain records
+    do together: a few bytes each, a few microseconds each)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        time.sleep(0.001)
+        return (Slow, (self.index,))
+
+
+def test_a_list_slow_to_encode_goes_in_chunks_of_little_time_however_few_its_bytes() -> None:
+    items = [Slow(i) for i in range(400)]  # a few KB: whole by its bytes; 0.4 s to encode
+    frames = _encoded(items)
+    assembly, sizes = chunks.Assembly(), []
+    for frame in frames:
+        assembly.add(serialize.verify(_sealed(frame)))
+        sizes.append(len(assembly.value) - sum(sizes))
+    assert [item.index for item in assembly.value] == list(range(400))
+    # after the first, no chunk holds more items than take CHUNK_SECONDS at 1 ms each
+    assert max(sizes[1:]) <= round(chunks.CHUNK_SECONDS / 0.001) < len(items) // 8

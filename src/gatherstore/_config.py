@@ -9,7 +9,7 @@
 | ``GATHERSTORE_STREAM_CHUNK`` | 16MiB | bytes per message of the ``stream`` route |
 | ``GATHERSTORE_TMPDIR`` | /dev/shm, else the temp dir | the base folder of ``tmpdir`` |
 | ``GATHERSTORE_HANDOVER`` | 1 | ``0``: ``tmpdir`` in RAM moves parts as files, not sealed memfds |
-| ``GATHERSTORE_PART_CHUNK`` | 16MiB | bytes per chunk of a long list handed over; 0: whole parts |
+| ``GATHERSTORE_PART_CHUNK`` | 16MiB | most bytes per chunk of a long list handed over; 0: whole |
 | ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
 | ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
 | ``GATHERSTORE_PINNED`` | 128MiB | pinned memory per process for CUDA tensors, kept to shutdown |
