@@ -417,7 +417,10 @@ class ChunkedRoute(handover.HandoverRoute):
         def read() -> dict[int, Any] | None:
             nonlocal halted
             try:
-                return inbox.run()
+                # paused from the first chunk to the last, not chunk by chunk: between
+                # chunks it would walk the records rebuilt so far, again and again
+                with serialize.collection_paused():
+                    return inbox.run()
             finally:
                 halted = inbox.close()
 

@@ -55,6 +55,7 @@ __all__ = [
     "Regions",
     "Unpickler",
     "Verified",
+    "collection_paused",
     "decode",
     "duplicate",
     "encode",
@@ -294,13 +295,13 @@ def guard(pickler: _Pickler | _CloudPickler, guarded: list[Any], stream: io.Byte
     unpickler's ids in step."""
     if not guarded:
         return
-    with _collection_paused():  # a tuple per guard: no collection of the whole heap for them
+    with collection_paused():  # a tuple per guard: no collection of the whole heap for them
         pickler.memo = {id(obj): (_GUARD + i, obj) for i, obj in enumerate(guarded)}
     stream.write(_SLOT * len(guarded))
 
 
 @contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
+def collection_paused() -> Iterator[None]:
     """Python's cycle collection paused (a caller's ``gc.disable()`` holds): unpickling
     keeps every container it makes, and would set it off every 700 of them, each time
     over all made since (1M COCO result dicts: 2.5 s with it, 0.96 s paused and one
@@ -571,9 +572,9 @@ def load(verified: Verified) -> Any:
 
 def rebuilding(verified: Verified, rebuild: Callable[[Verified], T]) -> T:
     """``rebuild(verified)``, the cycle collection paused meanwhile (see
-    ``_collection_paused``), its errors as :func:`load` raises them."""
+    ``collection_paused``), its errors as :func:`load` raises them."""
     try:
-        with _collection_paused():
+        with collection_paused():
             return rebuild(verified)
     except (GatherError, MemoryError):
         raise
