@@ -182,6 +182,55 @@ def test_a_sender_that_connects_after_the_destination_stopped_stops_too() -> Non
     assert all(out["fds"] <= 0 for out in (dst, *senders))
 
 
+def _first_chunk_sealed_last(fails: bool) -> dict[str, Any]:
+    """Rank 1 seals its first chunk slowly (and then fails to, with ``fails``): its
+    second chunk is sealed first, on another thread, and must wait its turn."""
+    rank = gs.get_rank()
+    gs.gather_object(_records(rank), store="tmpdir", timeout=60)  # every lazy resource made
+    fds = len(os.listdir("/proc/self/fd"))
+    sealed, order = handover.sealed, []
+
+    def first_last(frame: Any, bind: bytes) -> int:
+        index = bind.rsplit(b"\0", 2)[1].decode()
+        if index == "0":
+            time.sleep(0.5)
+            if fails:
+                raise gs.GatherError("chunk 0 could not be put in memory to hand over")
+        fd = sealed(frame, bind)
+        order.append(index)
+        return fd
+
+    handover.sealed = first_last  # type: ignore[assignment]
+    out = _outcome(lambda: gs.gather_object(_records(rank), store="tmpdir", timeout=60))
+    handover.sealed = sealed
+    got = gs.gather_object(_records(rank), store="tmpdir", timeout=60)
+    out["same"] = got is None or all(_same(got[r], r) for r in range(2))
+    out["order"], out["fds"] = order, len(os.listdir("/proc/self/fd")) - fds
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_chunks_sealed_out_of_order_are_handed_over_in_order() -> None:
+    dst, sender = gs.launch(
+        _first_chunk_sealed_last, nproc_per_node=2, backend="gloo", args=(False,), timeout=120
+    )
+    assert dst["error"] is None and sender["error"] is None, (dst, sender)
+    assert sender["order"][:2] == ["1", "0"], sender["order"]  # its second chunk went first
+    assert dst["same"] and dst["fds"] <= 0 and sender["fds"] <= 0
+
+
+@pytest.mark.timeout(180)
+def test_a_chunk_that_cannot_be_sealed_drops_the_chunks_sealed_after_it() -> None:
+    dst, sender = gs.launch(
+        _first_chunk_sealed_last, nproc_per_node=2, backend="gloo", args=(True,), timeout=120
+    )
+    assert sender["error"] == "GatherError" and "chunk 0" in sender["message"], sender
+    assert dst["error"] == "RemoteRankError" and dst["rank"] == 1, dst
+    assert "chunk 0" in dst["message"], dst
+    assert sender["order"][:1] == ["1"]  # sealed, then dropped: its descriptor is closed
+    assert dst["same"] and dst["fds"] <= 0 and sender["fds"] <= 0
+
+
 def _one_rank_without_handover() -> dict[str, Any]:
     rank = gs.get_rank()
     if rank == 2:

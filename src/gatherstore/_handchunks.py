@@ -23,11 +23,13 @@ rebuilds it onto that sender's list or dict; then every rank confirms.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
 import select
 import socket
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -49,8 +51,13 @@ __all__ = ["WINDOW", "ChunkedRoute"]
 #: Chunks a sender may have handed over that the destination has not taken yet.
 WINDOW = 16
 _ACK = b"\x01"
-#: Chunks encoded that wait for the thread that hands them over.
-_QUEUED = 2
+#: Threads of a sender that seal chunks, each into its own memfd.  A thread that comes
+#: back from a system call waits for the GIL while the encoder holds it (up to the
+#: switch interval), and sealing a chunk of many small arrays takes a few dozen calls:
+#: two threads seal two chunks while each waits in turn.
+_SEALERS = 2
+#: Chunks encoded that wait for a thread to seal them.
+_WAITING = 1
 #: Seconds between a sender's checks, while it waits for an acknowledgement, of whether
 #: the destination stopped.
 _CHECK = 0.2
@@ -73,28 +80,47 @@ def _halt_key(call_id: str) -> str:
 
 class _Sender:
     """This rank's side of its connection to the destination, made once the first
-    chunk is sealed (so that its message follows the connect at once)."""
+    chunk is sealed (so that its message follows the connect at once).  Chunks are
+    sealed on several threads at once, and handed over in their order."""
 
     def __init__(self, call: Call, call_id: str, dst: int) -> None:
         self.call, self.call_id, self.dst = call, call_id, dst
         self.conn: socket.socket | None = None
         self.sent = self.acked = 0
+        self.turn = threading.Condition()
+        self.broken = False  # a chunk was not handed over: none after it is
 
-    def put(self, frame: serialize.Frame, kind: str) -> None:
-        """Seal ``frame`` into a memfd and hand it over (after an acknowledgement when
-        ``WINDOW`` chunks are in flight)."""
-        while self.sent - self.acked >= WINDOW:
-            self._ack()
-        rank, index = self.call.rank, self.sent
+    def put(self, frame: serialize.Frame, kind: str, index: int) -> None:
+        """Seal ``frame`` into a memfd as chunk ``index``, and hand it over once the
+        chunks before it are (after an acknowledgement when ``WINDOW`` chunks are in
+        flight); nothing when one of those was not."""
+        rank = self.call.rank
         head = {"call": self.call_id, "rank": rank, "chunk": index, "kind": kind}
         head["size"] = frame.nbytes
         fd = handover.sealed(frame, _bind(self.call_id, rank, index, kind))
         try:
+            with self.turn:
+                self.turn.wait_for(lambda: self.sent == index or self.broken)
+            if self.broken:
+                return
+            while self.sent - self.acked >= WINDOW:
+                self._ack()
             conn = self._connected()
             self._io(lambda: socket.send_fds(conn, [json.dumps(head).encode()], [fd]))
+        except BaseException:
+            self.stop()
+            raise
         finally:
             os.close(fd)
-        self.sent += 1
+        with self.turn:
+            self.sent += 1
+            self.turn.notify_all()
+
+    def stop(self) -> None:
+        """Hand over no more chunks (chunks waiting for their turn are dropped)."""
+        with self.turn:
+            self.broken = True
+            self.turn.notify_all()
 
     def _connected(self) -> socket.socket:
         if self.conn is None:
@@ -190,8 +216,8 @@ class _Sender:
 
 def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
     """Hand this rank's chunks to ``dst``, the first one already encoded, the others as
-    they are encoded; the whole object instead when the run breaks.  A thread of the
-    call seals and hands each chunk over while the next one is encoded.
+    they are encoded; the whole object instead when the run breaks.  Threads of the
+    call seal and hand the chunks over while the next ones are encoded.
 
     Raises:
         GatherTimeout / GatherError: as ``_handover.hand``; whatever encoding a chunk
@@ -200,11 +226,12 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
     """
     sender = _Sender(call, call_id, dst)
     queued: list[Future[None]] = []
-    with ThreadPoolExecutor(1, "gatherstore-chunks") as thread:
+    indices = itertools.count()
+    with ThreadPoolExecutor(_SEALERS, "gatherstore-chunks") as threads:
 
         def put(frame: serialize.Frame, kind: str) -> None:
-            queued.append(thread.submit(sender.put, frame, kind))
-            while len(queued) > _QUEUED or (queued and queued[0].done()):
+            queued.append(threads.submit(sender.put, frame, kind, next(indices)))
+            while len(queued) > _SEALERS + _WAITING or (queued and queued[0].done()):
                 queued.pop(0).result()
 
         try:
@@ -221,10 +248,12 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
                 queued.pop(0).result()
             sender.drain()
         except _Stopped:
+            sender.stop()
             sender.stopped()
         except BaseException:
             for waiting in queued:
                 waiting.cancel()
+            sender.stop()
             wait(queued)
             sender.fail()
             raise
