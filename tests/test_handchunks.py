@@ -209,6 +209,7 @@ def _first_chunk_sealed_last(fails: bool) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread seals")
 @pytest.mark.timeout(180)
 def test_chunks_sealed_out_of_order_are_handed_over_in_order() -> None:
     dst, sender = gs.launch(
@@ -219,6 +220,7 @@ def test_chunks_sealed_out_of_order_are_handed_over_in_order() -> None:
     assert dst["same"] and dst["fds"] <= 0 and sender["fds"] <= 0
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread seals")
 @pytest.mark.timeout(180)
 def test_a_chunk_that_cannot_be_sealed_drops_the_chunks_sealed_after_it() -> None:
     dst, sender = gs.launch(

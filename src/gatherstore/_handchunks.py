@@ -51,10 +51,11 @@ __all__ = ["WINDOW", "ChunkedRoute"]
 #: Chunks a sender may have handed over that the destination has not taken yet.
 WINDOW = 16
 _ACK = b"\x01"
-#: Threads of a sender that seal chunks, each into its own memfd.  A thread that comes
-#: back from a system call waits for the GIL while the encoder holds it (up to the
-#: switch interval), and sealing a chunk of many small arrays takes a few dozen calls:
-#: two threads seal two chunks while each waits in turn.
+#: Threads of a sender that seal chunks, each into its own memfd, while every rank can
+#: have a core (see ``_sealers``).  A thread that comes back from a system call waits
+#: for the GIL while the encoder holds it (up to the switch interval), and sealing a
+#: chunk of many small arrays takes a few dozen calls: two threads seal two chunks
+#: while each waits in turn.
 _SEALERS = 2
 #: Chunks encoded that wait for a thread to seal them.
 _WAITING = 1
@@ -214,6 +215,13 @@ class _Sender:
             self.conn.close()
 
 
+def _sealers(world: int) -> int:
+    """Threads to seal a sender's chunks: :data:`_SEALERS` while the ranks (all on this
+    machine: parts are handed over) are no more than its cores, else one (a second
+    thread would take a core from another rank)."""
+    return _SEALERS if world <= len(os.sched_getaffinity(0)) else 1
+
+
 def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
     """Hand this rank's chunks to ``dst``, the first one already encoded, the others as
     they are encoded; the whole object instead when the run breaks.  Threads of the
@@ -226,12 +234,12 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
     """
     sender = _Sender(call, call_id, dst)
     queued: list[Future[None]] = []
-    indices = itertools.count()
-    with ThreadPoolExecutor(_SEALERS, "gatherstore-chunks") as threads:
+    indices, sealers = itertools.count(), _sealers(call.world)
+    with ThreadPoolExecutor(sealers, "gatherstore-chunks") as threads:
 
         def put(frame: serialize.Frame, kind: str) -> None:
             queued.append(threads.submit(sender.put, frame, kind, next(indices)))
-            while len(queued) > _SEALERS + _WAITING or (queued and queued[0].done()):
+            while len(queued) > sealers + _WAITING or (queued and queued[0].done()):
                 queued.pop(0).result()
 
         try:
