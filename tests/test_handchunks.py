@@ -5,6 +5,7 @@ of a few MB span many of them."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -183,28 +184,31 @@ def test_a_sender_that_connects_after_the_destination_stopped_stops_too() -> Non
 
 
 def _first_chunk_sealed_last(fails: bool) -> dict[str, Any]:
-    """Rank 1 seals its first chunk slowly (and then fails to, with ``fails``): its
-    second chunk is sealed first, on another thread, and must wait its turn."""
+    """Rank 1 seals its first chunk only once its second one is sealed, on the other
+    thread (and then fails to, with ``fails``): the second chunk must wait its turn."""
     rank = gs.get_rank()
     gs.gather_object(_records(rank), store="tmpdir", timeout=60)  # every lazy resource made
     fds = len(os.listdir("/proc/self/fd"))
-    sealed, order = handover.sealed, []
+    sealed, order, second = handover.sealed, [], threading.Event()
 
     def first_last(frame: Any, bind: bytes) -> int:
         index = bind.rsplit(b"\0", 2)[1].decode()
         if index == "0":
-            time.sleep(0.5)
+            assert second.wait(30), "the second chunk was not sealed beside the first"
             if fails:
                 raise gs.GatherError("chunk 0 could not be put in memory to hand over")
         fd = sealed(frame, bind)
         order.append(index)
+        second.set()
         return fd
 
     handover.sealed = first_last  # type: ignore[assignment]
-    out = _outcome(lambda: gs.gather_object(_records(rank), store="tmpdir", timeout=60))
+    got: list[Any] = []
+    out = _outcome(lambda: got.append(gs.gather_object(_records(rank), store="tmpdir", timeout=60)))
     handover.sealed = sealed
-    got = gs.gather_object(_records(rank), store="tmpdir", timeout=60)
-    out["same"] = got is None or all(_same(got[r], r) for r in range(2))
+    out["same"] = bool(got) and (got[0] is None or all(_same(got[0][r], r) for r in range(2)))
+    after = gs.gather_object(_records(rank), store="tmpdir", timeout=60)
+    out["after"] = after is None or all(_same(after[r], r) for r in range(2))
     out["order"], out["fds"] = order, len(os.listdir("/proc/self/fd")) - fds
     return out
 
@@ -217,7 +221,7 @@ def test_chunks_sealed_out_of_order_are_handed_over_in_order() -> None:
     )
     assert dst["error"] is None and sender["error"] is None, (dst, sender)
     assert sender["order"][:2] == ["1", "0"], sender["order"]  # its second chunk went first
-    assert dst["same"] and dst["fds"] <= 0 and sender["fds"] <= 0
+    assert dst["same"] and dst["after"] and dst["fds"] <= 0 and sender["fds"] <= 0
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread seals")
@@ -230,7 +234,7 @@ def test_a_chunk_that_cannot_be_sealed_drops_the_chunks_sealed_after_it() -> Non
     assert dst["error"] == "RemoteRankError" and dst["rank"] == 1, dst
     assert "chunk 0" in dst["message"], dst
     assert sender["order"][:1] == ["1"]  # sealed, then dropped: its descriptor is closed
-    assert dst["same"] and dst["fds"] <= 0 and sender["fds"] <= 0
+    assert dst["after"] and dst["fds"] <= 0 and sender["fds"] <= 0
 
 
 def _one_rank_without_handover() -> dict[str, Any]:

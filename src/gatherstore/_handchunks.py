@@ -93,26 +93,31 @@ class _Sender:
 
     def put(self, frame: serialize.Frame, kind: str, index: int) -> None:
         """Seal ``frame`` into a memfd as chunk ``index``, and hand it over once the
-        chunks before it are (after an acknowledgement when ``WINDOW`` chunks are in
-        flight); nothing when one of those was not."""
-        rank = self.call.rank
-        head = {"call": self.call_id, "rank": rank, "chunk": index, "kind": kind}
-        head["size"] = frame.nbytes
-        fd = handover.sealed(frame, _bind(self.call_id, rank, index, kind))
+        chunks before it are; nothing when one of those was not.  A chunk that cannot
+        be sealed or handed over stops the chunks after it."""
         try:
-            with self.turn:
-                self.turn.wait_for(lambda: self.sent == index or self.broken)
-            if self.broken:
-                return
-            while self.sent - self.acked >= WINDOW:
-                self._ack()
-            conn = self._connected()
-            self._io(lambda: socket.send_fds(conn, [json.dumps(head).encode()], [fd]))
+            fd = handover.sealed(frame, _bind(self.call_id, self.call.rank, index, kind))
+            try:
+                self._hand(fd, index, kind, frame.nbytes)
+            finally:
+                os.close(fd)
         except BaseException:
             self.stop()
             raise
-        finally:
-            os.close(fd)
+
+    def _hand(self, fd: int, index: int, kind: str, size: int) -> None:
+        """Hand the sealed chunk ``fd`` over in its turn (after an acknowledgement when
+        ``WINDOW`` chunks are in flight)."""
+        with self.turn:
+            self.turn.wait_for(lambda: self.sent == index or self.broken)
+        if self.broken:
+            return
+        while self.sent - self.acked >= WINDOW:
+            self._ack()
+        head = {"call": self.call_id, "rank": self.call.rank, "chunk": index, "kind": kind}
+        head["size"] = size
+        conn = self._connected()
+        self._io(lambda: socket.send_fds(conn, [json.dumps(head).encode()], [fd]))
         with self.turn:
             self.sent += 1
             self.turn.notify_all()
@@ -217,8 +222,9 @@ class _Sender:
 
 def _sealers(world: int) -> int:
     """Threads to seal a sender's chunks: :data:`_SEALERS` while the ranks (all on this
-    machine: parts are handed over) are no more than its cores, else one (a second
-    thread would take a core from another rank)."""
+    machine: parts are handed over) are no more than the CPUs this process may run on
+    (its affinity; a container's CPU quota is not seen), else one (a second thread
+    would take a core from another rank)."""
     return _SEALERS if world <= len(os.sched_getaffinity(0)) else 1
 
 
@@ -240,7 +246,8 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
         def put(frame: serialize.Frame, kind: str) -> None:
             queued.append(threads.submit(sender.put, frame, kind, next(indices)))
             while len(queued) > sealers + _WAITING or (queued and queued[0].done()):
-                queued.pop(0).result()
+                queued[0].result()  # taken off once done: a failure waits for it below
+                queued.pop(0)
 
         try:
             try:
@@ -253,18 +260,18 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
                 # held elsewhere too, which costs a little time, never a wrong result
                 put(serialize.encode(chunks.items), "whole")
             while queued:
-                queued.pop(0).result()
+                queued[0].result()
+                queued.pop(0)
             sender.drain()
-        except _Stopped:
-            sender.stop()
-            sender.stopped()
-        except BaseException:
+        except BaseException as exc:
             for waiting in queued:
                 waiting.cancel()
             sender.stop()
-            wait(queued)
-            sender.fail()
-            raise
+            wait(queued)  # no thread uses the connection any more
+            if not isinstance(exc, _Stopped):
+                sender.fail()
+                raise
+            sender.stopped()
         finally:
             sender.close()
 
