@@ -18,6 +18,8 @@ import gatherstore as gs
 from gatherstore import _handover as handover
 
 CHUNK = 64 << 10
+#: Two threads seal a sender's chunks only where the process may run on two CPUs.
+_TWO_SEALERS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one thread seals")
 
 
 @pytest.fixture(autouse=True)
@@ -213,7 +215,7 @@ def _first_chunk_sealed_last(fails: bool) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread seals")
+@_TWO_SEALERS
 @pytest.mark.timeout(180)
 def test_chunks_sealed_out_of_order_are_handed_over_in_order() -> None:
     dst, sender = gs.launch(
@@ -224,7 +226,7 @@ def test_chunks_sealed_out_of_order_are_handed_over_in_order() -> None:
     assert dst["same"] and dst["after"] and dst["fds"] <= 0 and sender["fds"] <= 0
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread seals")
+@_TWO_SEALERS
 @pytest.mark.timeout(180)
 def test_a_chunk_that_cannot_be_sealed_drops_the_chunks_sealed_after_it() -> None:
     dst, sender = gs.launch(

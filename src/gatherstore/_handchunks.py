@@ -243,11 +243,16 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
     indices, sealers = itertools.count(), _sealers(call.world)
     with ThreadPoolExecutor(sealers, "gatherstore-chunks") as threads:
 
+        def take() -> None:
+            """The oldest chunk's outcome; taken off once it is done, so that a failure
+            meanwhile waits for it below."""
+            queued[0].result()
+            queued.pop(0)
+
         def put(frame: serialize.Frame, kind: str) -> None:
             queued.append(threads.submit(sender.put, frame, kind, next(indices)))
             while len(queued) > sealers + _WAITING or (queued and queued[0].done()):
-                queued[0].result()  # taken off once done: a failure waits for it below
-                queued.pop(0)
+                take()
 
         try:
             try:
@@ -260,8 +265,7 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
                 # held elsewhere too, which costs a little time, never a wrong result
                 put(serialize.encode(chunks.items), "whole")
             while queued:
-                queued[0].result()
-                queued.pop(0)
+                take()
             sender.drain()
         except BaseException as exc:
             for waiting in queued:
