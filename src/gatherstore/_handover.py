@@ -29,13 +29,11 @@ pages, writable (copied on write), and a part several readers hold
 from __future__ import annotations
 
 import array
-import ctypes
 import errno
 import fcntl
 import json
 import logging
 import math
-import mmap
 import os
 import resource
 import secrets
@@ -52,6 +50,7 @@ import torch.distributed as dist
 from . import _config as config
 from . import _control as control
 from . import _job as job
+from . import _mappings as mappings
 from . import _serialize as serialize
 from ._errors import GatherError, GatherTimeout, IntegrityError
 from ._progress import Progress, wanted
@@ -444,34 +443,13 @@ def mapped(fd: int, size: int, rank: int, what: str) -> memoryview:
                 f"bytes (agreed: {size})",
                 rank=rank,
             )
-        return _map_private(fd, size, rank, what)
+        try:
+            return mappings.map_private(fd, size)
+        except OSError as exc:
+            error = f"{what}: the part of rank {rank} cannot be mapped: {exc.strerror}"
+            raise GatherError(error) from None
     finally:
         os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-_libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _map_private(fd: int, size: int, rank: int, what: str) -> memoryview:
-    """``size`` bytes of ``fd`` mapped privately, unmapped once nothing views them.
-
-    ``mmap.mmap`` would keep a duplicate of ``fd`` open for as long as the mapping
-    lives: one descriptor per part a program keeps, until it runs out of them.
-    """
-    flags, prot = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
-    address = _libc.mmap(None, size, prot, flags, fd, 0)
-    if address in (None, _MAP_FAILED):
-        error = os.strerror(ctypes.get_errno())
-        raise GatherError(f"{what}: the part of rank {rank} cannot be mapped: {error}")
-    pages = (ctypes.c_ubyte * size).from_address(address)
-    # not at exit: an exit handler may still read the arrays (the kernel unmaps at exit)
-    weakref.finalize(pages, _libc.munmap, address, size).atexit = False
-    return memoryview(pages).cast("B")
 
 
 class HandoverRoute(Route):

@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from . import _mappings as mappings
 from ._config import SHM
 
 __all__ = ["cgroup_headroom", "headroom", "mem_available", "shm_free"]
@@ -118,7 +119,9 @@ def mem_available() -> int:
 
 
 def headroom() -> int:
-    """Bytes this process may still allocate: ``MemAvailable`` capped by its cgroups."""
+    """Bytes this process may still allocate: ``MemAvailable`` capped by its cgroups, once
+    the parts it let go are unmapped (see ``_mappings``)."""
+    mappings.drained()
     return min(mem_available(), cgroup_headroom())
 
 
