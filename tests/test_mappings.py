@@ -97,6 +97,53 @@ def test_a_forked_child_never_holds_a_part_its_parent_let_go() -> None:
     assert found == bytes([False, False])
 
 
+_COLLECTED_UNDER_THREADINGS_LOCK = """
+import gc, os, threading
+from gatherstore import _mappings
+
+def part(name):
+    fd = os.memfd_create(name); os.write(fd, bytes(1 << 20))
+    view = _mappings.map_private(fd, 1 << 20); os.close(fd)
+    return view
+
+class Cycle: pass
+gc.disable()
+cycle = Cycle(); cycle.me = cycle; cycle.view = part("cycle")  # freed by a collection only
+del cycle
+dropped = [part("dropped")]
+held = threading.Event()
+
+def collect():  # as threading.enumerate() would, were a collection to run inside it
+    with threading._active_limbo_lock:
+        held.set()
+        threading.Event().wait(0.2)
+        gc.collect()
+
+def drop():
+    held.wait()
+    dropped.clear()
+
+threads = [threading.Thread(target=drop), threading.Thread(target=collect)]  # in this order
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+_mappings.drained()
+print("done")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(threading, "_active_limbo_lock"), reason="CPython's lock")
+def test_a_part_let_go_while_threading_holds_its_lock_does_not_deadlock() -> None:
+    """A finalizer may run in a collection inside threading's own lock: handing a part
+    off never starts a thread (that lock again), so two threads never wait on each other."""
+    script = _COLLECTED_UNDER_THREADINGS_LOCK
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"done\n"
+
+
 @pytest.mark.timeout(60)
 def test_an_interpreter_exits_with_a_part_still_to_unmap() -> None:
     script = (

@@ -9,7 +9,8 @@ nobody, the sender included, can change, truncate or grow it again), then hands 
 descriptor to each reader over the reader's Unix socket (``SCM_RIGHTS``).  The reader
 maps it privately and verifies it: arrays decoded from it are views of the memfd's
 pages, writable (copied on write), and a part several readers hold
-(``all_gather_object``) is in RAM once.
+(``all_gather_object``) is in RAM once; once nothing views it, threads of the reader
+unmap it (``gatherstore._mappings``).
 
 - Each process listens on an abstract Unix socket of a random name, one per process
   group, published on the job's rendezvous store; both ends check that the other runs

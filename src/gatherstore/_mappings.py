@@ -4,10 +4,11 @@ Unmapping the last mapping of a memfd frees its pages, about 0.15 s a GB on a 2-
 machine: a program that drops a gathered result would wait that long in its ``del``,
 with nothing else to do.  A few threads of the process unmap instead, side by side (the
 kernel frees the pages of several memfds in parallel), at most ``BEHIND`` bytes at a
-time; beyond that, or when no thread can start, the program unmaps as before.  Before
-this process maps another part it waits until every unmapping it handed off is done,
-and so does a fork, so that a process never holds more memory than it would unmapping
-at once, and a child never inherits a mapping that its parent already let go.
+time; beyond that, while the process forks, or when no thread can start, the program
+unmaps as before.  Before this process maps another part it waits until every
+unmapping it handed off is done, and so does a fork, so that a process never holds more
+memory than it would unmapping at once, and a child never inherits a mapping that its
+parent already let go.
 """
 
 from __future__ import annotations
@@ -43,33 +44,49 @@ class _Unmapping:
         self.waiting: collections.deque[tuple[int, int]] = collections.deque()
         self.behind = 0  # bytes handed off and not unmapped yet
         self.threads = 0
-        self.most = min(UNMAPPERS, len(os.sched_getaffinity(0)))
+        self.starting = threading.Lock()  # never taken by a finalizer
+        self.forking = False
 
-    def hand_off(self, address: int, size: int) -> bool:
-        """Queue a mapping for the threads; False when ``BEHIND`` bytes already wait or
-        no thread runs (none can start: the interpreter is exiting)."""
-        with self.changed:
-            if self.behind + size > BEHIND or not self._running():
-                return False
-            self.waiting.append((address, size))
-            self.behind += size
-            self.changed.notify_all()
-            return True
-
-    def drained(self) -> None:
-        with self.changed:
-            self.changed.wait_for(lambda: self.behind == 0)
-
-    def _running(self) -> bool:
-        """Start one more thread while there are fewer than ``most``; whether any runs."""
-        if self.threads < self.most:
+    def start(self) -> None:
+        """One more thread while there are fewer than the process's CPUs (at most
+        ``UNMAPPERS``).  Never from a finalizer: starting a thread takes threading's own
+        lock, and a collection in a thread that holds that lock may run a finalizer."""
+        with self.starting:
+            if self.threads >= min(UNMAPPERS, len(os.sched_getaffinity(0))):
+                return
             thread = threading.Thread(target=self._unmap, name="gatherstore-unmap", daemon=True)
             try:
                 thread.start()
+            except (RuntimeError, MemoryError):  # no thread: unmapped in the program
+                return
+            with self.changed:
                 self.threads += 1
-            except RuntimeError:
-                pass
-        return self.threads > 0
+
+    def hand_off(self, address: int, size: int) -> bool:
+        """Queue a mapping for the threads; False when ``BEHIND`` bytes already wait, no
+        thread runs, or the process forks (a child must not inherit it)."""
+        if self.forking:  # before the lock: a forked child's may be held by a lost thread
+            return False
+        with self.changed:
+            if self.forking or not self.threads or self.behind + size > BEHIND:
+                return False
+            self.behind += size
+            try:
+                self.changed.notify_all()  # the threads wake once the lock is let go
+            finally:  # counted, so queued, whatever interrupts
+                self.waiting.append((address, size))
+        return True
+
+    def drained(self) -> None:
+        with self.changed:
+            self.changed.notify_all()  # a thread that an interrupted hand-off left asleep
+            self.changed.wait_for(lambda: self.behind == 0)
+
+    def fork_begins(self) -> None:
+        """Before a fork: unmap in the program from now on, and wait for the threads."""
+        with self.changed:
+            self.forking = True
+        self.drained()
 
     def _unmap(self) -> None:
         while True:
@@ -97,6 +114,7 @@ def map_private(fd: int, size: int) -> memoryview:
     Raises:
         OSError: the kernel refused the mapping (no address space or memory left).
     """
+    _unmapping.start()
     drained()
     flags, prot = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
     address = _libc.mmap(None, size, prot, flags, fd, 0)
@@ -120,6 +138,14 @@ def _unmap(address: int, size: int) -> None:
         _libc.munmap(address, size)
 
 
+def _fork_begins() -> None:
+    _unmapping.fork_begins()
+
+
+def _fork_ended() -> None:
+    _unmapping.forking = False
+
+
 def _forked() -> None:
     """In a forked child: nothing is left to unmap (the parent drained before the fork),
     and the parent's threads did not come along."""
@@ -127,4 +153,4 @@ def _forked() -> None:
     _unmapping = _Unmapping()
 
 
-os.register_at_fork(before=drained, after_in_child=_forked)
+os.register_at_fork(before=_fork_begins, after_in_parent=_fork_ended, after_in_child=_forked)
