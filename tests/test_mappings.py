@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import gatherstore as gs
 from gatherstore import _mappings as mappings
 from gatherstore import _memory as memory
 
@@ -63,6 +64,12 @@ def test_mapping_a_part_first_waits_for_every_unmapping_handed_off() -> None:
 def test_the_headroom_is_measured_once_the_parts_let_go_are_unmapped() -> None:
     names = _let_go("gs-test-headroom")
     assert memory.headroom() > 0
+    assert not any(_mapped(name) for name in names)
+
+
+def test_shutdown_leaves_no_part_to_unmap() -> None:
+    names = _let_go("gs-test-shutdown")
+    gs.shutdown()  # no process group: only what a process holds of its own
     assert not any(_mapped(name) for name in names)
 
 

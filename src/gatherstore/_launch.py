@@ -21,6 +21,7 @@ from . import _control as control
 from . import _gloo as gloo
 from . import _handover as handover
 from . import _job as job
+from . import _mappings as mappings
 from . import _published as publication
 from . import _rs_lifetime as result_sets
 from . import _session as session
@@ -351,7 +352,8 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     the timeout of the job's last call that used a store) for ranks that are gone; if
     rank 0 is gone (its rendezvous store with it), this rank removes the areas itself;
     a rank 0 that is only late removes them when it gets here.  The pinned memory that
-    CUDA tensors were gathered through is released.
+    CUDA tensors were gathered through is released, and the parts the program let go
+    are unmapped (see ``gatherstore._mappings``).
 
     Raises:
         ValueError: ``timeout`` is not a positive number of seconds.
@@ -375,4 +377,5 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
     specs.close_opened()
     staging.release()
     handover.close()
+    mappings.drained()
     job.forget_groups()
