@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import mmap
 import os
 import threading
@@ -52,7 +53,7 @@ class _Unmapping:
         ``UNMAPPERS``).  Never from a finalizer: starting a thread takes threading's own
         lock, and a collection in a thread that holds that lock may run a finalizer."""
         with self.starting:
-            if self.threads >= min(UNMAPPERS, len(os.sched_getaffinity(0))):
+            if self.threads >= _most_threads():
                 return
             thread = threading.Thread(target=self._unmap, name="gatherstore-unmap", daemon=True)
             try:
@@ -99,6 +100,13 @@ class _Unmapping:
                 with self.changed:
                     self.behind -= size
                     self.changed.notify_all()
+
+
+@functools.cache
+def _most_threads() -> int:
+    """Unmapping threads this process may run: one per CPU of its affinity, at most
+    ``UNMAPPERS`` (looked up once, not at every mapping)."""
+    return min(UNMAPPERS, len(os.sched_getaffinity(0)))
 
 
 _unmapping = _Unmapping()
