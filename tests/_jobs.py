@@ -56,7 +56,7 @@ def check_object_collectives(results: list[dict[str, Any]]) -> None:
 def hiredis_in_use() -> bool:
     """In a fresh process: hide hiredis as the bench's ``redis_default`` ceiling does,
     then say whether redis-py still found it."""
-    from gatherstore._bench import clients
+    from gatherstore.cli.bench import clients
 
     clients._hide_hiredis()
     import redis.utils

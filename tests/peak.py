@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from gatherstore._bench.measure import PeakMemory
+from gatherstore.cli.bench.measure import PeakMemory
 from gatherstore.stores.base import Store
 
 

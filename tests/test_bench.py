@@ -18,10 +18,10 @@ import torch
 from _jobs import hiredis_in_use
 
 import gatherstore as gs
-from gatherstore import _cli
-from gatherstore._bench import baselines, clients, floors, latency, payloads, report, runner
-from gatherstore._bench.cases import BASELINE, Case, select
-from gatherstore._bench.measure import PeakMemory
+from gatherstore.cli import main as _cli
+from gatherstore.cli.bench import baselines, clients, floors, latency, payloads, report, runner
+from gatherstore.cli.bench.cases import BASELINE, Case, select
+from gatherstore.cli.bench.measure import PeakMemory
 from gatherstore.testing.plugin import S3Endpoint
 from gatherstore.testing.services import start_redis
 
@@ -39,7 +39,16 @@ ALL_CASES = [BASELINE, "torch.gather_object", "mmengine.collect_results_cpu", *G
 def run_bench(
     *args: str, timeout: float, services: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "gatherstore._cli", "bench", "--sizes", "4MB", "--world", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "gatherstore.cli.main",
+        "bench",
+        "--sizes",
+        "4MB",
+        "--world",
+        "2",
+    ]
     command += ["--repeats", "1", "--ceiling-size", "16MB", *args]
     # no services but ``services`` (their variables): the expected cases are known
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATHERSTORE_")}
@@ -400,7 +409,7 @@ def test_bench_torchmetrics_map_unpatched_patched_and_on_rank_0() -> None:
 def test_bench_quick_without_tqdm_says_what_it_skips_first_and_how_to_run_all() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATHERSTORE_")}
     code = (  # tqdm cannot be imported, as without the bench extra
-        "import sys; sys.modules['tqdm'] = None; from gatherstore._cli import main; "
+        "import sys; sys.modules['tqdm'] = None; from gatherstore.cli.main import main; "
         "sys.exit(main(['bench', '--quick', '--json']))"
     )
     result = subprocess.run(
@@ -448,7 +457,7 @@ def test_bench_soak_reports_each_store_s_first_and_last_calls(
 ) -> None:
     """``--soak``: random calls over the mix, each store's first and last medians, and
     nothing left in the ranks' tmpdir base."""
-    from gatherstore._bench import soak
+    from gatherstore.cli.bench import soak
 
     assert _cli._parser().parse_args(["bench", "--soak"]).soak == 1000
     monkeypatch.setenv("GATHERSTORE_TMPDIR", str(tmp_path))
@@ -465,7 +474,7 @@ def test_bench_soak_reports_each_store_s_first_and_last_calls(
 @pytest.mark.timeout(400)
 def test_bench_result_sets_at_tiny_sizes(tmp_path: Path) -> None:
     """``--result-sets``: every figure with its goal, in a folder that is removed after."""
-    from gatherstore._bench import resultsets
+    from gatherstore.cli.bench import resultsets
 
     parsed = _cli._parser().parse_args(["bench", "--result-sets"]).result_sets
     assert parsed == [("1GB", 1 << 30), ("4GB", 4 << 30)]

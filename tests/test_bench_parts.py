@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from gatherstore import _cli
-from gatherstore._bench import parts
-from gatherstore._bench.delay import DelayProxy
-from gatherstore._parts import BATCH_BYTES, IN_FLIGHT
+from gatherstore.cli import main as _cli
+from gatherstore.cli.bench import parts
+from gatherstore.cli.bench.delay import DelayProxy
+from gatherstore.routes.parts import BATCH_BYTES, IN_FLIGHT
 from gatherstore.stores.base import Store
 from gatherstore.stores.registry import open_store
 from gatherstore.testing.plugin import S3Endpoint

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gatherstore import _chunks as chunks
-from gatherstore import _serialize as serialize
+from gatherstore.codec import chunks
+from gatherstore.codec import frames as serialize
 
 
 @pytest.fixture(autouse=True)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 import gatherstore as gs
-from gatherstore import _cli as cli
-from gatherstore._bench.measure import format_bytes, parse_size
-from gatherstore._cleanup import parse_duration
-from gatherstore._objects import AUTO_THRESHOLD
-from gatherstore._session import MARKER
+from gatherstore.calls.objects import AUTO_THRESHOLD
+from gatherstore.cli import main as cli
+from gatherstore.cli.bench.measure import format_bytes, parse_size
+from gatherstore.job.cleanup import parse_duration
+from gatherstore.job.session import MARKER
 from gatherstore.stores.file import FileStore
 
 OLD = 7200.0  # seconds: older than the --older-than 1h used below
@@ -24,7 +24,7 @@ OLD = 7200.0  # seconds: older than the --older-than 1h used below
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gatherstore._cli", *args],
+        [sys.executable, "-m", "gatherstore.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -183,7 +183,7 @@ def test_check_on_every_rank_under_torchrun() -> None:
     # --standalone: torchrun binds a free port itself
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     result = subprocess.run(
-        [*torchrun, "2", "-m", "gatherstore._cli", "check", "--store", "tmpdir"],
+        [*torchrun, "2", "-m", "gatherstore.cli.main", "check", "--store", "tmpdir"],
         capture_output=True,
         text=True,
         timeout=110,

@@ -19,7 +19,7 @@ from compat_same import Unsendable, outcome, reused_buffer, same
 from compat_standins import ROOT
 
 import gatherstore as gs
-from gatherstore._bench.metrics import counted
+from gatherstore.cli.bench.metrics import counted
 from gatherstore.compat import torchmetrics as compat
 
 pytestmark = pytest.mark.skipif(

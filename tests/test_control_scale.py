@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import gatherstore as gs
-from gatherstore._bench import scale
-from gatherstore._exchange import Outcome, _pack, _unpack, exchange_on, wait_for_readers
+from gatherstore.cli.bench import scale
+from gatherstore.job.exchange import Outcome, _pack, _unpack, exchange_on, wait_for_readers
 from gatherstore.testing.services import free_ports
 
 
@@ -163,7 +163,7 @@ def test_scale_bench_runs(algorithm: str) -> None:
 
 
 def _exchange_job(signals: str) -> dict[str, Any]:
-    from gatherstore import _control as control
+    from gatherstore.job import control
 
     rank, out = gs.get_rank(), {}
     out["values"] = control.exchange(b"%d" % rank, timeout=30, what="values")

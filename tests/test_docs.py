@@ -53,8 +53,8 @@ from pathlib import Path
 
 import pytest
 
-from gatherstore import _cli
-from gatherstore._bench.clients import fresh_bucket
+from gatherstore.cli import main as _cli
+from gatherstore.cli.bench.clients import fresh_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -136,8 +136,8 @@ TAMPERER = 3
 
 def _tamper_job(url: str, options: dict[str, Any]) -> list[tuple[str, Any]]:
     """Each call: every rank writes, a sender alters the stored bytes, then dst reads."""
-    from gatherstore import _serialize as serialize
-    from gatherstore._session import session_for
+    from gatherstore.codec import frames as serialize
+    from gatherstore.job.session import session_for
 
     store = gs.open_store(url, **options)
     rank = gs.get_rank()
@@ -222,7 +222,7 @@ def test_tampered_parts_in_redis_fail_naming_the_rank() -> None:
 _AFTER_READ = """
 import os, sys
 import numpy as np
-from gatherstore import _serialize as serialize
+from gatherstore.codec import frames as serialize
 from gatherstore.stores.file import FileStore
 from gatherstore.stores.tmpdir import TmpdirStore
 
@@ -396,7 +396,7 @@ MARGIN = 300 << 20  # what the cgroup allows beyond what the job holds once its 
 
 def _memory_job(limit_file: str, usage_file: str) -> list[str]:
     """Senders hold PART bytes; the cgroup then allows MARGIN more; every big gather must fail."""
-    from gatherstore import _memory
+    from gatherstore.host import memory as _memory
 
     rank = gs.get_rank()
     obj = np.ones(PART // 8) if rank else np.zeros(1)

@@ -231,7 +231,7 @@ class _SlowReads:
 def slow_reader_rank(out: str, rank: int) -> None:
     """One gather, then every rank leaves at once, without ``shutdown``; rank 2 reads
     the gather's outcome from rank 0's store 3 s late, long after rank 0 is done."""
-    from gatherstore import _control as control
+    from gatherstore.job import control
 
     gs.init_from_env(backend="gloo")
     if rank == 2:
@@ -476,7 +476,7 @@ def test_gatherstores_handler_does_nothing_when_a_later_handler_chains_to_it() -
     the process alive: gatherstore's handler acts only while it is the installed one."""
     script = """
 import os, signal, sys
-from gatherstore import _signals
+from gatherstore.job import signals as _signals
 cleaned = []
 _signals.install(lambda: cleaned.append(1))
 previous = signal.getsignal(signal.SIGTERM)

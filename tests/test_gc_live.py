@@ -25,7 +25,7 @@ import redis
 from conftest import OtherUser
 
 import gatherstore as gs
-from gatherstore._heartbeat import HEARTBEAT
+from gatherstore.job.heartbeat import HEARTBEAT
 
 TESTS = str(Path(__file__).resolve().parent)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -80,7 +80,7 @@ def _gc(store: str, older_than: str = "2s") -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "gatherstore._cli",
+            "gatherstore.cli.main",
             "gc",
             "--store",
             store,

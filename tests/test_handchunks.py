@@ -15,7 +15,7 @@ import torch
 from test_handover import _areas, _logged
 
 import gatherstore as gs
-from gatherstore import _handover as handover
+from gatherstore.routes import handover
 
 CHUNK = 64 << 10
 #: Two threads seal a sender's chunks only where the process may run on two CPUs.

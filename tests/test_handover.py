@@ -28,10 +28,10 @@ import torch
 from conftest import OtherUser
 
 import gatherstore as gs
-from gatherstore import _digest
-from gatherstore import _handover as handover
-from gatherstore import _serialize as serialize
-from gatherstore.stores.deadline import Deadline
+from gatherstore._time import Deadline
+from gatherstore.codec import digest as _digest
+from gatherstore.codec import frames as serialize
+from gatherstore.routes import handover
 
 
 def _logged(run: Any) -> tuple[Any, str]:

@@ -303,7 +303,7 @@ def _groups_freed_after(destroy: str) -> list[str]:
 
     import torch.distributed as dist
 
-    from gatherstore import _gloo
+    from gatherstore.job import gloo as _gloo
 
     gs.all_reduce(1)
     gs.gather_object(gs.get_rank(), store="tmpdir", timeout=60)

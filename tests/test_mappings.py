@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 import gatherstore as gs
-from gatherstore import _mappings as mappings
-from gatherstore import _memory as memory
+from gatherstore.host import mappings, memory
 
 
 def _part(name: str, size: int = 4 << 20) -> memoryview:
@@ -106,7 +105,7 @@ def test_a_forked_child_never_holds_a_part_its_parent_let_go() -> None:
 
 _COLLECTED_UNDER_THREADINGS_LOCK = """
 import gc, os, threading
-from gatherstore import _mappings
+from gatherstore.host import mappings as _mappings
 
 def part(name):
     fd = os.memfd_create(name); os.write(fd, bytes(1 << 20))

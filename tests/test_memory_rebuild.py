@@ -11,7 +11,9 @@ import pytest
 from cgroups import run_in_memory_cgroup
 
 import gatherstore as gs
-from gatherstore import _memory, _serialize, _sizing
+from gatherstore.codec import frames as _serialize
+from gatherstore.codec import sizing as _sizing
+from gatherstore.host import memory as _memory
 
 
 def _inflate(seed: bytes) -> bytes:

@@ -2,7 +2,7 @@
 them, object gathers through every shared store (sshfs, Redis and S3 on host 1), node-local
 stores refused.
 
-The hosts come from :mod:`gatherstore._bench.hosts` (root, ``ip``, sshfs, sshd); without
+The hosts come from :mod:`gatherstore.cli.bench.hosts` (root, ``ip``, sshfs, sshd); without
 them these tests are skipped, unless the environment variable CI is set.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from test_slurm import slurm_step_env, without_launchers
 
-from gatherstore._bench import hostbench
-from gatherstore._bench.hosts import Host, Hosts, unavailable
+from gatherstore.cli.bench import hostbench
+from gatherstore.cli.bench.hosts import Host, Hosts, unavailable
 from gatherstore.testing.services import free_ports
 
 NPROC = 2  # ranks per host

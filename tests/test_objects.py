@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gatherstore as gs
-from gatherstore import _memory as memory
+from gatherstore.host import memory
 
 SPECS = ["auto", "collective", "tmpdir", "file"]
 
@@ -258,7 +258,7 @@ def test_peak_memory_of_a_4_by_100mb_gather() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_single_part_over_4_gib(tmp_path: Path) -> None:
-    from gatherstore import _serialize as serialize
+    from gatherstore.codec import frames as serialize
     from gatherstore.stores.file import FileStore
 
     n = (4 << 30) // 8 + 1024

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import gatherstore as gs
-from gatherstore import _progress
+from gatherstore.routes import progress as _progress
 
 
 def _gather_with_logs(spec: str, progress: bool | None) -> dict[str, Any]:

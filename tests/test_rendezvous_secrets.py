@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import gatherstore as gs
-from gatherstore import _published
+from gatherstore.job import published as _published
 from gatherstore.testing.services import RedisService, start_redis
 
 PASSWORD = "pw-never-published-7f3a"

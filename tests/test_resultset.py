@@ -24,10 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
-from gatherstore import _rs_layout as layout
-from gatherstore import _rs_merge as merge
-from gatherstore import _rs_order as order
-from gatherstore._rs_writer import FlushEvery, flush_policy
+from gatherstore.results import layout, merge, order
+from gatherstore.results.writer import FlushEvery, flush_policy
 
 SRC = str(Path(gs.__file__).resolve().parents[1])
 KEY = b"k" * 32
@@ -42,7 +40,7 @@ def redis_url(gatherstore_redis_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def s3_bucket(gatherstore_s3: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    from gatherstore._bench.clients import fresh_bucket
+    from gatherstore.cli.bench.clients import fresh_bucket
 
     options = gatherstore_s3.storage_options
     with fresh_bucket(options, "results") as bucket:
@@ -380,7 +378,7 @@ def test_an_exported_column_holds_each_value_as_a_list_would(values: list[Any]) 
     same values as Python lists."""
     import pyarrow as pa
 
-    from gatherstore import _rs_export as export
+    from gatherstore.results import export
 
     plain = [v.tolist() if hasattr(v, "tolist") else v for v in values]
     assert export._column(pa, values).to_pylist() == plain
@@ -445,7 +443,7 @@ def test_the_merge_keeps_key_order_and_the_first_chunks_value(
         store.put(f"chunks/{name}", data.segments)
         info, _ = layout.decode_index(b"".join(index.segments), name, None, "uid", name)
         infos.append(info)
-    from gatherstore._rs_read import SetReader
+    from gatherstore.results.read import SetReader
 
     got = list(merge.merged(infos, SetReader(store, None, "uid", "test"), budget))
     first: dict[Any, Any] = {}
@@ -476,7 +474,7 @@ def test_items_spills_to_stay_within_its_budget(tmp_path: Path) -> None:
 def test_gc_removes_result_sets_only_when_asked_and_results_shows_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gatherstore import _cli
+    from gatherstore.cli import main as _cli
 
     url = f"file://{tmp_path}"
     for name in ("eval/a", "eval/b", "eval/live"):

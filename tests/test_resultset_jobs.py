@@ -31,7 +31,7 @@ def redis_url(gatherstore_redis_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def s3_store(gatherstore_s3: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    from gatherstore._bench.clients import fresh_bucket
+    from gatherstore.cli.bench.clients import fresh_bucket
 
     options = gatherstore_s3.storage_options
     with fresh_bucket(options, "results-jobs") as bucket:
@@ -215,7 +215,7 @@ def gather_big(url: str, limit_file: str, usage_file: str) -> str:
 
 def _limit_memory(limit_file: str, usage_file: str, room: int) -> int:
     """Set the cgroup's limit to ``room`` bytes over what it holds (page cache aside)."""
-    from gatherstore import _memory
+    from gatherstore.host import memory as _memory
 
     stat = Path(limit_file).with_name("memory.stat")
     field = "inactive_file" if limit_file.endswith("memory.max") else "total_inactive_file"
@@ -231,7 +231,7 @@ with open(sys.argv[1], "w") as f:
 from pathlib import Path
 import gatherstore as gs
 import test_resultset_jobs as t
-from gatherstore._bench.measure import PeakMemory
+from gatherstore.cli.bench.measure import PeakMemory
 limit_file, usage_file, url, count = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 args = (url, limit_file, usage_file)
 print(*gs.launch(t.gather_big, nproc_per_node=2, backend="gloo", args=args), flush=True)

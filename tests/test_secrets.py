@@ -64,7 +64,7 @@ def locked_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gatherstore._cli", *args],
+        [sys.executable, "-m", "gatherstore.cli.main", *args],
         env={**os.environ, "PYTHONPATH": SRC, **env},
         capture_output=True,
         text=True,

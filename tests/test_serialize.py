@@ -22,9 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
-from gatherstore import _digest, _records
-from gatherstore import _serialize as serialize
-from gatherstore._records import MIN_RUN
+from gatherstore.codec import digest as _digest
+from gatherstore.codec import frames as serialize
+from gatherstore.codec import records as _records
+from gatherstore.codec.records import MIN_RUN
 from gatherstore.stores.file import FileStore
 
 

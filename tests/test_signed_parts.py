@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gatherstore as gs
-from gatherstore import _serialize as serialize
+from gatherstore.codec import frames as serialize
 from gatherstore.stores.base import Buffer, Store
 from gatherstore.stores.file import FileStore
 from gatherstore.stores.redis import RedisStore

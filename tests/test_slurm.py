@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gatherstore._slurm import expand_nodelist, layout, master_addr, tasks_per_node
+from gatherstore.job.slurm import expand_nodelist, layout, master_addr, tasks_per_node
 from gatherstore.testing.services import free_ports
 
 # a job holding node[0-2] whose step runs on node1 and node2 only: 2 tasks, then 1

@@ -18,9 +18,8 @@ from test_serialize import assert_same, round_trip
 
 import gatherstore as gs
 from gatherstore import _config as config
-from gatherstore import _records as records
-from gatherstore import _serialize as serialize
-from gatherstore import _staging as staging
+from gatherstore.codec import frames as serialize
+from gatherstore.codec import records, staging
 
 CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine (checked on the GPU one)"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fsspec_raw import FsspecRaw
 
-from gatherstore.stores import _fileio as fileio
+from gatherstore.host.writes import write_all
 from gatherstore.stores.base import Store
 from gatherstore.stores.file import FileStore
 from gatherstore.stores.fsspec import FsspecStore
@@ -143,7 +143,7 @@ def test_vectored_writes_cut_short_resume_where_they_stopped(
     previous = signal.signal(signal.SIGALRM, lambda *_: None)
     signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
     try:
-        fileio.write_all(write, buffers)
+        write_all(write, buffers)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -24,7 +24,7 @@ from _jobs import check_object_collectives, object_collectives_job
 from peak import round_trip_growth
 
 import gatherstore as gs
-from gatherstore._bench.measure import PeakMemory
+from gatherstore.cli.bench.measure import PeakMemory
 from gatherstore.stores import _resp
 from gatherstore.stores.base import KeyExistsError, Store
 from gatherstore.stores.redis import RedisStore

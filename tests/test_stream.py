@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gatherstore as gs
-from gatherstore import _stream
+from gatherstore.routes import stream as _stream
 from gatherstore.testing.services import free_ports
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 import gatherstore as gs
-from gatherstore._slurm import expand_nodelist
+from gatherstore.job.slurm import expand_nodelist
 from gatherstore.testing.services import free_ports
 
 DESCRIBE_KEYS = {

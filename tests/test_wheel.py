@@ -104,7 +104,7 @@ def test_fresh_environment_without_extras(
         "gatherstore.stores.areas",
         "gatherstore.stores.backend",
         "gatherstore.stores.base",
-        "gatherstore.stores.deadline",
+        "gatherstore._time",
         "gatherstore.stores.failures",
         "gatherstore.stores.layout",
         "gatherstore.stores.registry",

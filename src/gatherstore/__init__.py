@@ -13,8 +13,8 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from . import _errors
-from ._errors import (
+from gatherstore import _errors
+from gatherstore._errors import (
     GatherError,
     GatherTimeout,
     InsufficientMemoryError,
@@ -25,23 +25,26 @@ from ._errors import (
     StoreNotSharedError,
     StoreUnavailableError,
 )
-from .stores.base import Store
+from gatherstore.stores.base import Store
 
 if _TYPE_CHECKING:
-    from ._collectives import (
+    from gatherstore.calls.dicts import all_reduce_dict, reduce_dict
+    from gatherstore.calls.objects import (
+        all_gather_object,
+        broadcast_object,
+        gather_iter,
+        gather_object,
+    )
+    from gatherstore.calls.rank_filters import one_rank_only, rank_zero_only
+    from gatherstore.calls.tensors import (
         all_gather_tensor,
         all_reduce,
         barrier,
         broadcast_tensor,
         shared_random_seed,
     )
-    from ._dicts import all_reduce_dict, reduce_dict
-    from ._launch import init_from_env, launch, shutdown
-    from ._objects import all_gather_object, broadcast_object, gather_iter, gather_object
-    from ._rank_filters import one_rank_only, rank_zero_only
-    from ._results import collect_results
-    from ._resultset import ResultSet
-    from ._topology import (
+    from gatherstore.job.launch import init_from_env, launch, shutdown
+    from gatherstore.job.topology import (
         backend,
         describe,
         device,
@@ -55,7 +58,9 @@ if _TYPE_CHECKING:
         is_distributed,
         is_main_process,
     )
-    from .stores.registry import open_store, register_store, set_default_store
+    from gatherstore.results.collect import collect_results
+    from gatherstore.results.resultset import ResultSet
+    from gatherstore.stores.registry import open_store, register_store, set_default_store
 
 #: Where each lazily loaded public name is defined.
 _LAZY = {
@@ -147,7 +152,7 @@ del _name
 
 def __getattr__(name: str) -> _Any:
     if name == "__version__":  # pyproject.toml's, from the installed metadata
-        from ._version import version
+        from gatherstore._version import version
 
         globals()[name] = version()
         return globals()[name]

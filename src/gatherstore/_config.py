@@ -109,7 +109,7 @@ def _seconds_setting(name: str, default: float) -> float:
 SHM = "/dev/shm"
 
 #: What ``store=`` (and ``GATHERSTORE_STORE``) may name besides a store: the routes of the
-#: object collectives (``gatherstore._routes``), which move parts without one.
+#: object collectives (``gatherstore.routes.base``), which move parts without one.
 ROUTES = ("auto", "collective", "stream")
 
 #: Seconds a collective waits by default (``GATHERSTORE_TIMEOUT`` overrides it).
@@ -151,7 +151,7 @@ def tmpdir_base() -> str | None:
 
 def handover() -> bool:
     """``GATHERSTORE_HANDOVER``: False (0/false/no) keeps ``tmpdir``'s parts in files even
-    between the ranks of one machine (see ``gatherstore._handover``); else True."""
+    between the ranks of one machine (see ``gatherstore.routes.handover``); else True."""
     return os.environ.get("GATHERSTORE_HANDOVER", "").strip().lower() not in ("0", "false", "no")
 
 

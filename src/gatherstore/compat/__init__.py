@@ -9,6 +9,6 @@ to swap the installed library's object functions in place::
 Each module imports without its library; only ``patch()`` needs it.
 """
 
-from ._patching import Patch
+from gatherstore.compat._patching import Patch
 
 __all__ = ["Patch"]

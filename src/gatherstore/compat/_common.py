@@ -8,8 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 import gatherstore as gs
-
-from .._objects import own_copies
+from gatherstore.calls.objects import own_copies
 
 __all__ = [
     "NO_PROCESS_GROUP",

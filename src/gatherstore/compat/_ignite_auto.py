@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.data.sampler import Sampler
 
-from ._ignite_model import (
+from gatherstore.compat._ignite_model import (
     device,
     get_local_rank,
     get_nproc_per_node,

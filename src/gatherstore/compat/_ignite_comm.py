@@ -18,9 +18,14 @@ import torch
 import torch.distributed as dist
 
 import gatherstore as gs
-
-from ._common import gather_all, is_default_group
-from ._ignite_model import device, get_local_rank, get_nproc_per_node, get_rank, get_world_size
+from gatherstore.compat._common import gather_all, is_default_group
+from gatherstore.compat._ignite_model import (
+    device,
+    get_local_rank,
+    get_nproc_per_node,
+    get_rank,
+    get_world_size,
+)
 
 __all__ = [
     "all_gather",

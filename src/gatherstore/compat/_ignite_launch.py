@@ -19,11 +19,15 @@ import torch
 import torch.distributed as dist
 
 import gatherstore as gs
-
-from .. import _slurm as slurm
-from .._config import to_seconds
-from .._errors import seconds as format_seconds
-from ._ignite_model import available_backends, get_local_rank, get_world_size, rank_zero_logger
+from gatherstore._config import to_seconds
+from gatherstore._errors import seconds as format_seconds
+from gatherstore.compat._ignite_model import (
+    available_backends,
+    get_local_rank,
+    get_world_size,
+    rank_zero_logger,
+)
+from gatherstore.job import slurm
 
 __all__ = ["Parallel", "finalize", "initialize", "spawn"]
 

@@ -20,9 +20,8 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 import gatherstore as gs
-
-from .. import _slurm as slurm
-from ._common import group_rank, group_size, is_default_group
+from gatherstore.compat._common import group_rank, group_size, is_default_group
+from gatherstore.job import slurm
 
 ProcessGroup = dist.ProcessGroup
 _local_group: list[ProcessGroup | None] = [None]

@@ -21,10 +21,9 @@ from typing import Any
 import torch
 
 import gatherstore as gs
-
-from .._config import DEFAULT_TIMEOUT
-from ._common import own_copies
-from ._patching import Patch, _import, patch_module
+from gatherstore._config import DEFAULT_TIMEOUT
+from gatherstore.compat._common import own_copies
+from gatherstore.compat._patching import Patch, _import, patch_module
 
 __all__ = ["gather_object", "patch"]
 

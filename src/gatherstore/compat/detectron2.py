@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 import gatherstore as gs
-
-from ._common import NO_PROCESS_GROUP, gather_all, gather_to, group_size
-from ._patching import Patch, patch_module
+from gatherstore.compat._common import NO_PROCESS_GROUP, gather_all, gather_to, group_size
+from gatherstore.compat._patching import Patch, patch_module
 
 __all__ = [
     "_LOCAL_PROCESS_GROUP",

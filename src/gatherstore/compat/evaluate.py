@@ -20,9 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import gatherstore as gs
-
-from ._patching import Patch, _import, patch_methods
-from ._raising import Raising
+from gatherstore.compat._patching import Patch, _import, patch_methods
+from gatherstore.compat._raising import Raising
 
 __all__ = ["patch"]
 

@@ -13,8 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._ignite_auto import DistributedProxySampler, auto_dataloader, auto_model, auto_optim
-from ._ignite_comm import (
+from gatherstore.compat._ignite_auto import (
+    DistributedProxySampler,
+    auto_dataloader,
+    auto_model,
+    auto_optim,
+)
+from gatherstore.compat._ignite_comm import (
     all_gather,
     all_gather_tensors_with_shapes,
     all_reduce,
@@ -24,8 +29,8 @@ from ._ignite_comm import (
     one_rank_first,
     one_rank_only,
 )
-from ._ignite_launch import Parallel, finalize, initialize, spawn
-from ._ignite_model import (
+from gatherstore.compat._ignite_launch import Parallel, finalize, initialize, spawn
+from gatherstore.compat._ignite_model import (
     available_backends,
     backend,
     device,
@@ -45,7 +50,7 @@ from ._ignite_model import (
     show_config,
     sync,
 )
-from ._patching import Patch, patch_module
+from gatherstore.compat._patching import Patch, patch_module
 
 __all__ = [
     "backend",

@@ -27,9 +27,8 @@ import numpy as np
 from torch import Tensor
 
 import gatherstore as gs
-
-from ._patching import _import
-from ._raising import Raising
+from gatherstore.compat._patching import _import
+from gatherstore.compat._raising import Raising
 
 __all__ = ["GatherPredictions", "split_output"]
 
@@ -251,7 +250,7 @@ def _define() -> type:
 
         def _settle(self, trainer: Any) -> None:
             """With ``resume``: every dataset index's prediction, from any run, on ``dst``."""
-            from .._rs_collect import settle
+            from gatherstore.results.collect_into import settle
 
             rs, self._set, self._todo = self._set, None, None
             failed = self._mine.error if isinstance(self._mine, Raising) else None

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import gatherstore as gs
-
-from ._common import own_copies
-from ._patching import Patch, patch_methods
+from gatherstore.compat._common import own_copies
+from gatherstore.compat._patching import Patch, patch_methods
 
 __all__ = ["gather_object", "patch"]
 

@@ -18,9 +18,14 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
 import gatherstore as gs
-
-from ._common import dir_store, gather_all, gather_to, is_default_group, own_copies
-from ._mmengine_utils import (
+from gatherstore.compat._common import (
+    dir_store,
+    gather_all,
+    gather_to,
+    is_default_group,
+    own_copies,
+)
+from gatherstore.compat._mmengine_utils import (
     barrier,
     cast_data_device,
     get_backend,
@@ -40,7 +45,7 @@ from ._mmengine_utils import (
     is_main_process,
     master_only,
 )
-from ._patching import Patch, patch_module
+from gatherstore.compat._patching import Patch, patch_module
 
 __all__ = [
     "all_gather_object",

@@ -24,10 +24,9 @@ import torch
 from torch import Tensor
 
 import gatherstore as gs
-
-from ._common import gather_all, group_rank, is_default_group
-from ._patching import Patch, _import, patch_methods
-from ._raising import Raising
+from gatherstore.compat._common import gather_all, group_rank, is_default_group
+from gatherstore.compat._patching import Patch, _import, patch_methods
+from gatherstore.compat._raising import Raising
 
 __all__ = ["dist_sync_fn", "patch"]
 

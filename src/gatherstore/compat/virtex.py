@@ -9,8 +9,7 @@ from urllib.parse import urlsplit
 import torch
 
 import gatherstore as gs
-
-from ._patching import Patch, patch_module
+from gatherstore.compat._patching import Patch, patch_module
 
 __all__ = [
     "average_across_processes",

@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 import gatherstore as gs
-
-from ._common import NO_PROCESS_GROUP, dir_store, own_copies
-from ._patching import Patch, patch_module
+from gatherstore.compat._common import NO_PROCESS_GROUP, dir_store, own_copies
+from gatherstore.compat._patching import Patch, patch_module
 
 __all__ = [
     "all_gather_object_cpu",

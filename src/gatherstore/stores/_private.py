@@ -18,7 +18,7 @@ import os
 import stat
 from pathlib import Path
 
-from .._errors import StoreUnavailableError
+from gatherstore._errors import StoreUnavailableError
 
 __all__ = [
     "DIRECTORY",

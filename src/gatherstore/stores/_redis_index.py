@@ -19,8 +19,8 @@ from typing import Any
 
 import redis
 
-from . import _resp
-from .areas import JOB_AREA
+from gatherstore.stores import _resp
+from gatherstore.stores.areas import JOB_AREA
 
 __all__ = ["BATCH", "JobIndexes"]
 

@@ -17,7 +17,7 @@ import redis.backoff
 import redis.connection
 import redis.retry
 
-from ._secrets import hide_password
+from gatherstore.stores._secrets import hide_password
 
 __all__ = [
     "CONNECTION_DEFAULTS",

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 import redis.connection
 
-from .deadline import time_left
+from gatherstore._time import time_left
 
 __all__ = [
     "DeadlineConnection",

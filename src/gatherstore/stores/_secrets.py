@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 
-from .deadline import expired
+from gatherstore._time import expired
 
 __all__ = ["describe_failure", "hide_password", "hide_secrets", "is_secret"]
 

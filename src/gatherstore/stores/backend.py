@@ -21,11 +21,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
-from .._errors import StoreUnavailableError
-from . import failures
-from ._secrets import hide_password
-from .deadline import expired
-from .layout import Buffer, nbytes
+from gatherstore._errors import StoreUnavailableError
+from gatherstore._time import expired
+from gatherstore.stores import failures
+from gatherstore.stores._secrets import hide_password
+from gatherstore.stores.layout import Buffer, nbytes
 
 __all__ = ["PRIMITIVES", "Backend"]
 

@@ -14,15 +14,23 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .._errors import GatherError
-from . import failures, layout
-from ._secrets import describe_failure, hide_password, hide_secrets
-from .areas import JOB_AREA, JobArea, job_directory, job_keys
-from .backend import Backend
-from .deadline import END_JOB_TIMEOUT, deadline
-from .failures import KeyExistsError
-from .layout import CHUNKS, HEADER_SIZE, Buffer, ChunksRead, Damaged, Layout, nbytes
-from .waiting import wait_for
+from gatherstore._errors import GatherError
+from gatherstore._time import END_JOB_TIMEOUT, deadline
+from gatherstore.stores import failures, layout
+from gatherstore.stores._secrets import describe_failure, hide_password, hide_secrets
+from gatherstore.stores.areas import JOB_AREA, JobArea, job_directory, job_keys
+from gatherstore.stores.backend import PRIMITIVES, Backend
+from gatherstore.stores.failures import KeyExistsError
+from gatherstore.stores.layout import (
+    CHUNKS,
+    HEADER_SIZE,
+    Buffer,
+    ChunksRead,
+    Damaged,
+    Layout,
+    nbytes,
+)
+from gatherstore.stores.waiting import wait_for
 
 __all__ = [
     "CHUNKS",
@@ -70,7 +78,7 @@ class Store(Backend):
     def _from_url(cls, url: str, **options: Any) -> Store:
         raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
 
-    # --- job hooks (see gatherstore._session) ----------------------------------------
+    # --- job hooks (see gatherstore.job.session) ----------------------------------------
     def prepare_job(self, job_id: str) -> str:
         """On rank 0, at a job's first use: create what the job needs; return a locator."""
         return job_keys(job_id)
@@ -338,8 +346,6 @@ class Store(Backend):
 
     def scoped(self, prefix: str) -> Store:
         """A view of this store in which every key lives under ``prefix``."""
-        from .scoped import ScopedStore  # a Store itself: it imports this module
-
         return ScopedStore(self, prefix)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -348,3 +354,89 @@ class Store(Backend):
 
 def _reopen(cls: type[Store], url: str, options: dict[str, Any], sign: bool | None) -> Store:
     return cls.from_url(url, **options, **({} if sign is None else {"sign": sign}))
+
+
+# A view of a store whose keys all live under a prefix (what ``Store.scoped`` returns).
+#
+# Every primitive is the parent's, forwarded by how it names keys (see
+# ``backend.PRIMITIVES``), so a new primitive cannot be missed: the module refuses to
+# load while one is not forwarded.  What the parent can do is the view's too; only
+# whether parts are signed is the view's own.
+
+
+def _forward(name: str) -> Any:
+    """Primitive ``name`` of a view under a prefix: the parent's, with the prefix added to
+    every key it names (see ``PRIMITIVES``), and removed from those it lists."""
+    shape = PRIMITIVES[name]
+
+    def forwarded(self: ScopedStore, keys: Any, *rest: Any) -> Any:
+        p = self.prefix
+        if shape in ("key", "prefix"):
+            keys = p + keys
+        elif shape == "keys":
+            keys = [p + key for key in keys]
+        else:
+            keys = [(p + key, value) for key, value in keys]
+        out = getattr(self.parent, name)(keys, *rest)
+        return (key[len(p) :] for key in out) if name == "_list" else out
+
+    forwarded.__name__ = forwarded.__qualname__ = name
+    return forwarded
+
+
+def _parents(name: str) -> Any:
+    """An attribute of a view under a prefix that is its parent's."""
+    return property(lambda self: getattr(self.parent, name))
+
+
+class ScopedStore(Store):
+    """A view of a parent store whose keys all live under a prefix: every primitive is
+    the parent's (by ``PRIMITIVES``, so none can be missed), and so is what
+    the parent can do; only whether parts are signed is the view's own."""
+
+    def __init__(self, parent: Store, prefix: str) -> None:
+        super().__init__()
+        self.parent = parent
+        self.prefix = prefix.strip("/") + "/"
+        self.sign_parts = parent.sign_parts
+
+    _write = _forward("_write")
+    _read = _forward("_read")
+    _exists = _forward("_exists")
+    _list = _forward("_list")
+    _delete = _forward("_delete")
+    _delete_prefix = _forward("_delete_prefix")
+    _replace = _forward("_replace")
+    _write_many = _forward("_write_many")
+    _read_many = _forward("_read_many")
+    _read_many_into = _forward("_read_many_into")
+    _read_head = _forward("_read_head")
+
+    max_value_size = _parents("max_value_size")
+    unavailable_errors = _parents("unavailable_errors")
+    poll_interval = _parents("poll_interval")
+    reachable_by_others = _parents("reachable_by_others")
+    is_private = _parents("is_private")
+    persistent = _parents("persistent")
+    shares_memory_with_host = _parents("shares_memory_with_host")
+
+    @property
+    def url(self) -> str:
+        return self.parent.url
+
+    def __str__(self) -> str:
+        return f"{self.parent} [{self.prefix}]"
+
+    def close(self) -> None:
+        self.parent.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ScopedStore, (self.parent, self.prefix))
+
+    def _identity(self) -> tuple[Any, ...]:
+        return (*self.parent._identity(), self.prefix)
+
+
+_unforwarded = sorted(set(PRIMITIVES) - set(vars(ScopedStore)))
+if _unforwarded:  # pragma: no cover - a primitive added to the table but not here
+    raise TypeError(f"ScopedStore does not forward {_unforwarded}")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from .._errors import GatherError, IntegrityError, StoreUnavailableError
-from ._secrets import describe_failure
-from .deadline import expired
+from gatherstore._errors import GatherError, IntegrityError, StoreUnavailableError
+from gatherstore._time import expired
+from gatherstore.stores._secrets import describe_failure
 
 __all__ = ["KeyExistsError", "damaged", "exists", "mapped", "unavailable"]
 

@@ -24,12 +24,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .._config import SHM
-from .._errors import StoreUnavailableError
-from . import _fileio as fileio
-from . import _private as private
-from ._secrets import describe_failure
-from .base import Buffer, JobArea, Store, hide_password, job_directory
+from gatherstore._config import SHM
+from gatherstore._errors import StoreUnavailableError
+from gatherstore.host.writes import write_all
+from gatherstore.stores import _fileio as fileio
+from gatherstore.stores import _private as private
+from gatherstore.stores._secrets import describe_failure
+from gatherstore.stores.base import Buffer, JobArea, Store, hide_password, job_directory
 
 __all__ = ["FileStore"]
 
@@ -180,7 +181,7 @@ class FileStore(Store):
                     raise
         try:
             try:
-                fileio.write_all(out, [memoryview(b) for b in buffers])
+                write_all(out, [memoryview(b) for b in buffers])
             finally:
                 os.close(out)
             publish(tmp, key, fd)

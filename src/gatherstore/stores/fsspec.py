@@ -14,7 +14,7 @@ and move it into place after the same check.
 On S3 the fast path of ``_s3`` receives GET bodies straight into the value's
 buffer and skips hashes that TLS-less test endpoints do not need.
 
-Inside a store deadline (see ``gatherstore.stores.deadline.deadline``) every
+Inside a store deadline (see ``gatherstore._time.deadline``) every
 request of an asynchronous filesystem (s3fs, gcsfs, adlfs) is cancelled when
 the call's time is up (object PUTs are 16 MiB at most for that); S3 clients
 also get connect/read timeouts and a retry budget of their own
@@ -35,11 +35,11 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 
-from .._errors import StoreUnavailableError
-from . import _s3
-from ._s3 import fast_s3_options
-from .base import Buffer, Store, describe_failure, hide_password, hide_secrets
-from .deadline import MIN_TIMEOUT, time_left
+from gatherstore._errors import StoreUnavailableError
+from gatherstore._time import MIN_TIMEOUT, time_left
+from gatherstore.stores import _s3
+from gatherstore.stores._s3 import fast_s3_options
+from gatherstore.stores.base import Buffer, Store, describe_failure, hide_password, hide_secrets
 
 __all__ = ["S3_CHUNK_SIZE", "FsspecStore", "fast_s3_options"]
 

@@ -36,17 +36,17 @@ from typing import Any, TypeVar
 
 import redis
 
-from . import _resp
-from ._redis_index import BATCH, JobIndexes
-from ._redis_url import (
+from gatherstore._time import END_JOB_TIMEOUT, deadline
+from gatherstore.stores import _resp
+from gatherstore.stores._redis_index import BATCH, JobIndexes
+from gatherstore.stores._redis_url import (
     CONNECTION_DEFAULTS,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TTL,
     MAX_CHUNK_SIZE,
     settings,
 )
-from .base import Buffer, Store
-from .deadline import END_JOB_TIMEOUT, deadline
+from gatherstore.stores.base import Buffer, Store
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_TTL", "MAX_CHUNK_SIZE", "RedisStore"]
 

@@ -12,9 +12,9 @@ import urllib.parse
 from importlib.metadata import entry_points
 from typing import Any
 
-from .. import _config as config
-from .._config import ROUTES
-from .base import Store, hide_password
+from gatherstore import _config as config
+from gatherstore._config import ROUTES
+from gatherstore.stores.base import Store, hide_password
 
 __all__ = [
     "check_scheme",

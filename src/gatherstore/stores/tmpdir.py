@@ -3,7 +3,7 @@
 The base is ``$GATHERSTORE_TMPDIR``, else ``/dev/shm`` (RAM: the fastest
 route between the ranks of one machine) when this process can write there,
 else the temp dir.  Whether one gather fits in ``/dev/shm`` is decided per
-call, from every rank's sizes (see ``gatherstore._fit``).
+call, from every rank's sizes (see ``gatherstore.calls.fit``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import tempfile
 import urllib.parse
 from typing import Any, ClassVar
 
-from .. import _config as config
-from .._errors import StoreUnavailableError
-from .base import Store
-from .file import FileStore
+from gatherstore import _config as config
+from gatherstore._errors import StoreUnavailableError
+from gatherstore.stores.base import Store
+from gatherstore.stores.file import FileStore
 
 __all__ = ["SHM", "TmpdirStore", "default_tmpdir_base"]
 

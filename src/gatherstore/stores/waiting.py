@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from .._errors import GatherTimeout, seconds
+from gatherstore._errors import GatherTimeout, seconds
 
 __all__ = ["wait_for"]
 

@@ -44,12 +44,12 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "gatherstore.testing needs pytest: pip install 'gatherstore[testing]'"
     ) from exc
 
-from .._errors import GatherError, GatherTimeout, IntegrityError, StoreUnavailableError
-from ..stores.base import CHUNKS, HEADER_SIZE, KeyExistsError, Store
-from ..stores.deadline import deadline
-from ..stores.registry import open_store
-from ._damage import DAMAGE, LARGE, SMALL
-from ._threads import started
+from gatherstore._errors import GatherError, GatherTimeout, IntegrityError, StoreUnavailableError
+from gatherstore._time import deadline
+from gatherstore.stores.base import CHUNKS, HEADER_SIZE, KeyExistsError, Store
+from gatherstore.stores.registry import open_store
+from gatherstore.testing._damage import DAMAGE, LARGE, SMALL
+from gatherstore.testing._threads import started
 
 __all__ = ["StoreTests"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ..stores.layout import HEADER, HEADER_SIZE
+from gatherstore.stores.layout import HEADER, HEADER_SIZE
 
 __all__ = ["DAMAGE", "LARGE", "SMALL"]
 

@@ -13,7 +13,7 @@ import redis
 from mirakuru.exceptions import AlreadyRunning
 from pytest_redis.executor import RedisExecutor
 
-from ._process import ATTEMPTS, HOST, STARTUP_TIMEOUT, free_ports
+from gatherstore.testing._process import ATTEMPTS, HOST, STARTUP_TIMEOUT, free_ports
 
 __all__ = ["RedisService", "start_redis"]
 

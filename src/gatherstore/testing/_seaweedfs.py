@@ -19,8 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ._endpoint import S3Endpoint
-from ._process import ATTEMPTS, HOST, Service, free_ports, start
+from gatherstore.testing._endpoint import S3Endpoint
+from gatherstore.testing._process import ATTEMPTS, HOST, Service, free_ports, start
 
 __all__ = ["S3Service", "find_weed", "start_s3"]
 

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from ._endpoint import S3Endpoint
+from gatherstore.testing._endpoint import S3Endpoint
 
 __all__ = ["S3Endpoint", "gatherstore_redis_url", "gatherstore_run", "gatherstore_s3"]
 

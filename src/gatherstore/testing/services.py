@@ -17,11 +17,11 @@ import signal
 import sys
 import threading
 
-from ._process import HOST, STARTUP_TIMEOUT, free_ports
-from ._seaweedfs import S3Service, start_s3
+from gatherstore.testing._process import HOST, STARTUP_TIMEOUT, free_ports
+from gatherstore.testing._seaweedfs import S3Service, start_s3
 
 try:  # redis-py, pytest-redis and mirakuru
-    from ._redis_server import RedisService, start_redis
+    from gatherstore.testing._redis_server import RedisService, start_redis
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
         f"gatherstore.testing.services needs {exc.name}: pip install 'gatherstore[testing]'"

@@ -1,0 +1,157 @@
+"""Reducing dicts of tensors and numbers in one flattened collective."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gatherstore._config import Timeout, to_seconds
+from gatherstore._errors import MismatchError
+from gatherstore.calls.tensors import as_number, comm_device, reduce_op_of, run_op, valid_timeout
+from gatherstore.job import control, topology
+
+__all__ = ["all_reduce_dict", "reduce_dict"]
+
+
+def _as_tensor(value: Any) -> tuple[torch.Tensor, str]:
+    """A dict value as a tensor, and its kind: "int", "float" or the tensor's dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.detach(), str(value.dtype)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.tensor(value, dtype=torch.int64), "int"
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64), "float"
+    tensor = torch.as_tensor(value)
+    return tensor, str(tensor.dtype)
+
+
+def _agree(
+    values: dict[str, tuple[torch.Tensor, str]], what: str, seconds: float | None
+) -> list[dict[str, Any]]:
+    """Every rank's {key: [shape, kind]}, after checking that keys and shapes agree.
+
+    Raises:
+        MismatchError: keys or shapes differ (the same error on every rank).
+    """
+    mine = {k: [list(t.shape), kind] for k, (t, kind) in values.items()}
+    if not topology.is_distributed():
+        return [mine]
+    raw = json.dumps(mine, sort_keys=True).encode()
+    wait = to_seconds(None) if seconds is None else seconds
+    views = [json.loads(b) for b in control.exchange(raw, timeout=wait, what=what)]
+    common = set.intersection(*(set(v) for v in views))
+    details = {}
+    for rank, view in enumerate(views):
+        extra = sorted(set(view) - common)
+        shaped = sorted(k for k in common if view[k][0] != views[0][k][0])
+        if extra or shaped:
+            details[rank] = f"keys only here: {extra}; shapes differing from rank 0: {shaped}"
+    if details:
+        raise MismatchError(
+            f"{what}: ranks passed dicts that differ — {details}; every rank must reduce the "
+            "same keys with the same shapes",
+            details=details,
+        )
+    return views
+
+
+@control.serialized
+def all_reduce_dict(
+    d: Mapping[str, Any], op: str = "mean", *, timeout: Timeout = None
+) -> dict[str, Any]:
+    """Reduce every value of ``d`` in one flattened collective, keys sorted.
+
+    Values are tensors or numbers; each comes back in its own type and shape
+    (numbers as in [`all_reduce`][gatherstore.all_reduce]; integer tensors as floating
+    point under "mean"), in a new dict with sorted keys.  ``timeout``: as in
+    [`all_reduce`][gatherstore.all_reduce].
+
+    Raises:
+        ValueError: unknown ``op`` or a bad ``timeout``.
+        MismatchError: ranks' keys or shapes differ (names them, on every rank).
+        GatherTimeout / ProcessGroupError: as in [`all_reduce`][gatherstore.all_reduce].
+    """
+    return _reduce_dict(d, op, dst=None, timeout=timeout)
+
+
+@control.serialized
+def reduce_dict(
+    d: Mapping[str, Any], average: bool = True, dst: int = 0, *, timeout: Timeout = None
+) -> dict[str, Any]:
+    """Reduce ``d`` onto ``dst`` (mean or sum); other ranks get ``d`` back unchanged.
+
+    ``timeout``: as in [`all_reduce`][gatherstore.all_reduce].
+
+    Raises:
+        MismatchError / GatherTimeout / ProcessGroupError: as
+            [`all_reduce_dict`][gatherstore.all_reduce_dict].
+    """
+    return _reduce_dict(d, "mean" if average else "sum", dst=dst, timeout=timeout)
+
+
+def _reduce_dict(
+    d: Mapping[str, Any], op: str, dst: int | None, timeout: Timeout
+) -> dict[str, Any]:
+    seconds = valid_timeout(timeout)
+    ends = time.monotonic() + (seconds or 0.0)
+    reduce_op = reduce_op_of(op)
+    mean = op.lower() == "mean"
+    keys = sorted(d)
+    values = {k: _as_tensor(d[k]) for k in keys}
+    what = "all_reduce_dict" if dst is None else "reduce_dict"
+    views = _agree(values, what, seconds)
+    if not keys:
+        return {}
+    # the same dtype on every rank, whatever each rank passed: promote over all of them
+    dtypes = {_dtype_of(view[k][1]) for view in views for k in keys}
+    dtype = functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+    if dtype.is_floating_point and any(not dt.is_floating_point for dt in dtypes):
+        dtype = torch.promote_types(dtype, torch.float64)  # integers stay exact up to 2**53
+    elif mean and not dtype.is_floating_point:
+        dtype = torch.float64
+    if topology.is_distributed():
+        dev = comm_device()
+        flat = torch.cat([t.reshape(-1).to(dev, dtype) for t, _ in values.values()])
+        if dst is None:
+            start = functools.partial(dist.all_reduce, flat, op=reduce_op, async_op=True)
+        else:
+            start = functools.partial(dist.reduce, flat, dst=dst, op=reduce_op, async_op=True)
+        run_op(what, start, seconds, ends)
+        if dst is not None and topology.get_rank() != dst:
+            return dict(d)
+        if mean:
+            flat /= topology.get_world_size()
+    else:
+        flat = torch.cat([t.reshape(-1).to(dtype) for t, _ in values.values()])
+    out: dict[str, Any] = {}
+    offset = 0
+    for key in keys:
+        tensor, kind = values[key]
+        chunk = flat[offset : offset + tensor.numel()].reshape(tensor.shape)
+        offset += tensor.numel()
+        original = d[key]
+        if isinstance(original, torch.Tensor):
+            keep = torch.promote_types(original.dtype, torch.float32) if mean else original.dtype
+            out[key] = chunk.to(original.device, keep)
+        elif kind in ("int", "float"):
+            all_int = all(view[key][1] == "int" for view in views)
+            out[key] = as_number(chunk.item(), as_int=all_int and not mean)
+        else:
+            out[key] = chunk.item() if chunk.numel() == 1 else chunk.cpu()
+    return out
+
+
+def _dtype_of(kind: str) -> torch.dtype:
+    if kind == "int":
+        return torch.int64
+    if kind == "float":
+        return torch.float64
+    dtype = getattr(torch, kind.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype

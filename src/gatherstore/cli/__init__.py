@@ -1,0 +1,1 @@
+"""The ``gatherstore`` command: demo, bench, check, gc, results."""

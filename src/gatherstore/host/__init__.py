@@ -1,0 +1,1 @@
+"""This machine's resources: free memory, unmapping threads, worker threads."""

@@ -1,0 +1,1 @@
+"""The job: process groups and their state, control plane, sessions, launch, SLURM, signals."""

@@ -1,0 +1,372 @@
+"""Start, join and end a process group: ``launch``, ``init_from_env``, ``shutdown``."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from gatherstore._config import Timeout, to_seconds
+from gatherstore._errors import GatherError, RemoteRankError
+from gatherstore.codec import staging
+from gatherstore.host import mappings
+from gatherstore.job import control, gloo, hooks, session, shipping, signals, slurm, specs, topology
+from gatherstore.job import published as publication
+from gatherstore.job import state as job
+from gatherstore.stores.base import Store
+from gatherstore.stores.registry import default_store
+
+__all__ = ["init_from_env", "launch", "shutdown"]
+
+_KILL_GRACE = 5.0  # seconds a stopped child has to clean up before SIGKILL
+_log = logging.getLogger("gatherstore")
+
+
+def _pick_backend(requested: str, nproc_per_node: int) -> str:
+    if requested != "auto":
+        return requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dist.is_nccl_available() and gpus >= nproc_per_node:
+        return "nccl"
+    return "gloo"
+
+
+def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Timeout) -> None:
+    """Initialise the default group (env:// rendezvous) and the control group."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=_dt.timedelta(seconds=to_seconds(timeout)),
+    )
+    if world_size > 1:
+        gloo.group()
+        topology.settle()
+        # a stopped job removes its areas; installed now, not inside the first gather, so
+        # that the program sees the same handlers from the start (see _signals)
+        signals.install(session.abandon)
+        _prepare_default_store(to_seconds(timeout))
+
+
+def _prepare_default_store(timeout: float) -> None:
+    """Set up the job's area in the default store now, if one is configured
+    (``GATHERSTORE_STORE`` or ``set_default_store``), so that the first call does
+    not.  A store that cannot be set up now is tried again, and reported, there."""
+    try:
+        store = specs.resolve(default_store())
+        if isinstance(store, Store):  # not a route ("auto", "collective", "stream")
+            session.session_for(store, timeout)
+    except (GatherError, ValueError, ImportError) as exc:  # every rank alike
+        _log.info("gatherstore: the default store is set up at its first call instead: %s", exc)
+
+
+def launch(
+    fn: Callable[..., Any],
+    *,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    backend: str = "auto",
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: Timeout = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``nproc_per_node`` new processes of one job.
+
+    Each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...),
+    joins the process group (``backend="auto"``: NCCL when every local rank has
+    its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
+    and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
+    lambdas and closures included; one the ranks can import (a function of the
+    main script or of a module) goes by reference, so that tracebacks name its
+    file and line.  ``timeout`` is the process group's timeout.
+
+    When a child fails or dies, or this process is interrupted (Ctrl-C), the
+    other children are stopped as torchrun does (SIGTERM, a grace period in
+    which they remove their job areas, then SIGKILL), and the job areas rank 0
+    published on the rendezvous store this process hosts are removed too.
+
+    Returns:
+        The local ranks' return values, in rank order.
+
+    Raises:
+        RemoteRankError: a child raised or died; names the rank the failure
+            started on (not a rank that only relays it) and carries its traceback
+            text.  The other children are stopped first.
+        ValueError: bad arguments (e.g. no ``master_port`` for several nodes).
+        RuntimeError: called while a new rank imports the main script, i.e. the
+            script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
+    """
+    if getattr(mp.current_process(), "_inheriting", False):  # set while spawn imports __main__
+        raise RuntimeError(
+            "gatherstore.launch() ran again while a launched rank was importing the main "
+            'script: call launch() under `if __name__ == "__main__":` in that script'
+        )
+    if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(
+            f"nproc_per_node={nproc_per_node}, nnodes={nnodes}, node_rank={node_rank}: "
+            "need nproc_per_node >= 1, nnodes >= 1 and 0 <= node_rank < nnodes"
+        )
+    if master_port is None and nnodes > 1:
+        raise ValueError(
+            "master_port=None only works on one node: pass the same master_port "
+            "(a free port on master_addr) to launch() on every node"
+        )
+    seconds = to_seconds(timeout)
+    chosen = _pick_backend(backend, nproc_per_node)
+    payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
+    world_size = nproc_per_node * nnodes
+    server = None
+    if master_port is None:
+        # This process hosts the rendezvous store on a port the OS picks while binding
+        # (as torchrun's agent does): no window in which another process can take a
+        # "free" port, and the store outlives any child that dies.
+        server = dist.TCPStore(  # type: ignore[attr-defined]
+            master_addr,
+            0,
+            world_size,
+            is_master=True,
+            timeout=_dt.timedelta(seconds=seconds),
+            wait_for_workers=False,
+        )
+        master_port = server.port
+    env = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
+        "TORCHELASTIC_USE_AGENT_STORE": str(server is not None),
+    }
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    try:
+        for local_rank in range(nproc_per_node):
+            rank = node_rank * nproc_per_node + local_rank
+            child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child,
+                args=(payload, child_env, chosen, timeout, child_end),
+                name=f"gatherstore-rank{rank}",
+            )
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+        return _collect(procs, conns, node_rank * nproc_per_node)
+    finally:
+        _stop(procs)
+        for conn in conns:
+            conn.close()
+        if server is not None:  # what a stopped job left behind, rank 0 published here
+            publication.sweep(server)
+        del server  # stops the store's server, if this process hosted one
+
+
+def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list[Any]:
+    """Wait for every child's result; on the first failure raise it, naming the rank it
+    started on: a child that relays another local rank's failure waits (a grace period)
+    for that rank's own report."""
+    results: list[Any] = [None] * len(procs)
+    pending = dict(enumerate(conns))
+    relayed: RemoteRankError | None = None
+    deadline = float("inf")
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        sentinels = [procs[i].sentinel for i in pending]
+        ready = wait(list(pending.values()) + sentinels, None if relayed is None else left)
+        for i, conn in list(pending.items()):
+            rank = first_rank + i
+            if conn in ready or conn.poll():
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    status, value = "died", None
+                del pending[i]
+                if status == "ok":
+                    results[i] = cloudpickle.loads(value)
+                    continue
+                procs[i].join(timeout=_KILL_GRACE)
+                if status == "died":
+                    raise RemoteRankError(rank, _died(procs[i].exitcode), context="launch")
+                failure: shipping.Failure = value
+                error = RemoteRankError(
+                    failure.origin,
+                    failure.message,
+                    remote_traceback=failure.traceback,
+                    context="launch",
+                )
+                if failure.origin == rank or failure.origin - first_rank not in pending:
+                    raise error
+                if relayed is None:  # the failing rank's own report follows: wait for it
+                    relayed, deadline = error, time.monotonic() + _KILL_GRACE
+            elif procs[i].sentinel in ready:
+                procs[i].join()
+                del pending[i]
+                raise RemoteRankError(rank, _died(procs[i].exitcode), context="launch")
+    if relayed is not None:
+        raise relayed
+    return results
+
+
+def _stop(procs: list[Any]) -> None:
+    """Stop children as torchrun does: SIGTERM (they clean up), a grace period, SIGKILL."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=_KILL_GRACE)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _died(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} before returning"
+    return f"exited with code {exitcode} before returning (its stderr says why)"
+
+
+def _child(
+    payload: tuple[bytes | None, bytes | None, bytes],
+    env: dict[str, str],
+    backend: str,
+    timeout: Timeout,
+    conn: Connection,
+) -> None:
+    os.environ.update(env)
+    try:
+        reference, value, arguments = payload
+        fn = shipping.load_function(reference, value)
+        args, kwargs = cloudpickle.loads(arguments)
+        _join(backend, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), timeout)
+        result = fn(*args, **kwargs)
+        shutdown()
+        message: tuple[str, Any] = ("ok", cloudpickle.dumps(result))
+    except BaseException as exc:  # report everything, SystemExit included
+        # report first: the parent stops the other ranks, so shutdown cannot hang
+        conn.send(("error", shipping.failure_of(exc, int(env["RANK"]))))
+        conn.close()
+        shutdown(wait=False)
+        return
+    conn.send(message)
+    conn.close()
+
+
+def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
+    """Join the process group described by the environment.
+
+    Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+    SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and MASTER_ADDR taken
+    from the first host of the step's SLURM_STEP_NODELIST, else of the job's
+    SLURM_JOB_NODELIST; MASTER_PORT defaults to 29500).
+
+    Returns:
+        True when a group was joined (or already existed), False in a plain
+        single process with none of those variables (the serial answers apply).
+
+    Raises:
+        ValueError: the variables are incomplete or a SLURM node list is malformed.
+    """
+    if topology.is_distributed():
+        return True
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank = int(env.get("SLURM_LOCALID", "0"))
+        if "MASTER_ADDR" not in env:
+            env["MASTER_ADDR"] = slurm.master_addr(env)
+        env.setdefault("MASTER_PORT", "29500")
+    else:
+        return False
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise ValueError(
+            "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not: "
+            "export both (torchrun does this for you)"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_size = int(env.get("LOCAL_WORLD_SIZE", str(max(gpus, 1))))
+    _join(_pick_backend(backend, local_size), rank, world, local_rank, timeout)
+    return True
+
+
+@contextlib.contextmanager
+def joined_from_env(timeout: Timeout) -> Iterator[bool]:
+    """Join the job the environment describes, if any (torchrun, SLURM, or the caller's
+    own process group); leave it afterwards if this joined it.  Yields whether a job
+    was joined."""
+    owned = not topology.is_distributed()
+    joined = init_from_env(timeout=timeout)
+    try:
+        yield joined
+    finally:
+        if joined and owned:
+            shutdown()
+
+
+def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
+    """Leave and destroy the process group (no-op without one).
+
+    Open result sets first write what they buffered and end their runs (see
+    ``gatherstore.ResultSet``).  Rank 0 then removes the job areas gatherstore
+    created in its stores; with ``wait`` (the default) every rank meets first, so no
+    rank is still reading.  That meeting waits at most ``timeout`` seconds (default:
+    the timeout of the job's last call that used a store) for ranks that are gone; if
+    rank 0 is gone (its rendezvous store with it), this rank removes the areas itself;
+    a rank 0 that is only late removes them when it gets here.  The pinned memory that
+    CUDA tensors were gathered through is released, and the parts the program let go
+    are unmapped (see ``gatherstore.host.mappings``).
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number of seconds.
+    """
+    seconds = to_seconds(timeout) if timeout is not None else session.last_timeout()
+    hooks.run(before_group_ends=True)  # result sets write what they buffered first
+    if topology.is_distributed():
+        if wait and session.has_sessions():
+            try:
+                control.serialized(control.exchange)(
+                    b"", timeout=seconds or to_seconds(None), what="shutdown"
+                )
+            except GatherError as exc:
+                # a rank 0 that is only late (say, still reading a gather_iter) removes its
+                # areas itself; one whose rendezvous store is gone does not
+                session.after_failure(exc, late_counts=False)
+        session.end_sessions()
+        signals.uninstall()
+        control.outlive_readers()
+        dist.destroy_process_group()
+    specs.close_opened()
+    staging.release()
+    hooks.run(before_group_ends=False)  # the handover's listener is closed
+    mappings.drained()
+    job.forget_groups()

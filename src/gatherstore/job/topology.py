@@ -1,0 +1,243 @@
+"""Where this process sits in the job: ranks, nodes, backend and device.
+
+Every function answers without an initialised process group, with the serial
+answers (world size 1, rank 0, ...).  Local rank/size and node rank come from
+the launcher's environment (torchrun, SLURM, Open MPI) when it agrees with the
+process group, and otherwise from grouping ranks by the hostnames they publish
+on the rendezvous store (no exchange: a getter called on one rank alone puts
+no call out of step), computed once per group, at init under ``launch`` and
+``init_from_env``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gatherstore._config import DEFAULT_TIMEOUT
+from gatherstore.job import control, slurm
+from gatherstore.job import state as job
+
+__all__ = [
+    "backend",
+    "describe",
+    "device",
+    "get_local_rank",
+    "get_local_size",
+    "get_nnodes",
+    "get_node_rank",
+    "get_rank",
+    "get_world_size",
+    "gpu_mem_usage",
+    "is_distributed",
+    "is_main_process",
+]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    local_rank: int
+    local_size: int
+    node_rank: int
+    nnodes: int
+
+
+# launcher -> (rank, world size, local rank, local size, node rank, nnodes) variables
+_LAUNCHERS = {
+    "torchrun": (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+    ),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", None, None, None, None),  # rest: _slurm.layout
+    "openmpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        None,
+        None,
+    ),
+}
+
+
+def is_distributed() -> bool:
+    """Whether a torch.distributed process group is initialised."""
+    return control.is_initialized()
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def get_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def is_main_process() -> bool:
+    """Whether this is global rank 0."""
+    return get_rank() == 0
+
+
+def get_local_rank() -> int:
+    """Rank of this process among those on its node (0 without a process group).
+
+    The launcher's variables say it; in a process group made without them (and
+    without ``launch`` or ``init_from_env``, which compute it at once), the
+    hostnames every rank publishes at its first use of gatherstore do.
+
+    Raises:
+        GatherTimeout: in that case, ranks that published no hostname within
+            ``GATHERSTORE_TIMEOUT``, named.
+    """
+    return _layout().local_rank
+
+
+def get_local_size() -> int:
+    """Number of processes on this node (1 without a process group).
+
+    Raises:
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+    """
+    return _layout().local_size
+
+
+def get_node_rank() -> int:
+    """Index of this node (0 without a process group).
+
+    Raises:
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+    """
+    return _layout().node_rank
+
+
+def get_nnodes() -> int:
+    """Number of nodes in the job (1 without a process group).
+
+    Raises:
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+    """
+    return _layout().nnodes
+
+
+def backend() -> str | None:
+    """The process group's backend ("nccl", "gloo", ...) or None without one."""
+    return str(dist.get_backend()) if is_distributed() else None
+
+
+def device() -> torch.device:
+    """The device this rank computes on.
+
+    ``cuda:<local rank>`` under NCCL; ``cpu`` under gloo; without a process
+    group, the current CUDA device when CUDA is available, else ``cpu``.
+
+    Raises:
+        GatherTimeout: under NCCL, as in [`get_local_rank`][gatherstore.get_local_rank].
+    """
+    name = backend()
+    if name is not None and "nccl" in name:
+        return torch.device("cuda", get_local_rank() % max(torch.cuda.device_count(), 1))
+    if name is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gpu_mem_usage() -> int:
+    """Peak GPU memory allocated by this process on its device, in MiB (0 without CUDA).
+
+    Raises:
+        GatherTimeout: under NCCL, as in [`get_local_rank`][gatherstore.get_local_rank].
+    """
+    if not torch.cuda.is_available():
+        return 0
+    dev = device()  # cpu under gloo even with CUDA: then the current CUDA device
+    index = dev.index if dev.type == "cuda" else torch.cuda.current_device()
+    return int(torch.cuda.max_memory_allocated(index) // (1024 * 1024))
+
+
+def describe() -> dict[str, Any]:
+    """The topology as a JSON-friendly dict, keys named after the functions.
+
+    Raises:
+        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+    """
+    return {
+        "rank": get_rank(),
+        "world_size": get_world_size(),
+        "local_rank": get_local_rank(),
+        "local_size": get_local_size(),
+        "node_rank": get_node_rank(),
+        "nnodes": get_nnodes(),
+        "is_main_process": is_main_process(),
+        "is_distributed": is_distributed(),
+        "backend": backend(),
+        "device": str(device()),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "launcher": _launcher_name(),
+        "torch": torch.__version__,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+
+
+def _layout() -> _Layout:
+    if not is_distributed():
+        return _Layout(0, 1, 0, 1)
+    state = job.group_state()
+    if state.layout is None:
+        state.layout = _from_env() or _from_hostnames()
+    layout: _Layout = state.layout
+    return layout
+
+
+def _launcher_name() -> str | None:
+    for name, names in _LAUNCHERS.items():
+        if names[0] in os.environ:
+            return name
+    return None
+
+
+def _from_env() -> _Layout | None:
+    """The layout the launcher exported, if it is complete and matches the group."""
+    name = _launcher_name()
+    if name is None:
+        return None
+    rank_var, world_var, lrank_var, lsize_var, node_var, nnodes_var = _LAUNCHERS[name]
+    env, rank, world = os.environ, dist.get_rank(), dist.get_world_size()
+    try:
+        if int(env[rank_var]) != rank or int(env[world_var]) != world:
+            return None
+        if name == "slurm":
+            found = slurm.layout(env, rank, world)
+            return None if found is None else _Layout(*found)
+        names = (lrank_var, lsize_var, node_var, nnodes_var)
+        values = [int(env[var]) for var in names if var is not None]
+        return _Layout(*values) if len(values) == len(names) else None
+    except (KeyError, ValueError):
+        return None
+
+
+def _from_hostnames() -> _Layout:
+    """Group ranks by hostname: nodes numbered in order of their lowest rank."""
+    hosts = control.hosts(DEFAULT_TIMEOUT)
+    nodes = list(dict.fromkeys(hosts))
+    rank = dist.get_rank()
+    mine = hosts[rank]
+    peers = [r for r, h in enumerate(hosts) if h == mine]
+    return _Layout(peers.index(rank), len(peers), nodes.index(mine), len(nodes))
+
+
+def settle() -> None:
+    """Compute the layout now, on every rank at once (``launch`` and ``init_from_env``
+    call it), so that no getter waits later."""
+    _layout()

@@ -1,0 +1,1 @@
+"""Result sets: results keyed by sample, persistent, resumable; collect_results."""

@@ -1,0 +1,73 @@
+"""``collect_results``: the dataset-ordered results of a sharded evaluation on one rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gatherstore._config import Timeout
+from gatherstore.calls.objects import check_arguments, gather_prepared
+from gatherstore.job import control
+from gatherstore.job.topology import is_distributed
+from gatherstore.results.sampling import Order, by_index, check_results, ordered
+from gatherstore.stores.base import Store
+
+__all__ = ["collect_results"]
+
+
+@control.serialized
+def collect_results(
+    results: list[Any],
+    size: int | None = None,
+    *,
+    order: Order = "interleaved",
+    indices: Sequence[int] | None = None,
+    dst: int = 0,
+    store: str | Store | None = None,
+    timeout: Timeout = None,
+    progress: bool | None = None,
+    resume: str | None = None,
+) -> list[Any] | None:
+    """Gather every rank's ``results`` on ``dst`` in dataset order; None elsewhere.
+
+    ``order="interleaved"`` undoes a DistributedSampler split (rank r held
+    items r, r+W, ...); ``"contiguous"`` concatenates shards in rank order.
+    With ``indices`` (one dataset index per result) the results are placed by
+    index, duplicates dropped.  ``size`` drops the sampler's padding beyond it.
+    Results that are None are kept.  ``progress`` shows parts and bytes as they
+    arrive on ``dst`` (None: when stderr is a terminal and the gather is long, or
+    as ``GATHERSTORE_PROGRESS=0/1`` says).
+
+    With ``resume`` (a [`ResultSet`][gatherstore.ResultSet] name, in ``store``, which
+    must outlive the job), the results are kept in that set under their dataset
+    indices as well, and ``dst`` gets every index below ``size`` from this run or
+    an earlier one: a preempted evaluation continues on any number of ranks
+    (``ResultSet(name).pending(range(size))`` says which indices are left).
+
+    Raises:
+        ValueError: bad arguments (on every rank), or, with ``indices``, a
+            dataset index no rank returned (with ``resume``: no run stored).
+        GatherError: with ``resume``, the errors of [`ResultSet`][gatherstore.ResultSet].
+    """
+    if resume is not None:
+        from gatherstore.results.collect_into import collect_into
+
+        return collect_into(resume, results, size, order, indices, dst, store, timeout)
+
+    def payload() -> Any:
+        check_results(results, indices, order)
+        return (list(results), [int(i) for i in indices] if indices is not None else None)
+
+    check_arguments("collect_results", store, timeout, rank=("dst", dst), progress=progress)
+    if not is_distributed():
+        parts = [payload()]
+    else:
+        gathered = gather_prepared(
+            payload, dst, store, timeout, "collect_results", progress=progress
+        )
+        if gathered is None:
+            return None
+        parts = list(gathered)
+    if indices is not None:
+        return by_index(parts, size)
+    return ordered([p[0] for p in parts], order, size)

@@ -1,0 +1,130 @@
+"""Results by dataset index in a result set: ``collect_results(..., resume=name)`` and
+Lightning's ``GatherPredictions(resume=name)``.
+
+Each rank adds its results under the dataset indices the call implies (a
+DistributedSampler's interleaving, contiguous shards, or explicit indices),
+the sampler's padding beyond ``size`` left out; then every index below
+``size`` must be stored, by this run or an earlier one (else every rank raises
+ValueError naming the missing ones), and ``dst`` gets the values of indices
+``0 .. size-1`` in order.  A preempted evaluation that calls it again, on any
+number of ranks, keeps what earlier runs stored: ``ResultSet.pending`` says
+which indices are left to compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from gatherstore._config import Timeout
+from gatherstore.results import job
+from gatherstore.results.resultset import ResultSet
+from gatherstore.results.sampling import check_results, indices_of
+from gatherstore.stores.base import Store
+
+__all__ = ["collect_into", "ended_on_error", "finish", "settle"]
+
+
+def finish(rs: ResultSet, size: int | None, dst: int, timeout: Timeout) -> list[Any] | None:
+    """The stored values of indices ``0 .. size-1`` (None: ``0 .. the largest``), in order,
+    on ``dst``; None elsewhere.
+
+    Raises:
+        ValueError: an index below ``size`` is stored by no run (on every rank; without
+            ``size``, a gap below the largest index, on ``dst``).
+        and the errors of ``ResultSet.pending`` and ``ResultSet.gather``.
+    """
+    if size is not None:
+        _no_gaps(rs.pending(range(size), timeout=timeout), size)
+    pairs = rs._gather(dst, timeout, keys=True)
+    if pairs is None:
+        return None
+    found = {k: v for k, v in pairs if type(k) is int and k >= 0}
+    count = size if size is not None else (max(found) + 1 if found else 0)
+    _no_gaps([i for i in range(count) if i not in found], count)
+    return [found[i] for i in range(count)]
+
+
+def _no_gaps(missing: list[Any], count: int) -> None:
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+        raise ValueError(
+            f"collect_results: no run stored a result for dataset indices {shown} "
+            f"({len(missing)} of {count} missing); compute them (ResultSet.pending says which) "
+            "and call it again"
+        )
+
+
+def collect_into(
+    name: str,
+    results: Sequence[Any],
+    size: int | None,
+    order: str,
+    indices: Sequence[int] | None,
+    dst: int,
+    store: str | Store | None,
+    timeout: Timeout,
+) -> list[Any] | None:
+    """``collect_results(results, size, ..., resume=name)``: see the module's docstring.
+
+    Raises:
+        ValueError: bad arguments (on every rank), or missing indices (see ``finish``).
+        and the errors of ``ResultSet``.
+    """
+    rs = ResultSet(name, store=store, timeout=timeout)
+    with ended_on_error(rs):
+        call = job.Collective("collect_results", rs._seconds(timeout))
+        mine = len(results) if isinstance(results, Sequence) else 0
+        counts = [int(n) for n in call.send(str(mine).encode())]
+
+        def keyed() -> list[int]:
+            check_results(results, indices, order)
+            return indices_of(counts, order, indices, call.rank, call.world)
+
+        keys = call.agree(keyed)
+        assert keys is not None
+        for key, result in zip(keys, results, strict=True):
+            if size is None or key < size:
+                rs.add(key, result)
+    return settle(rs, size, dst, timeout)
+
+
+@contextlib.contextmanager
+def ended_on_error(rs: ResultSet) -> Iterator[None]:
+    """On an error (raised on every rank), end the set here, without another collective."""
+    try:
+        yield
+    except BaseException:
+        rs._stop()
+        rs._release()
+        raise
+
+
+def settle(
+    rs: ResultSet,
+    size: int | None,
+    dst: int,
+    timeout: Timeout,
+    *,
+    failed: BaseException | None = None,
+    report: bool = False,
+) -> list[Any] | None:
+    """``finish``, then close the set; with ``report``, first raise ``failed`` (this
+    rank's error, if any) on every rank.
+
+    Raises:
+        and the errors of ``finish`` (and ``failed``, or RemoteRankError naming it).
+    """
+    with ended_on_error(rs):
+        if report:
+            call = job.Collective(f"{rs._what} (collect)", rs._seconds(timeout))
+            call.agree(lambda: _raise(failed))
+        out = finish(rs, size, dst, timeout)
+    rs.close(timeout=timeout)
+    return out
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error

@@ -1,0 +1,281 @@
+"""A result set's values in key order, each key once, in memory bounded by a budget.
+
+Chunks are sorted by key inside; they are opened in the order of their first
+keys, as the merge reaches them, and the keys below the next unopened chunk's
+first key are merged in one go (with numpy where the keys are ints).  Of a key
+stored more than once, the value of the chunk whose name sorts first (the
+earliest run, then the lowest rank, then the earliest flush) is kept, and of
+a key added twice in one chunk the first added: the choice is the same
+whoever reads.
+
+Memory: the chunks held open plus those read ahead (at most a quarter of it)
+stay within the budget;
+when the next chunk would not fit, the open chunk that holds the most is
+*spilled* (its values not merged yet go to an unlinked temporary file, read
+back one by one), so that at most the budget plus one chunk is held,
+whatever the size of the set and the order its keys were added in.  Chunks
+are read ahead by threads (reads and checksums release the GIL) while the
+consumer works.
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, Any
+
+import numpy as np
+
+from gatherstore import _config as config
+from gatherstore.codec import frames as serialize
+from gatherstore.host import memory
+from gatherstore.results import order
+from gatherstore.results.layout import ChunkInfo
+from gatherstore.results.read import SetReader
+
+__all__ = ["IN_FLIGHT", "budget", "merged", "overlap"]
+
+#: Chunks read ahead at most (when the budget allows).
+IN_FLIGHT = 8
+#: Chunks read ahead take at most this share of the budget.
+READ_AHEAD_SHARE = 4
+_THREADS = 2
+_LENGTH = struct.Struct("<Q")
+_NOTHING = object()
+
+
+class _Spill:
+    """The values of a chunk not merged yet, in an unlinked temporary file, read in order."""
+
+    def __init__(self, values: list[Any], start: int) -> None:
+        # unlinked at once: nothing is left, however the process ends
+        self.file: IO[bytes] = tempfile.TemporaryFile(prefix="gatherstore-spill-")  # noqa: SIM115
+        for value in values[start:]:
+            frame = serialize.encode(value).seal(None)
+            self.file.write(_LENGTH.pack(frame.nbytes))
+            for segment in frame.segments:
+                self.file.write(segment)
+        self.file.seek(0)
+        self.next = start
+
+    def take(self, pos: int, keep: bool) -> Any:
+        """The value at ``pos`` (the ones before it are skipped); None unless ``keep``."""
+        while True:
+            (size,) = _LENGTH.unpack(self.file.read(_LENGTH.size))
+            data = bytearray(size)
+            self.file.readinto(data)  # type: ignore[attr-defined]
+            here, self.next = self.next, self.next + 1
+            if here == pos:
+                return serialize.decode(data, where="a spilled value") if keep else None
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _Cursor:
+    """An open chunk: its keys (in order), its values (or their spill), where it is."""
+
+    def __init__(self, info: ChunkInfo, prio: int, keys: order.Keys, values: list[Any]) -> None:
+        self.info, self.prio, self.keys, self.values = info, prio, keys, values
+        self.ints = isinstance(keys, np.ndarray)
+        self.orders = None if self.ints else [order.order_key(k) for k in keys]
+        self.spill: _Spill | None = None
+        self.pos = 0
+        self.cost = info.nbytes + info.rebuilt
+
+    def head(self) -> tuple[int, Any]:
+        if self.orders is not None:
+            return self.orders[self.pos]
+        return (0, int(self.keys[self.pos]))
+
+    def end_before(self, bound: tuple[int, Any] | None) -> int:
+        """Where the keys below ``bound`` end (None: no bound)."""
+        if bound is None:
+            return len(self.keys)
+        if self.orders is not None:
+            return bisect.bisect_left(self.orders, bound, lo=self.pos)
+        if bound[0] == 1:  # every int sorts before a str
+            return len(self.keys)
+        return int(np.searchsorted(self.keys, bound[1], side="left"))
+
+    def take(self, pos: int, keep: bool) -> Any:
+        """The value at ``pos`` (released here once taken); None unless ``keep``."""
+        if self.spill is not None:
+            return self.spill.take(pos, keep)
+        value, self.values[pos] = self.values[pos], None
+        return value if keep else None
+
+    def spill_rest(self) -> None:
+        self.spill = _Spill(self.values, self.pos)
+        self.values = []
+
+    def close(self) -> None:
+        self.values = []
+        if self.spill is not None:
+            self.spill.close()
+
+
+class _Merge:
+    def __init__(self, infos: list[ChunkInfo], reader: SetReader, budget: int) -> None:
+        names = sorted(info.name for info in infos)
+        self.prio = {name: p for p, name in enumerate(names)}
+        self.plan = sorted(infos, key=lambda i: (order.order_key(i.first), self.prio[i.name]))
+        self.reader, self.budget = reader, budget
+        self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="gatherstore-results-read")
+        self.futures: dict[int, Future[serialize.Verified]] = {}
+        self.next_fetch = 0
+        self.fetched = 0  # bytes read ahead, not opened yet
+        self.held = 0  # bytes of the open chunks held in memory
+        self.cursors: list[_Cursor] = []
+        self.last: Any = _NOTHING
+
+    def run(self) -> Iterator[tuple[order.Key, Any]]:
+        opened = 0
+        self._read_ahead()
+        while opened < len(self.plan) or self.cursors:
+            upcoming = self.plan[opened] if opened < len(self.plan) else None
+            if upcoming is not None and (
+                not self.cursors
+                or order.order_key(upcoming.first) <= min(c.head() for c in self.cursors)
+            ):
+                self._open(opened)
+                opened += 1
+                continue
+            bound = None if upcoming is None else order.order_key(upcoming.first)
+            yield from self._merge_below(bound)
+            for cursor in [c for c in self.cursors if c.pos >= len(c.keys)]:
+                self.cursors.remove(cursor)
+                if cursor.spill is None:
+                    self.held -= cursor.cost
+                cursor.close()
+            self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Read the next chunks ahead, within a quarter of the budget (the chunks held
+        open come first: reading ahead must not make them spill)."""
+        while self.next_fetch < len(self.plan) and len(self.futures) < IN_FLIGHT:
+            info = self.plan[self.next_fetch]
+            fetched = self.fetched + info.nbytes
+            if fetched > self.budget // READ_AHEAD_SHARE or self.held + fetched > self.budget:
+                return
+            self.futures[self.next_fetch] = self.pool.submit(self.reader.fetch, info)
+            self.fetched += info.nbytes
+            self.next_fetch += 1
+
+    def _open(self, i: int) -> None:
+        info = self.plan[i]
+        future = self.futures.pop(i, None)
+        if future is None:  # not read ahead: the budget had no room
+            self.next_fetch = i + 1
+            verified = self.reader.fetch(info)
+        else:
+            verified = future.result()
+            self.fetched -= info.nbytes
+        cost = info.nbytes + info.rebuilt
+        while self.held + self.fetched + cost > self.budget:  # spill the largest open chunk
+            held = [c for c in self.cursors if c.spill is None]
+            if not held:
+                break
+            biggest = max(held, key=lambda c: c.cost)
+            biggest.spill_rest()
+            self.held -= biggest.cost
+        keys, values = self.reader.decode(verified, info)
+        self.cursors.append(_Cursor(info, self.prio[info.name], keys, values))
+        self.held += cost
+
+    def _merge_below(self, bound: tuple[int, Any] | None) -> Iterator[tuple[order.Key, Any]]:
+        spans = [(c, c.pos, c.end_before(bound)) for c in self.cursors]
+        spans = [span for span in spans if span[2] > span[1]]
+        merge = _merge_ints if all(c.ints for c, _, _ in spans) else _merge_any
+        keys, which, positions = merge(spans)
+        cursors = [c for c, _, _ in spans]
+        held = [None if c.spill is not None else c.values for c in cursors]
+        last = self.last
+        for key, j, pos in zip(keys, which, positions, strict=True):
+            first = key != last
+            values = held[j]
+            if values is None:  # spilled: read in order, skipped ones too
+                value = cursors[j].take(pos, keep=first)
+            else:
+                value, values[pos] = values[pos], None
+            if first:
+                last = self.last = key
+                yield key, value
+        for cursor, _, end in spans:
+            cursor.pos = end
+
+    def close(self) -> None:
+        for future in self.futures.values():
+            future.cancel()
+        self.pool.shutdown(wait=False)
+        for cursor in self.cursors:
+            cursor.close()
+        self.cursors = []
+
+
+Merged = tuple[list[Any], list[int], list[int]]
+
+
+def _merge_ints(spans: list[tuple[_Cursor, int, int]]) -> Merged:
+    """(keys, span of each, position of each) of int-keyed spans in key order, then
+    chunk order."""
+    if not spans:
+        return [], [], []
+    keys = np.concatenate([c.keys[a:b] for c, a, b in spans])
+    which = np.concatenate([np.full(b - a, j, dtype=np.int64) for j, (_, a, b) in enumerate(spans)])
+    pos = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in spans])
+    prio = np.asarray([c.prio for c, _, _ in spans], dtype=np.int64)[which]
+    by = np.lexsort((pos, prio, keys))
+    return keys[by].tolist(), which[by].tolist(), pos[by].tolist()
+
+
+def _merge_any(spans: list[tuple[_Cursor, int, int]]) -> Merged:
+    """``_merge_ints`` for keys of any kind."""
+    found = sorted(
+        (order.order_key(k), c.prio, p, k, j)
+        for j, (c, start, end) in enumerate(spans)
+        for p, k in zip(range(start, end), order.unpack(c.keys[start:end]), strict=True)
+    )
+    return [k for *_, k, _ in found], [j for *_, j in found], [p for _, _, p, _, _ in found]
+
+
+def merged(infos: list[ChunkInfo], reader: SetReader, budget: int) -> Iterator[tuple[Any, Any]]:
+    """(key, value) of the chunks ``infos`` in key order, each key once (see the module's
+    docstring); ``budget`` bounds the bytes held open and read ahead.
+
+    Raises:
+        IntegrityError: a chunk is damaged, planted or sealed with another key.
+        GatherError: a chunk is gone, or a value cannot be rebuilt here.
+        StoreUnavailableError: the store failed.
+    """
+    merge = _Merge(infos, reader, budget)
+    try:
+        yield from merge.run()
+    finally:
+        merge.close()
+
+
+def budget(read_ahead: int | None, infos: list[ChunkInfo]) -> int:
+    """The read-ahead budget of a merge: ``read_ahead``, else what overlapping chunks need
+    (see ``overlap``), at least the default, at most a quarter of the free memory."""
+    if read_ahead is not None:
+        return max(read_ahead, 1)
+    room = memory.headroom()
+    wanted = max(config.read_ahead(None, room), 2 * overlap(infos))
+    return max(min(wanted, room // 4), 1)
+
+
+def overlap(infos: list[ChunkInfo]) -> int:
+    """The most bytes of chunks whose key ranges overlap at one key."""
+    events = sorted(
+        [(order.order_key(i.first), 0, i.nbytes + i.rebuilt) for i in infos]
+        + [(order.order_key(i.last), 1, -(i.nbytes + i.rebuilt)) for i in infos]
+    )
+    most = held = 0
+    for _, _, cost in events:
+        held += cost
+        most = max(most, held)
+    return most

@@ -1,0 +1,379 @@
+"""``gs.ResultSet``: results keyed by sample, kept in a store as they come, continued by
+a job of any world size after a preemption, read back in key order in bounded memory.
+
+The set's layout is ``_rs_layout``'s, its writer lock ``_rs_lock``'s, the buffer
+that flushes in the background ``_rs_writer``'s, the merge in key order
+``_rs_merge``'s, and what it uses of the core ``_rs_job``'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from gatherstore import _config as config
+from gatherstore._config import Timeout, to_seconds
+from gatherstore._errors import (
+    InsufficientMemoryError,
+    IntegrityError,
+    MismatchError,
+    StoreNotSharedError,
+)
+from gatherstore._time import deadline
+from gatherstore.results import job, layout, lifetime, lock, merge, order, signing, writer
+from gatherstore.results.read import SetReader
+from gatherstore.stores.base import Store
+
+__all__ = ["ResultSet"]
+
+_LIST_ENTRY = 8  # bytes a list holds per value it returns
+
+
+class ResultSet:
+    """Results keyed by sample, kept in a persistent store as they are added, so that an
+    evaluation stopped at any point (preempted, requeued, killed) is continued by a job of
+    any world size, and read back in key order in bounded memory whatever its size.
+
+    Opening a set is a collective: every rank of the job calls ``ResultSet`` with the
+    same arguments.  The job becomes the set's writer: a second job that opens it while
+    this one lives is refused (see ``Raises``).  ``store`` is a store that outlives the
+    job (``file:///shared/dir``, ``redis://``, ``s3://``, ``gs://``, ``az://``;
+    ``memory://`` in one process); the set lives under ``gatherstore-results/<name>/``
+    in it.  Keys are ints or strs (a sample's index or id): ints first, in numeric
+    order, then strs.
+
+    Values are buffered by [`add`][gatherstore.ResultSet.add] and written in the
+    background as create-only chunks, each sealed with ``key`` (a signature) or, without a
+    key, a CRC-32: ``flush_every`` values (an int), bytes (``"8MB"``) or seconds (``"30s"``,
+    a ``timedelta``), or a tuple of them (default: the ``GATHERSTORE_FLUSH_*`` settings); by
+    [`flush`][gatherstore.ResultSet.flush]; at exit; and on SIGTERM/SIGINT before the
+    program's handler or the default action ends the process.  A rank killed with SIGKILL
+    loses what it added since its last flush.  ``key`` (bytes or str, at least 16 bytes;
+    default: ``GATHERSTORE_RESULTS_KEY_FILE``, else ``GATHERSTORE_RESULTS_KEY``) must be the
+    same for every job that opens the set.  ``timeout`` bounds each collective (default:
+    ``GATHERSTORE_TIMEOUT``).
+
+    Raises:
+        ValueError: a bad name, key or ``flush_every``; a store that does not outlive
+            the job (``tmpdir``, a route, ``memory://`` across processes).
+        IntegrityError: the set was written with another signing key, or without one
+            where one is given (or the other way round).
+        GatherError: another job that is alive writes the set (named); a stale writer's
+            set is taken over.
+        StoreNotSharedError: a rank cannot see the set rank 0 opened.
+        StoreUnavailableError: the store cannot be reached.
+        RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
+    """
+
+    @job.serialized
+    def __init__(
+        self,
+        name: str,
+        *,
+        store: str | Store | None = None,
+        key: bytes | str | None = None,
+        flush_every: Any = None,
+        timeout: Timeout = None,
+    ) -> None:
+        self._timeout = to_seconds(timeout)
+        self._what = f"result set {name!r}"
+        self._rank = job.rank()
+        self._held: lock.Held | None = None
+        self._closed = False
+        call = job.Collective(f"ResultSet({name!r})", self._timeout)
+        # what each rank reads of its arguments and settings, checked on every rank at once
+        policy = call.agree(lambda: self._arguments(name, store, key, flush_every))
+        assert policy is not None
+        try:
+            opened = json.loads(call.from_root(self._open_on_root))
+            self._uid, self._run = str(opened["uid"]), int(opened["run"])
+            call.agree(self._check_meta)
+        except BaseException:
+            if self._held is not None:
+                lock.release(self._held)
+            raise
+        self._seq = itertools.count()
+        self._writer = writer.Writer(self._write_chunk, policy, self._what)
+        lifetime.opened(self)
+
+    def __repr__(self) -> str:
+        return f"<ResultSet {self.name!r} in {self._base}, run {self._run}>"
+
+    # --- opening ----------------------------------------------------------------------------
+    def _arguments(self, name: str, store: Any, key: Any, flush_every: Any) -> writer.FlushEvery:
+        self.name = layout.check_name(name)
+        self._key = signing.resolve(key)
+        self._base = job.open_persistent(store)
+        self._store = self._base.scoped(layout.prefix(self.name))
+        return writer.flush_policy(flush_every)
+
+    def _open_on_root(self) -> bytes:
+        meta = layout.open_meta(self._store, self._key, create=True)
+        assert meta is not None
+        self._held = lock.acquire(self._store, f"{self._what} in {self._base}", job.world_size())
+        return json.dumps({"uid": meta.uid, "run": self._held.run}).encode()
+
+    def _check_meta(self) -> None:
+        if self._rank == 0:
+            return
+        meta = layout.open_meta(self._store, self._key, create=False)
+        if meta is None:
+            raise StoreNotSharedError(
+                f"{self._what}: rank {self._rank} cannot see the set rank 0 opened in "
+                f"{self._base}; use a store every rank shares (file:///<shared dir>, "
+                "redis://, s3://)",
+                ranks=[self._rank],
+                store=str(self._base),
+            )
+        if meta.uid != self._uid:
+            raise IntegrityError(f"{self._what}: rank {self._rank} sees another set's metadata")
+
+    # --- writing ----------------------------------------------------------------------------
+    def add(self, key: Any, value: Any) -> None:
+        """Add ``value`` under ``key`` (an int or a str); it is written in the background.
+
+        The set keeps a reference to ``value`` until it is written: do not change it
+        after adding it.  Of a key added twice, in one run or across runs, the first
+        stored value counts.
+
+        Raises:
+            TypeError: ``key`` is not an int or a str.
+            GatherError: the set is closed, or a write in the background failed (e.g.
+                StoreUnavailableError; raised once, the values stay buffered and a
+                later flush writes them) or dropped values that cannot be pickled.
+        """
+        self._writer.add(key, value)
+
+    def flush(self, *, timeout: Timeout = None) -> None:
+        """Return once every value this rank added is durable in the store.
+
+        Raises:
+            GatherError: a write failed (e.g. StoreUnavailableError), or the set is closed.
+            GatherTimeout: the values were not written within ``timeout``.
+        """
+        self._writer.flush(self._seconds(timeout))
+
+    def _write_chunk(self, items: list[tuple[order.Key, Any]]) -> int:
+        """Write one chunk and its index (in the writer's thread); its bytes."""
+        name = layout.chunk_name(self._run, self._rank, next(self._seq))
+        try:
+            data, index = layout.encode_chunk(items, name, self._key, self._uid)
+        except Exception:  # write those that pickle, name the others
+            good, error = writer.picklable(items, self._what)
+            raise writer.Unstorable(error, self._write_chunk(good) if good else 0) from None
+        with deadline(self._timeout):
+            self._store.put(f"{layout.CHUNKS}{name}", data.segments)
+            self._store.put(f"{layout.INDEX}{name}", index.segments)
+        return data.nbytes
+
+    # --- collectives ----------------------------------------------------------------------
+    @job.serialized
+    def pending(self, keys: Iterable[Any], *, timeout: Timeout = None) -> list[Any]:
+        """The keys of ``keys`` that no run has stored, distinct and in key order, the same
+        on every rank (a collective: every rank passes the same ``keys``).
+
+        Every rank's buffered values are written first, so a key added before counts.
+
+        Raises:
+            TypeError: a key is not an int or a str (on every rank).
+            MismatchError: ranks passed different keys.
+            GatherError / GatherTimeout: a write failed, or did not end in time (see
+                [`flush`][gatherstore.ResultSet.flush]).
+            RemoteRankError: another rank failed (named), or did not come in time.
+        """
+        call = job.Collective(f"{self._what}.pending", self._seconds(timeout))
+        wanted = call.agree(lambda: self._flushed(order.sort_keys(keys), call))
+        assert wanted is not None
+        digests = call.send(order.digest(wanted).encode())
+        if len(set(digests)) > 1:
+            details = {r: d.decode()[:12] for r, d in enumerate(digests)}
+            raise MismatchError(
+                f"{self._what}.pending: ranks passed different keys (digests {details}); "
+                "every rank must pass the same keys",
+                details=details,
+            )
+        mask = call.from_root(lambda: self._stored_mask(wanted))
+        done = np.unpackbits(np.frombuffer(mask, np.uint8), count=len(wanted)).astype(bool)
+        if isinstance(wanted, np.ndarray):
+            return list(order.unpack(wanted[~done]))
+        return [k for k, stored in zip(wanted, done.tolist(), strict=True) if not stored]
+
+    def _flushed(self, out: Any, call: job.Collective) -> Any:
+        self._writer.flush(call.left())
+        return out
+
+    def _stored_mask(self, wanted: order.Keys) -> bytes:
+        reader = self._reader()
+        names, _ = reader.names()
+        stored = (keys for _, keys in reader.indexes(names))
+        return np.packbits(order.stored_mask(wanted, stored)).tobytes()
+
+    @job.serialized
+    def gather(self, dst: int = 0, *, timeout: Timeout = None) -> list[Any] | None:
+        """Every stored value, each key once, in key order, on ``dst``; None elsewhere
+        (a collective).  Every rank's buffered values are written first.
+
+        Raises:
+            ValueError: ``dst`` is not a rank of the job.
+            InsufficientMemoryError: the values would not fit in ``dst``'s memory (raised on
+                every rank before any is read; use [`items`][gatherstore.ResultSet.items]
+                or [`export`][gatherstore.ResultSet.export]).
+            IntegrityError: a chunk is damaged or sealed with another key (on ``dst``).
+            GatherError / GatherTimeout: a write failed, or did not end in time (see
+                [`flush`][gatherstore.ResultSet.flush]).
+            RemoteRankError: another rank failed (named), or did not come in time.
+        """
+        return self._gather(dst, timeout)
+
+    def _gather(self, dst: int, timeout: Timeout, *, keys: bool = False) -> list[Any] | None:
+        """[`gather`][gatherstore.ResultSet.gather]; with ``keys``, (key, value) pairs."""
+        world = job.world_size()
+        if not isinstance(dst, int) or not 0 <= dst < world:
+            raise ValueError(f"dst={dst!r} is not a rank of this job (world size {world})")
+        call = job.Collective(f"{self._what}.gather", self._seconds(timeout))
+        call.agree(lambda: self._writer.flush(call.left()))
+        planned: dict[str, Any] = {}
+        plan = json.loads(call.from_root(lambda: self._plan(planned), root=dst))
+        if plan["short"]:
+            raise InsufficientMemoryError(plan["short"])
+        if "infos" not in planned:
+            return None
+        with deadline(call.left()):
+            found = merge.merged(planned["infos"], self._reader(), 1 << 62)
+            return list(found) if keys else [v for _, v in found]
+
+    def _plan(self, planned: dict[str, Any]) -> bytes:
+        """On the destination: the chunks, and whether their values fit in memory."""
+        reader = self._reader()
+        infos = reader.infos(reader.names()[0])
+        need = sum(i.nbytes + i.rebuilt + _LIST_ENTRY * i.count for i in infos)
+        room = job.headroom()
+        planned["infos"] = infos
+        short = ""
+        if need > room:
+            short = (
+                f"{self._what}.gather of {need / 2**30:.2f} GiB (its chunks and what unpickling "
+                f"them allocates) would not fit on rank {job.rank()}, which has "
+                f"{room / 2**30:.2f} GiB free (capped by the memory cgroup): read it with "
+                "items() or export() (bounded memory), or raise the job's memory limit"
+            )
+        return json.dumps({"short": short}).encode()
+
+    @job.serialized
+    def discard(self, *, timeout: Timeout = None) -> None:
+        """Remove the set from its store, values buffered included (a collective).
+
+        Raises:
+            StoreUnavailableError: the store failed (on every rank).
+            RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
+        """
+        call = job.Collective(f"{self._what}.discard", self._seconds(timeout))
+        self._stop(drop=True)
+        call.agree(lambda: None)
+        call.agree(self._remove, root=0)
+
+    def _remove(self) -> None:
+        if self._held is not None:
+            lock.stop_beating(self._held)
+            self._held = None
+        self._base.delete(layout.prefix(self.name))
+
+    @job.serialized
+    def close(self, *, timeout: Timeout = None) -> None:
+        """Write what is buffered and end this job's run (a collective): another job may
+        then open the set at once.
+
+        Raises:
+            GatherError / GatherTimeout: a write failed, or did not end in time (see
+                [`flush`][gatherstore.ResultSet.flush]).
+            RemoteRankError: another rank failed (named), or did not come in time.
+        """
+        if self._closed:
+            return
+        call = job.Collective(f"{self._what}.close", self._seconds(timeout))
+        call.agree(lambda: self._writer.flush(call.left()))
+        self._stop()
+        call.agree(self._release, root=0)
+
+    def _release(self) -> None:
+        if self._held is not None:
+            lock.release(self._held)
+            self._held = None
+
+    def _stop(self, *, drop: bool = False) -> None:
+        self._closed = True
+        self._writer.close(drop=drop)
+        lifetime.closed(self)
+
+    # --- reading on one rank ----------------------------------------------------------------
+    def items(self, *, read_ahead: int | None = None) -> Iterator[tuple[Any, Any]]:
+        """Every stored value with its key, each key once, in key order, streamed on this
+        rank alone.  This rank's buffered values are written first (not other ranks').
+
+        Memory: the chunks held open and read ahead stay within ``read_ahead`` bytes plus
+        one chunk (default: what the chunks that overlap in key order need, at least
+        ``GATHERSTORE_READ_AHEAD``, at most a quarter of the free memory); chunks that do
+        not fit wait in a temporary file.
+
+        Raises:
+            IntegrityError: a chunk is damaged or sealed with another key (names it).
+            GatherError: a chunk is gone (deleted, or expired), or a value cannot be
+                rebuilt here; and the errors of [`flush`][gatherstore.ResultSet.flush].
+            ValueError: a negative ``read_ahead``.
+        """
+        config.read_ahead(read_ahead, 0)  # a bad value fails here
+        self._writer.flush(self._timeout)
+        reader = self._reader()
+        infos = reader.infos(reader.names()[0])
+        return merge.merged(infos, reader, merge.budget(read_ahead, infos))
+
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        compression: str | None = None,
+        read_ahead: int | None = None,
+    ) -> int:
+        """Write every stored value with its key, in key order, to ``path``: Parquet
+        (``.parquet``), Arrow IPC (``.arrow``; both need the ``arrow`` extra) or JSON
+        lines (``.jsonl``); streamed, in the memory of
+        [`items`][gatherstore.ResultSet.items].  A value that is a dict is a column per
+        field, another value one ``value`` column; arrays are lists.  Parquet and Arrow
+        are uncompressed unless ``compression`` says (``"zstd"``, ``"lz4"``, ...).  The
+        file appears whole (written beside it, then renamed).  Returns the number of
+        values written.
+
+        Raises:
+            ValueError: an unknown extension, or values that do not fit the format.
+            ImportError: Parquet or Arrow without pyarrow (with the pip line).
+            GatherError: the errors of [`items`][gatherstore.ResultSet.items].
+        """
+        from gatherstore.results import export
+
+        export.check(path, compression)
+        return export.write(self.items(read_ahead=read_ahead), path, compression)
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _reader(self) -> SetReader:
+        return SetReader(self._store, self._key, self._uid, self._what)
+
+    def _seconds(self, timeout: Timeout) -> float:
+        return self._timeout if timeout is None else to_seconds(timeout)
+
+    def drain(self) -> None:
+        """Write what is buffered, errors logged: for a process that stops."""
+        self._writer.drain(min(self._timeout, lifetime.STOP_FLUSH))
+
+    def end(self) -> None:
+        """At exit: write what is buffered and end the run."""
+        self.drain()
+        self._stop()
+        self._release()
+
+
+ResultSet.__module__ = "gatherstore"  # its public home

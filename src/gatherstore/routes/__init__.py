@@ -1,0 +1,1 @@
+"""Routes: how one call's parts travel (collective, inline, store, stream, handover, chunked)."""

@@ -1,0 +1,367 @@
+"""The "stream" route: parts sent point to point, in fixed-size chunks, over gloo.
+
+What ``auto`` uses across nodes when no shared store is configured.  Unlike
+the padded collective (``W x largest`` on every receiver), each sender sends
+only its own part, chunk by chunk, to the destination, which receives every
+chunk straight into the buffer of the part it returns:
+
+- the destination holds what it returns plus nothing else (chunks land in place);
+- a sender holds its serialised part plus one chunk;
+- the destination takes parts in rank order, so ``gather_iter`` yields each
+  part as soon as it is in.
+
+Every send and receive waits at most for the time the call has left: a rank
+that is killed or frozen makes the waiting side raise ``GatherTimeout``
+(or ``RemoteRankError`` when its connection closed) naming it, instead of
+hanging on the process group's own timeout, and marks gatherstore's gloo group
+broken (later calls that need it refuse at once).
+
+When the destination stops early (a ``gather_iter`` closed or dropped, a part
+that cannot be rebuilt, a sender that stalled), it tells the senders through
+the ``gatherstore.routes.halt.Halt`` keys of the call on the rendezvous store, and takes the one
+chunk each of them may have in flight: they are released at once, with the
+destination's reason (naming the rank that stalled, or returning quietly after
+an early close), and the group stays usable.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from gatherstore import _config as config
+from gatherstore._errors import GatherError, GatherTimeout, RemoteRankError, seconds
+from gatherstore._time import Deadline
+from gatherstore.codec import frames as serialize
+from gatherstore.job import control, gloo
+from gatherstore.routes.base import Route
+from gatherstore.routes.halt import RELEASE_GRACE, Halt
+from gatherstore.routes.progress import Progress, wanted
+
+if TYPE_CHECKING:
+    from gatherstore.calls.call import Call
+    from gatherstore.calls.plan import Plan
+
+__all__ = [
+    "CHUNK",
+    "StreamRoute",
+    "broadcast_chunked",
+    "receive",
+    "send",
+]
+
+#: Bytes per point-to-point message (``GATHERSTORE_STREAM_CHUNK``).
+CHUNK = config.STREAM_CHUNK
+
+
+def chunk_count(size: int) -> int:
+    """How many chunks a part of ``size`` bytes travels in."""
+    return -(-size // CHUNK)
+
+
+def _wait(post: Callable[[], Any], peer: int, deadline: Deadline, what: str, late: str) -> None:
+    """Post one point-to-point op and wait for it until ``deadline``.
+
+    Raises:
+        GatherTimeout: ``peer`` did not do its side in time (``late`` says what).
+        RemoteRankError: ``peer``'s connection closed: its process died or left.
+    """
+    error = "timed out"
+    try:
+        work = post()
+        left = deadline.ends - time.monotonic()
+        if left > 0 and work.wait(timeout=_dt.timedelta(seconds=left)):
+            return
+    except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out ..."
+        if not deadline.passed() and "timed out" not in str(exc).lower():
+            error = str(exc).splitlines()[0]
+    how_on = gloo.mark_broken(what, f"rank {peer} {late}")
+    if error == "timed out":
+        raise GatherTimeout(
+            f"{what}: rank {peer} {late} within {seconds(deadline.timeout)} s; it is busy, "
+            f"stuck or gone; {how_on}",
+            ranks=[peer],
+            timeout=deadline.timeout,
+        ) from None
+    raise RemoteRankError(
+        peer, f"its connection closed mid-transfer ({error}); {how_on}", context=what
+    ) from None
+
+
+def _chunks(segments: list[memoryview], size: int) -> Iterator[torch.Tensor]:
+    """The concatenation of ``segments`` in chunks of ``CHUNK`` bytes, each copied into
+    one reused buffer (valid until the next chunk is drawn)."""
+    chunk = torch.empty(min(CHUNK, size), dtype=torch.uint8)
+    out = chunk.numpy()
+    fill = 0
+    for segment in segments:
+        view = memoryview(segment).cast("B")
+        while len(view):
+            n = min(len(view), len(out) - fill)
+            out[fill : fill + n] = view[:n]
+            fill, view = fill + n, view[n:]
+            if fill == len(out):
+                yield chunk
+                fill = 0
+    if fill:
+        yield chunk[:fill]
+
+
+def _into(part: bytearray) -> Iterator[torch.Tensor]:
+    """Views of ``part``, chunk by chunk, to receive into in place."""
+    if part:
+        whole = torch.frombuffer(part, dtype=torch.uint8)
+        for start in range(0, len(part), CHUNK):
+            yield whole[start : start + CHUNK]
+
+
+def send(
+    segments: list[memoryview],
+    size: int,
+    dst: int,
+    group: Any,
+    halt: Halt,
+    *,
+    deadline: Deadline,
+    what: str,
+) -> dict[str, Any] | None:
+    """Send the ``size`` bytes of ``segments`` to ``dst``, chunk by chunk.
+
+    Returns None once ``dst`` took every chunk, or ``dst``'s reason when it stopped early.
+
+    Raises:
+        GatherTimeout: ``dst`` did not take a chunk before ``deadline``.
+        RemoteRankError: ``dst``'s connection closed.
+    """
+    rank = dist.get_rank()
+    for chunk in _chunks(segments, size):
+        if not halt.claim(rank):
+            return halt.reason(rank)
+        # dst may be stopping for another rank's sake: it then takes this chunk, or (after
+        # a timeout of its own) closes the connection and says why on the store
+        late = f"did not take the part of rank {rank}"
+        post = functools.partial(dist.isend, chunk, dst, group=group)
+        try:
+            _wait(post, dst, deadline.later(RELEASE_GRACE), what, late)
+        except GatherError:
+            reason = halt.reason(rank, wait=RELEASE_GRACE)
+            if reason is None:
+                raise
+            return reason
+    if size:
+        halt.done(rank)
+    return None
+
+
+def receive(
+    size: int, rank: int, group: Any, taken: dict[int, int], *, deadline: Deadline, what: str
+) -> bytearray:
+    """``rank``'s part of ``size`` bytes, received chunk by chunk in place (``taken``
+    counts the chunks in).
+
+    Raises:
+        GatherTimeout: the sender did not deliver in time; names it.
+        RemoteRankError: the sender's connection closed; names it.
+    """
+    part = bytearray(size)
+    late = "did not stream its part of the call"
+    for piece in _into(part):
+        post = functools.partial(dist.irecv, piece, rank, group=group)
+        _wait(post, rank, deadline, what, late)
+        taken[rank] += 1
+    return part
+
+
+def broadcast_chunked(
+    segments: list[memoryview] | None,
+    size: int,
+    src: int,
+    group: Any,
+    *,
+    deadline: Deadline,
+    what: str,
+) -> bytearray | None:
+    """``src``'s part on every rank, chunk by chunk: ``src`` passes its ``segments`` and
+    gets None; the others get the ``size`` bytes, received in place.
+
+    Raises:
+        GatherTimeout: a chunk did not go through before ``deadline``; names ``src``.
+    """
+    part = None if segments is not None else bytearray(size)
+    pieces = _chunks(segments, size) if segments is not None else _into(part or bytearray())
+    late = "did not stream its part of the call"
+    for piece in pieces:
+        post = functools.partial(dist.broadcast, piece, src, group=group, async_op=True)
+        _wait(post, src, deadline, what, late)
+    return part
+
+
+# --- the route ------------------------------------------------------------------------------
+def _limits(call: Call) -> dict[str, Any]:
+    return {"deadline": call.deadline, "what": call.what}
+
+
+def _segments(call: Call) -> list[memoryview]:
+    frame = call.take_frame()
+    return [] if frame is None else frame.seal(None).segments
+
+
+class StreamRoute(Route):
+    """Parts point to point in chunks over gatherstore's gloo group (see the module)."""
+
+    need = "store"  # the destination holds what it returns; a sender its part and a chunk
+
+    def __str__(self) -> str:
+        return "stream"
+
+    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+        """Send this rank's part to ``dst``; on ``dst``, every part in rank order as it
+        arrives (its own object in place).
+
+        Raises:
+            GatherTimeout / RemoteRankError: a rank that stalled or died, named; on a
+                sender also the destination's reason for stopping early.
+        """
+        group = gloo.group()
+        halt = Halt(control.step(), deadline=call.deadline, what=call.what)
+        if call.rank == dst:
+            parts = _gathered(call, plan, dst, group, halt)
+            return parts if stream else iter(list(parts))
+        reason = send(_segments(call), plan.sizes[call.rank], dst, group, halt, **_limits(call))
+        call.lap("send")
+        call.finish()
+        if reason is not None and reason["kind"] != "closed":
+            raise _halted(reason, dst, call)
+        return None
+
+    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
+        out = _part_from(call, plan, src)
+        call.finish()
+        return out
+
+    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
+        """Every rank's part on every rank, one broadcast per rank.
+
+        A part that cannot be rebuilt here does not stop this rank from taking part in
+        the broadcasts after it (the others would wait for it): its error is raised
+        once they are done.
+        """
+        out: list[Any] = []
+        failed: GatherError | None = None
+        segments = _segments(call)
+        for src in range(call.world):
+            try:
+                out.append(_part_from(call, plan, src, segments))
+            except GatherError as exc:
+                if isinstance(exc, (GatherTimeout, RemoteRankError)):  # the transfer failed
+                    raise
+                failed = failed or exc
+        call.finish()
+        if failed is not None:
+            raise failed
+        return out
+
+
+def _halted(reason: dict[str, Any], dst: int, call: Call) -> GatherError:
+    """A sender's error for a destination that stopped early for ``reason``."""
+    if reason["kind"] == "timeout":
+        return GatherTimeout(
+            f"{call.what}: rank {dst} stopped the gather: {reason['message']}",
+            ranks=reason["ranks"],
+            timeout=call.deadline.timeout,
+        )
+    return RemoteRankError(reason["rank"], reason["message"], context=call.what)
+
+
+def _gathered(call: Call, plan: Plan, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
+    incoming = plan.total - plan.sizes[dst]
+    progress = Progress(
+        call.what, call.world - 1, incoming, enabled=wanted(call.progress, incoming)
+    )
+    taken = dict.fromkeys(range(call.world), 0)
+    reason: dict[str, Any] | None = None
+    try:
+        for rank in range(call.world):
+            if rank == dst:
+                yield plan.own
+                continue
+            part = receive(plan.sizes[rank], rank, group, taken, **_limits(call))
+            progress.update(len(part))
+            yield serialize.decode(memoryview(part), rank=rank, where=call.what)
+    except GeneratorExit:
+        reason = {"kind": "closed"}
+        raise
+    except GatherTimeout as exc:
+        reason = {"kind": "timeout", "ranks": exc.ranks, "message": str(exc)}
+        raise
+    except RemoteRankError as exc:  # a sender died
+        reason = {"kind": "failed", "ranks": exc.ranks, "rank": exc.rank, "message": str(exc)}
+        raise
+    except BaseException as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        reason = {"kind": "failed", "rank": dst, "message": message}
+        raise
+    finally:
+        progress.close()
+        if reason is not None:
+            _release(call, plan, group, halt, reason, taken)
+        call.finish()
+
+
+def _release(
+    call: Call, plan: Plan, group: Any, halt: Halt, reason: dict[str, Any], taken: dict[int, int]
+) -> None:
+    """Stop the senders whose parts were not taken whole, and take the chunk each has
+    in flight, so that they return at once and the group stays in step.
+
+    A sender that stalled or died (named in ``reason``) is told too, should it wake,
+    but its chunk is not taken: the group is broken already.
+    """
+    sizes = plan.sizes
+    named = set(reason.get("ranks", ()))
+    unfinished = {
+        r: chunk_count(sizes[r])
+        for r in range(call.world)
+        if r != call.rank and taken[r] < chunk_count(sizes[r])
+    }
+    try:
+        posted = halt.stop(reason, unfinished)
+        if reason["kind"] == "timeout":  # gloo closed every connection of this rank
+            return
+        scratch = torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
+        ends = max(call.deadline.ends, time.monotonic() + RELEASE_GRACE)
+        deadline = Deadline(call.deadline.timeout, ends)
+        for rank, count in posted.items():
+            if rank in named:  # it died, or its chunk is awaited already: the group is broken
+                continue
+            for _ in range(count - taken[rank]):
+                size = min(CHUNK, sizes[rank] - taken[rank] * CHUNK)
+                post = functools.partial(dist.irecv, scratch[:size], rank, group=group)
+                late = "did not finish the chunk it had in flight"
+                _wait(post, rank, deadline, call.what, late)
+                taken[rank] += 1
+    except GatherError:  # the senders left end at their deadline; the group is marked broken
+        return
+
+
+def _part_from(call: Call, plan: Plan, src: int, segments: list[memoryview] | None = None) -> Any:
+    """``src``'s part on this rank, broadcast chunk by chunk (``src``: its own object;
+    ``segments``: its encoded part, when taken already)."""
+    if call.rank == src and segments is None:
+        segments = _segments(call)
+    part = broadcast_chunked(
+        segments if call.rank == src else None,
+        plan.sizes[src],
+        src,
+        gloo.group(),
+        **_limits(call),
+    )
+    if part is None:
+        return plan.own
+    return serialize.decode(memoryview(part), rank=src, where=call.what)
