@@ -20,7 +20,7 @@ import pytest
 from gatherstore.cli import main as _cli
 from gatherstore.cli.bench import parts
 from gatherstore.cli.bench.delay import DelayProxy
-from gatherstore.routes.parts import BATCH_BYTES, IN_FLIGHT
+from gatherstore.routes.parts import BATCH_BYTES, PARTS_REQUESTED
 from gatherstore.stores.base import Store
 from gatherstore.stores.registry import open_store
 from gatherstore.testing.plugin import S3Endpoint
@@ -133,5 +133,5 @@ def test_the_reader_batches_small_parts_and_hands_large_ones_over_one_by_one(
 
     monkeypatch.setattr(Store, "get_many", counted)  # the job's store is another object
     with open_store(f"file://{tmp_path}") as store:
-        parts.read_back(store, sum(requests) + 1, part_bytes, IN_FLIGHT, None)  # + dst
+        parts.read_back(store, sum(requests) + 1, part_bytes, PARTS_REQUESTED, None)  # + dst
     assert seen == requests

@@ -1,63 +1,71 @@
-"""The codebase's shape: no module imports one that imports it back, even through others;
-and, as a backstop, no module grows past 600 lines (one concept decides where a module
-ends, not a count: a module this long holds more than one)."""
+"""The codebase's shape: the layers of pyproject.toml's import-linter contracts hold (no
+module imports upward, no package's modules import each other in a cycle, counting
+imports made inside functions and under TYPE_CHECKING); and, as backstops, no module
+grows past 600 lines, no function past 80, no more than 12 modules stand directly in the
+package, and only stores know the concrete store classes (the rest asks what a store can
+do)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+import pytest
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "gatherstore"
 MAX_LINES = 600
+MAX_FUNCTION = 80
+MAX_FLAT = 12
+#: The concrete stores, known by name only inside ``gatherstore.stores``.
+CONCRETE = {"FileStore", "TmpdirStore", "RedisStore", "FsspecStore", "MemoryStore"}
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for path in SRC.rglob("*.py"):
-        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
-        found[name.removesuffix(".__init__")] = path
-    return found
+def _sources() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The library modules ``name`` imports at module level (not inside functions)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-            base = ".".join([*parts, node.module] if node.module else parts)
-            if node.level == 0:
-                base = node.module or ""
-            named = {f"{base}.{alias.name}" for alias in node.names} & modules.keys()
-            found |= named or {base}
-    return (found & modules.keys()) - {name}
+def test_the_layers_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """lint-imports with the contracts of pyproject.toml (grimp reads every import)."""
+    config = str(ROOT / "pyproject.toml")
+    broken = lint_imports(config_filename=config, no_cache=True, no_logo=True)
+    assert broken == 0, capsys.readouterr().out
 
 
 def test_no_module_is_over_600_lines() -> None:
     long = {
-        name: n
-        for name, path in _modules().items()
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}, f"cut these along their concepts: {long}"
 
 
-def test_no_import_cycles() -> None:
-    modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    cycles = []
-    for start in graph:
-        stack = [(start, [start])]
-        seen = set()
-        while stack:
-            name, trail = stack.pop()
-            for nxt in graph[name]:
-                if nxt == start:
-                    cycles.append(" -> ".join([*trail, start]))
-                elif nxt not in seen:
-                    seen.add(nxt)
-                    stack.append((nxt, [*trail, nxt]))
-    assert cycles == []
+def test_no_function_is_over_80_lines() -> None:
+    long = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({n} lines)"
+        for path, tree in _sources().items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION  # type: ignore[operator]
+    ]
+    assert long == [], f"split these into steps a reader can hold: {long}"
+
+
+def test_few_modules_stand_directly_in_the_package() -> None:
+    flat = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(flat) <= MAX_FLAT, f"put these in the package of their concept: {flat}"
+
+
+def test_only_stores_know_the_concrete_stores() -> None:
+    """Outside ``gatherstore.stores`` the code asks a store what it can do
+    (``supports_handover``, ``shares_memory_with_host``, ``persistent``, ...)."""
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.id}"
+        for path, tree in _sources().items()
+        if "stores" not in path.relative_to(PACKAGE).parts[:1]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Name) and node.id in CONCRETE
+    ]
+    assert found == []

@@ -13,12 +13,12 @@ import pytest
 
 from gatherstore import _config as config
 from gatherstore._time import MIN_TIMEOUT, REPORT_TIME, Deadline, time_left
+from gatherstore.calls.choice import Facts, facts, pick, settle
 from gatherstore.calls.fit import route_need
-from gatherstore.calls.plan import Facts, facts, pick, settle
-from gatherstore.routes.base import StoreRoute
 from gatherstore.routes.handchunks import WINDOW
 from gatherstore.routes.handover import HandoverRoute
 from gatherstore.routes.parts import BATCH_BYTES, Window
+from gatherstore.routes.store import StoreRoute
 from gatherstore.stores.tmpdir import TmpdirStore
 
 SMALL, LARGE = config.AUTO_THRESHOLD, config.AUTO_THRESHOLD + 1

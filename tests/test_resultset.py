@@ -463,7 +463,7 @@ def test_items_spills_to_stay_within_its_budget(tmp_path: Path) -> None:
         rs.add(k, np.full(256, k, np.int64))
     rs.flush()
     infos = rs._reader().infos(rs._reader().names()[0])
-    assert len(infos) == 40 and merge.IN_FLIGHT < 40
+    assert len(infos) == 40 and merge.CHUNKS_AHEAD < 40
     budget = 2 * max(i.nbytes + i.rebuilt for i in infos)  # two chunks of the forty
     out = list(rs.items(read_ahead=budget))
     assert [k for k, _ in out] == list(range(2000))

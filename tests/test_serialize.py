@@ -568,8 +568,8 @@ class CollectorProbe:
 @pytest.mark.parametrize("collecting", [True, False])
 def test_cycle_collection_is_paused_while_a_part_is_rebuilt(collecting: bool) -> None:
     """Unpickling makes many containers that stay alive: the collection would walk them
-    again and again (see ``_serialize._collection_paused``).  It is back as the caller had
-    it afterwards, also when the rebuild fails."""
+    again and again (see ``gatherstore.codec.frames._collection_paused``).  It is back as
+    the caller had it afterwards, also when the rebuild fails."""
     CollectorProbe.seen.clear()
     was = gc.isenabled()
     try:

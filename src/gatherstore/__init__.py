@@ -1,7 +1,8 @@
 """gatherstore: gather large Python objects across PyTorch ranks through a pluggable store.
 
-The public API lives here and only here; the implementation modules are
-private (``_objects``, ``_launch``, ...).  Names load on first use, so that
+The public API lives here and only here; the implementation lives in private packages
+by concept (``calls``, ``routes``, ``codec``, ``job``, ``results``, ...).  Names load on
+first use, so that
 ``import gatherstore`` costs milliseconds and does not import torch until a
 function needs it.  ``gatherstore.stores`` (the Store base class and registry),
 ``gatherstore.testing`` (the conformance suite and pytest plugin, with the
@@ -62,42 +63,8 @@ if _TYPE_CHECKING:
     from gatherstore.results.resultset import ResultSet
     from gatherstore.stores.registry import open_store, register_store, set_default_store
 
-#: Where each lazily loaded public name is defined.
-_LAZY = {
-    **dict.fromkeys(
-        ["all_gather_tensor", "all_reduce", "barrier", "broadcast_tensor", "shared_random_seed"],
-        "._collectives",
-    ),
-    **dict.fromkeys(["all_reduce_dict", "reduce_dict"], "._dicts"),
-    **dict.fromkeys(["one_rank_only", "rank_zero_only"], "._rank_filters"),
-    **dict.fromkeys(["init_from_env", "launch", "shutdown"], "._launch"),
-    **dict.fromkeys(
-        ["all_gather_object", "broadcast_object", "gather_iter", "gather_object"], "._objects"
-    ),
-    "collect_results": "._results",
-    "ResultSet": "._resultset",
-    **dict.fromkeys(
-        [
-            "backend",
-            "describe",
-            "device",
-            "get_local_rank",
-            "get_local_size",
-            "get_nnodes",
-            "get_node_rank",
-            "get_rank",
-            "get_world_size",
-            "gpu_mem_usage",
-            "is_distributed",
-            "is_main_process",
-        ],
-        "._topology",
-    ),
-    **dict.fromkeys(["open_store", "register_store", "set_default_store"], ".stores.registry"),
-}
-
-#: Written out for type checkers and linters (which read no computed list); pinned by
-#: tests/test_public_api.py, which also checks it against each module's own list.
+#: Written out for linters (which read no computed list); tests/test_public_api.py checks
+#: that it names what the imports above name, and nothing else.
 __all__ = [
     "GatherError",
     "GatherTimeout",
@@ -145,21 +112,44 @@ __all__ = [
     "shutdown",
 ]
 
+#: Where each lazily loaded name is defined (see ``_lazy``), read at the first lookup.
+_LAZY: dict[str, str] | None = None
+
 for _name in (*_errors.__all__, "Store"):  # shown as gatherstore.<name> in tracebacks
     globals()[_name].__module__ = __name__
 del _name
 
 
+def _lazy() -> dict[str, str]:
+    """Where each lazily loaded name is defined, read from the imports under
+    ``TYPE_CHECKING`` above: each public name is written there once (and in ``__all__``
+    for linters, which tests/test_public_api.py checks against them)."""
+    import ast
+
+    with open(__file__, encoding="utf-8") as source:
+        tree = ast.parse(source.read())
+    block = next(n for n in tree.body if isinstance(n, ast.If))
+    return {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+
+
 def __getattr__(name: str) -> _Any:
+    global _LAZY
     if name == "__version__":  # pyproject.toml's, from the installed metadata
         from gatherstore._version import version
 
         globals()[name] = version()
         return globals()[name]
+    if _LAZY is None:
+        _LAZY = _lazy()
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gatherstore' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module, __name__), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -130,7 +130,8 @@ READ_AHEAD_SHARE = 8
 AUTO_THRESHOLD = _size_setting("GATHERSTORE_AUTO_THRESHOLD", "128KiB", at_least=0)
 #: Bytes per point-to-point message of the ``stream`` route.
 STREAM_CHUNK = _size_setting("GATHERSTORE_STREAM_CHUNK", "16MiB")
-#: Bytes a chunk of a part handed over aims at (0: parts go whole; see ``_chunks``).
+#: Bytes a chunk of a part handed over aims at (0: parts go whole; see
+#: ``gatherstore.codec.chunks``).
 PART_CHUNK = _size_setting("GATHERSTORE_PART_CHUNK", "16MiB", at_least=0)
 #: Bytes of pinned host memory a process stages CUDA tensors through, in two halves
 #: (allocated at the first gather of a CUDA tensor, released at ``gs.shutdown()``).

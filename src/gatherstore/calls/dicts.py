@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gatherstore._config import Timeout, to_seconds
+from gatherstore._config import Timeout
 from gatherstore._errors import MismatchError
-from gatherstore.calls.tensors import as_number, comm_device, reduce_op_of, run_op, valid_timeout
-from gatherstore.job import control, topology
+from gatherstore.calls.entry import check, run
+from gatherstore.calls.tensors import as_number, comm_device, reduce_op_of
+from gatherstore.routes.context import Context
 
 __all__ = ["all_reduce_dict", "reduce_dict"]
 
@@ -31,20 +31,16 @@ def _as_tensor(value: Any) -> tuple[torch.Tensor, str]:
     return tensor, str(tensor.dtype)
 
 
-def _agree(
-    values: dict[str, tuple[torch.Tensor, str]], what: str, seconds: float | None
-) -> list[dict[str, Any]]:
+def _agree(values: dict[str, tuple[torch.Tensor, str]], ctx: Context) -> list[dict[str, Any]]:
     """Every rank's {key: [shape, kind]}, after checking that keys and shapes agree.
 
     Raises:
         MismatchError: keys or shapes differ (the same error on every rank).
     """
     mine = {k: [list(t.shape), kind] for k, (t, kind) in values.items()}
-    if not topology.is_distributed():
-        return [mine]
     raw = json.dumps(mine, sort_keys=True).encode()
-    wait = to_seconds(None) if seconds is None else seconds
-    views = [json.loads(b) for b in control.exchange(raw, timeout=wait, what=what)]
+    views = [json.loads(b) for b in ctx.send(raw)]
+    what = ctx.what
     common = set.intersection(*(set(v) for v in views))
     details = {}
     for rank, view in enumerate(views):
@@ -61,7 +57,6 @@ def _agree(
     return views
 
 
-@control.serialized
 def all_reduce_dict(
     d: Mapping[str, Any], op: str = "mean", *, timeout: Timeout = None
 ) -> dict[str, Any]:
@@ -80,7 +75,6 @@ def all_reduce_dict(
     return _reduce_dict(d, op, dst=None, timeout=timeout)
 
 
-@control.serialized
 def reduce_dict(
     d: Mapping[str, Any], average: bool = True, dst: int = 0, *, timeout: Timeout = None
 ) -> dict[str, Any]:
@@ -98,37 +92,67 @@ def reduce_dict(
 def _reduce_dict(
     d: Mapping[str, Any], op: str, dst: int | None, timeout: Timeout
 ) -> dict[str, Any]:
-    seconds = valid_timeout(timeout)
-    ends = time.monotonic() + (seconds or 0.0)
+    what = "all_reduce_dict" if dst is None else "reduce_dict"
+    check(what, timeout=timeout)
     reduce_op = reduce_op_of(op)
     mean = op.lower() == "mean"
     keys = sorted(d)
     values = {k: _as_tensor(d[k]) for k in keys}
-    what = "all_reduce_dict" if dst is None else "reduce_dict"
-    views = _agree(values, what, seconds)
+
+    def body(ctx: Context) -> tuple[list[dict[str, Any]], torch.Tensor | None]:
+        views = _agree(values, ctx)
+        if not keys:
+            return views, None
+        dev = comm_device()
+        flat = torch.cat(
+            [t.reshape(-1).to(dev, _common_dtype(views, keys, mean)) for t, _ in values.values()]
+        )
+        if dst is None:
+            start = functools.partial(dist.all_reduce, flat, op=reduce_op, async_op=True)
+        else:
+            start = functools.partial(dist.reduce, flat, dst=dst, op=reduce_op, async_op=True)
+        ctx.run_op(start)
+        if dst is not None and ctx.rank != dst:
+            return views, None
+        if mean:
+            flat /= ctx.world
+        return views, flat
+
+    def serial() -> tuple[list[dict[str, Any]], torch.Tensor | None]:
+        views = [{k: [list(t.shape), kind] for k, (t, kind) in values.items()}]
+        if not keys:
+            return views, None
+        dtype = _common_dtype(views, keys, mean)
+        return views, torch.cat([t.reshape(-1).to(dtype) for t, _ in values.values()])
+
+    views, flat = run(what, body, serial, timeout=timeout, bounded=False, sweep=False)
     if not keys:
         return {}
-    # the same dtype on every rank, whatever each rank passed: promote over all of them
+    if flat is None:  # off ``dst``
+        return dict(d)
+    return _unpacked(d, keys, values, views, flat, mean)
+
+
+def _common_dtype(views: list[dict[str, Any]], keys: list[str], mean: bool) -> torch.dtype:
+    """The same dtype on every rank, whatever each rank passed: promoted over all of them."""
     dtypes = {_dtype_of(view[k][1]) for view in views for k in keys}
     dtype = functools.reduce(torch.promote_types, sorted(dtypes, key=str))
     if dtype.is_floating_point and any(not dt.is_floating_point for dt in dtypes):
         dtype = torch.promote_types(dtype, torch.float64)  # integers stay exact up to 2**53
     elif mean and not dtype.is_floating_point:
         dtype = torch.float64
-    if topology.is_distributed():
-        dev = comm_device()
-        flat = torch.cat([t.reshape(-1).to(dev, dtype) for t, _ in values.values()])
-        if dst is None:
-            start = functools.partial(dist.all_reduce, flat, op=reduce_op, async_op=True)
-        else:
-            start = functools.partial(dist.reduce, flat, dst=dst, op=reduce_op, async_op=True)
-        run_op(what, start, seconds, ends)
-        if dst is not None and topology.get_rank() != dst:
-            return dict(d)
-        if mean:
-            flat /= topology.get_world_size()
-    else:
-        flat = torch.cat([t.reshape(-1).to(dtype) for t, _ in values.values()])
+    return dtype
+
+
+def _unpacked(
+    d: Mapping[str, Any],
+    keys: list[str],
+    values: dict[str, tuple[torch.Tensor, str]],
+    views: list[dict[str, Any]],
+    flat: torch.Tensor,
+    mean: bool,
+) -> dict[str, Any]:
+    """Each key's reduced value from ``flat``, in its own type and shape."""
     out: dict[str, Any] = {}
     offset = 0
     for key in keys:

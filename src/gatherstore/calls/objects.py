@@ -1,10 +1,12 @@
 """The object collectives: every rank's object, routed over the process group or a store.
 
-Each public call checks its arguments (the same way in one process as in many),
-agrees on a plan with every rank (``gatherstore.calls.call.Call.agree``: each rank's
+Each public call goes through the one entry (``gatherstore.calls.entry``: its
+arguments checked the same way in one process as in many, one deadline, its log
+line), agrees on a plan with every rank (``gatherstore.calls.agreement``: each rank's
 object is built and encoded, a failure on any rank raises on every rank, sizes and
 free memory are exchanged, the route is settled and checked to fit), then hands the
-plan to its route (``gatherstore.routes.base``), which moves the parts.
+plan and the call's context to its route (``gatherstore.routes``), which moves the
+parts.
 """
 
 from __future__ import annotations
@@ -14,17 +16,15 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from gatherstore import _config as config
-from gatherstore._config import AUTO_THRESHOLD, Timeout, to_seconds
-from gatherstore.calls.call import Call
-from gatherstore.job import control, topology
-from gatherstore.job.specs import resolve
+from gatherstore._config import AUTO_THRESHOLD, Timeout
+from gatherstore.calls.agreement import Agreement, Shape
+from gatherstore.calls.entry import check, run
+from gatherstore.routes.context import Context
 from gatherstore.stores.base import Store
 
 __all__ = [
     "AUTO_THRESHOLD",
     "all_gather_object",
-    "check_arguments",
     "broadcast_object",
     "gather_iter",
     "gather_object",
@@ -52,39 +52,6 @@ def own_copies(enabled: bool = True) -> Iterator[None]:
         _own_copies.reset(token)
 
 
-def check_arguments(
-    what: str,
-    store: str | Store | None,
-    timeout: Timeout,
-    *,
-    rank: tuple[str, int] | None = None,
-    progress: bool | None = None,
-    read_ahead: int | None = None,
-) -> None:
-    """Check a call's arguments the same way in one process as in many, before anything
-    is sent: a typo fails in the first run on a laptop, not hours later on a cluster.
-
-    The store spec is opened (its scheme and syntax checked; nothing is connected).
-
-    Raises:
-        ValueError: the argument named, with what it must be.
-        ImportError: the store needs a package that is not installed.
-    """
-    to_seconds(timeout)
-    resolve(store)
-    if rank is not None:
-        name, value = rank
-        world = topology.get_world_size()
-        if type(value) is not int or not 0 <= value < world:
-            raise ValueError(
-                f"{what}: {name}={value!r} is not a rank of this job (world size {world})"
-            )
-    if progress not in (None, True, False):
-        raise ValueError(f"{what}: progress={progress!r}: give True, False or None (automatic)")
-    config.read_ahead(read_ahead, 0)
-
-
-@control.serialized
 def all_gather_object(
     obj: Any,
     *,
@@ -110,15 +77,16 @@ def all_gather_object(
         GatherTimeout: ranks that did not arrive in time (named).
         StoreNotSharedError / StoreUnavailableError / IntegrityError: store problems.
     """
-    check_arguments("all_gather_object", store, timeout, progress=progress)
-    if not topology.is_distributed():
-        return [obj]
-    call = Call("all_gather_object", store, timeout, progress)
-    plan = call.agree(lambda: obj, range(call.world), copy_own=_own_copies.get(), inline=True)
-    return plan.route.all_gather(call, plan)
+    check("all_gather_object", timeout=timeout, store=store, progress=progress)
+
+    def body(ctx: Context) -> list[Any]:
+        shape = Shape(range(ctx.world), copy_own=_own_copies.get(), inline=True)
+        plan = Agreement(ctx, store).agree(lambda: obj, shape)
+        return plan.route.all_gather(ctx, plan)
+
+    return run("all_gather_object", body, lambda: [obj], timeout=timeout, progress=progress)
 
 
-@control.serialized
 def gather_object(
     obj: Any,
     dst: int = 0,
@@ -139,14 +107,11 @@ def gather_object(
             memory (raised on every rank before any data moves).
         GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
-    check_arguments("gather_object", store, timeout, rank=("dst", dst), progress=progress)
-    if not topology.is_distributed():
-        return [obj]
+    check("gather_object", timeout=timeout, store=store, rank=("dst", dst), progress=progress)
     parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_object", progress=progress)
     return None if parts is None else list(parts)
 
 
-@control.serialized
 def gather_iter(
     obj: Any,
     dst: int = 0,
@@ -173,18 +138,21 @@ def gather_iter(
             [`all_gather_object`][gatherstore.all_gather_object].
         GatherError: the errors of [`gather_object`][gatherstore.gather_object].
     """
-    check_arguments(
-        "gather_iter", store, timeout, rank=("dst", dst), progress=progress, read_ahead=read_ahead
+    check(
+        "gather_iter",
+        timeout=timeout,
+        store=store,
+        rank=("dst", dst),
+        progress=progress,
+        read_ahead=read_ahead,
     )
-    if not topology.is_distributed():
-        return iter([obj])
     parts = gather_prepared(
         lambda: obj,
         dst,
         store,
         timeout,
         "gather_iter",
-        stream=True,
+        lazy=True,
         progress=progress,
         read_ahead=read_ahead,
     )
@@ -197,27 +165,31 @@ def gather_prepared(
     store: str | Store | None,
     timeout: Timeout,
     what: str,
-    stream: bool = False,
+    lazy: bool = False,
     progress: bool | None = None,
     read_ahead: int | None = None,
 ) -> Iterator[Any] | None:
-    """The gather behind the public calls: ``prepare()`` builds each rank's object,
-    and its exceptions are reported to every rank instead of raised alone."""
-    call = Call(what, store, timeout, progress, root=dst, read_ahead=read_ahead, iterated=stream)
-    copy_own = _own_copies.get() and call.rank == dst
-    plan = call.agree(
-        prepare,
-        [dst],
-        send=call.rank != dst,
-        full=[dst],
-        copy_own=copy_own,
-        inline=True,
-        chunk=not stream,
-    )
-    return plan.route.gather(call, plan, dst, stream=stream)
+    """The gather behind the public calls (their arguments checked): ``prepare()`` builds
+    each rank's object, and its exceptions are reported to every rank instead of raised
+    alone; serially, the one object ``prepare()`` builds."""
+
+    def body(ctx: Context) -> Iterator[Any] | None:
+        agreement = Agreement(ctx, store, root=dst, read_ahead=read_ahead, iterated=lazy)
+        copy_own = _own_copies.get() and ctx.rank == dst
+        shape = Shape(
+            [dst],
+            send=ctx.rank != dst,
+            full=[dst],
+            copy_own=copy_own,
+            inline=True,
+            chunk=not lazy,
+        )
+        plan = agreement.agree(prepare, shape)
+        return plan.route.gather(ctx, plan, dst, lazy=lazy)
+
+    return run(what, body, lambda: iter([prepare()]), timeout=timeout, progress=progress)
 
 
-@control.serialized
 def broadcast_object(
     obj: Any = None, src: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
 ) -> Any:
@@ -231,10 +203,12 @@ def broadcast_object(
             available memory (raised on every rank before any data moves).
         GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
-    check_arguments("broadcast_object", store, timeout, rank=("src", src))
-    if not topology.is_distributed():
-        return obj
-    call = Call("broadcast_object", store, timeout, root=src)
-    receivers = [r for r in range(call.world) if r != src]
-    plan = call.agree(lambda: obj, receivers, send=call.rank == src, full=())
-    return plan.route.broadcast(call, plan, src)
+    check("broadcast_object", timeout=timeout, store=store, rank=("src", src))
+
+    def body(ctx: Context) -> Any:
+        receivers = [r for r in range(ctx.world) if r != src]
+        shape = Shape(receivers, send=ctx.rank == src, full=())
+        plan = Agreement(ctx, store, root=src).agree(lambda: obj, shape)
+        return plan.route.broadcast(ctx, plan, src)
+
+    return run("broadcast_object", body, lambda: obj, timeout=timeout)

@@ -8,13 +8,19 @@ from typing import Any, TypeVar
 
 from gatherstore._config import Timeout, to_seconds
 from gatherstore._errors import RemoteRankError
-from gatherstore.job import control, topology
+from gatherstore.calls.entry import collective
+from gatherstore.job import topology
 
 __all__ = ["one_rank_only", "rank_zero_only"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-# the report after the function ran: one exchange, not interleaved with another thread's call
-_report = control.serialized(control.exchange)
+
+
+def _report(failure: bytes, timeout: Timeout) -> list[bytes]:
+    """Every rank's report after the function ran on ``rank``: a collective of its own,
+    whose deadline starts once the function is done."""
+    with collective("one_rank_only", timeout=timeout, sweep=False) as ctx:
+        return ctx.send(failure)
 
 
 def rank_zero_only(fn: F) -> F:
@@ -37,7 +43,7 @@ def one_rank_only(
         GatherTimeout: with ``with_barrier``, ranks that did not arrive in time, named.
         RemoteRankError: on the other ranks, when the function raised on ``rank``.
     """
-    seconds = to_seconds(timeout)
+    to_seconds(timeout)
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -50,9 +56,9 @@ def one_rank_only(
                     result = fn(*args, **kwargs)
             except Exception as exc:
                 failure = f"{type(exc).__name__}: {exc}".encode()
-                _report(failure, timeout=seconds, what="one_rank_only")
+                _report(failure, timeout)
                 raise
-            reported = _report(failure, timeout=seconds, what="one_rank_only")
+            reported = _report(failure, timeout)
             if reported[rank]:
                 raise RemoteRankError(rank, reported[rank].decode(), context=fn.__name__)
             return result

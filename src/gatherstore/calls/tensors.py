@@ -1,44 +1,39 @@
 """Tensor collectives, the fast path: NCCL on GPU, gloo on CPU; numbers accepted too.
 
-Also the helpers the other tensor-path modules share (``gatherstore.calls.dicts``):
-running one op with or without a timeout, the reduce ops, the device of the
-default group.
+Each goes through the one entry (``gatherstore.calls.entry``).  Without a ``timeout``
+an op waits as long as the process group does; with one, the ranks first meet on the
+control plane (late ones are named) and the op ends within it.  Also the helpers the
+dict reductions share (``gatherstore.calls.dicts``): the reduce ops, numbers in their
+type, the device of the default group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
 import functools
 import json
 import random
-import time
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gatherstore._config import Timeout, to_seconds
-from gatherstore._errors import GatherError, MismatchError, ProcessGroupError
-from gatherstore._errors import seconds as format_seconds
-from gatherstore.job import control, topology
+from gatherstore._config import Timeout
+from gatherstore._errors import MismatchError
+from gatherstore.calls.entry import check, run
+from gatherstore.job import topology
+from gatherstore.routes.context import Context, process_group
 
 __all__ = [
     "Number",
     "all_gather_tensor",
     "all_reduce",
-    "arrive",
     "as_number",
     "barrier",
     "broadcast_tensor",
     "comm_device",
-    "process_group",
     "reduce_op_of",
-    "run_op",
     "shared_random_seed",
-    "valid_timeout",
 ]
 
 Number = int | float
@@ -51,75 +46,6 @@ _OPS = {
     "product": dist.ReduceOp.PRODUCT,
 }
 _warned: set[tuple[int, int]] = set()
-
-
-@contextlib.contextmanager
-def process_group(what: str) -> Iterator[None]:
-    """Report the process group's own failures as a ProcessGroupError (a GatherError and
-    still a RuntimeError, as torch's was), not a raw torch error."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if isinstance(exc, GatherError):
-            raise
-        cause = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ProcessGroupError(
-            f"{what}: the process group failed: {cause}; "
-            "another rank died, stopped, or called a different collective (tensor collectives "
-            "wait for the process group's timeout; object collectives name the rank)"
-        ) from exc
-
-
-def run_op(what: str, start: Callable[[], Any], seconds: float | None, ends: float = 0.0) -> None:
-    """Run one tensor collective: ``start()`` launches it (``async_op=True``).
-
-    Without a timeout (``seconds`` None) it waits as long as the process group does.
-    With one, the op is waited on until ``ends`` (an absolute deadline, after the
-    ranks met on the control plane, which names the late ones): a rank that dies or
-    stalls mid-op then ends the wait in time.
-
-    Raises:
-        ProcessGroupError: the process group failed, or the op did not finish in time.
-    """
-    with process_group(what):
-        work = start()
-        if seconds is None:
-            work.wait()
-            return
-        left = max(ends - time.monotonic(), 0.05)
-        try:
-            done = work.wait(timeout=_dt.timedelta(seconds=left))
-        except RuntimeError as exc:
-            if "timed out" not in str(exc).lower() and time.monotonic() < ends:
-                raise
-            done = False
-        if not done:
-            raise ProcessGroupError(
-                f"{what}: every rank arrived but the collective did not finish within "
-                f"{format_seconds(seconds)} s; a rank died or stalled in it (the process group "
-                "may be unusable now)"
-            )
-
-
-def valid_timeout(timeout: Timeout) -> float | None:
-    """``timeout`` in seconds (None: the process group's own wait).
-
-    Raises:
-        ValueError: not a positive number of seconds or a timedelta.
-    """
-    return None if timeout is None else to_seconds(timeout)
-
-
-def arrive(what: str, timeout: Timeout) -> tuple[float | None, float]:
-    """With a ``timeout``: meet every rank on the control plane first (a rank that is
-    late, or in another gatherstore call, is named on every rank); returns (the
-    timeout in seconds or None, the absolute deadline)."""
-    if timeout is None:
-        return None, 0.0
-    seconds = to_seconds(timeout)
-    ends = time.monotonic() + seconds
-    control.exchange(b"", timeout=seconds, what=what)
-    return seconds, ends
 
 
 def reduce_op_of(op: str) -> Any:
@@ -148,7 +74,6 @@ def comm_device() -> torch.device:
     return dev
 
 
-@control.serialized
 def barrier(timeout: Timeout = None) -> None:
     """Wait until every rank arrives.
 
@@ -160,21 +85,21 @@ def barrier(timeout: Timeout = None) -> None:
     Raises:
         GatherTimeout: with a timeout, naming the ranks that did not arrive.
     """
-    valid_timeout(timeout)
-    if not topology.is_distributed():
-        return
-    if timeout is None:
-        if comm_device().type == "cuda":
-            with process_group("barrier"):
+    check("barrier", timeout=timeout)
+
+    def body(ctx: Context) -> None:
+        if timeout is not None:
+            ctx.arrive()
+            return
+        with process_group("barrier"):
+            if comm_device().type == "cuda":
                 dist.barrier(device_ids=[comm_device().index or 0])
-        else:
-            with process_group("barrier"):
+            else:
                 dist.barrier()
-        return
-    control.exchange(b"", timeout=to_seconds(timeout), what="barrier")
+
+    run("barrier", body, lambda: None, timeout=timeout, bounded=False, sweep=False)
 
 
-@control.serialized
 def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = None) -> Any:
     """Reduce ``x`` over all ranks; every rank gets the result.
 
@@ -194,7 +119,7 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
         ProcessGroupError: the process group failed (or, with a timeout, the op did
             not finish in time).
     """
-    valid_timeout(timeout)
+    check("all_reduce", timeout=timeout)
     reduce_op = reduce_op_of(op)
     mean = op.lower() == "mean"
     if isinstance(x, torch.Tensor):
@@ -202,22 +127,26 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
         if mean and not tensor.is_floating_point():
             tensor = tensor.double()
     elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        if not topology.is_distributed():
-            return float(x) if mean else x
         tensor = torch.tensor(float(x), dtype=torch.float64)
     else:
         raise TypeError(f"all_reduce takes a tensor or a number, not {type(x).__name__}")
-    if topology.is_distributed():
-        seconds, ends = arrive("all_reduce", timeout)
+
+    def body(ctx: Context) -> torch.Tensor:
+        if timeout is not None:
+            ctx.arrive()
         moved = tensor.to(comm_device())
-        start = functools.partial(dist.all_reduce, moved, op=reduce_op, async_op=True)
-        run_op("all_reduce", start, seconds, ends)
-        tensor = moved.to(tensor.device)
+        ctx.run_op(functools.partial(dist.all_reduce, moved, op=reduce_op, async_op=True))
+        reduced = moved.to(tensor.device)
         if mean:
-            tensor /= topology.get_world_size()
+            reduced /= ctx.world
+        return reduced
+
+    if not isinstance(x, torch.Tensor) and not topology.is_distributed():
+        return float(x) if mean else x
+    out = run("all_reduce", body, lambda: tensor, timeout=timeout, bounded=False, sweep=False)
     if isinstance(x, torch.Tensor):
-        return tensor
-    return as_number(tensor.item(), as_int=isinstance(x, int) and not mean)
+        return out
+    return as_number(out.item(), as_int=isinstance(x, int) and not mean)
 
 
 def as_number(value: float, *, as_int: bool) -> int | float:
@@ -229,7 +158,6 @@ def _meta(t: torch.Tensor) -> bytes:
     return json.dumps([str(t.dtype), list(t.shape)]).encode()
 
 
-@control.serialized
 def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0; first dims may differ.
 
@@ -245,18 +173,25 @@ def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> t
         GatherTimeout: ranks that did not arrive within ``timeout``, named.
         ProcessGroupError: the process group failed, or the op did not finish in time.
     """
-    seconds = valid_timeout(timeout)
-    ends = time.monotonic() + (seconds or 0.0)
+    check("all_gather_tensor", timeout=timeout)
     tensor = torch.as_tensor(t)
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    if not topology.is_distributed():
-        return tensor.clone()
-    wait = to_seconds(None) if seconds is None else seconds
-    metas = [
-        json.loads(m)
-        for m in control.exchange(_meta(tensor), timeout=wait, what="all_gather_tensor")
-    ]
+
+    def body(ctx: Context) -> torch.Tensor:
+        metas = [json.loads(m) for m in ctx.send(_meta(tensor))]
+        return _gathered(ctx, tensor, metas)
+
+    return run("all_gather_tensor", body, tensor.clone, timeout=timeout, bounded=False, sweep=False)
+
+
+def _gathered(ctx: Context, tensor: torch.Tensor, metas: list[Any]) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated, once ``metas`` (every rank's dtype and shape)
+    are known.
+
+    Raises:
+        MismatchError: dtypes or trailing shapes differ (on every rank).
+    """
     dtypes = {m[0] for m in metas}
     trailing = {tuple(m[1][1:]) for m in metas}
     if len(dtypes) > 1 or len(trailing) > 1 or any(len(m[1]) == 0 for m in metas):
@@ -272,16 +207,10 @@ def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> t
     padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=dev)
     padded[: tensor.shape[0]] = tensor
     slots = [torch.empty_like(padded) for _ in sizes]
-    run_op(
-        "all_gather_tensor",
-        functools.partial(dist.all_gather, slots, padded, async_op=True),
-        seconds,
-        ends,
-    )
+    ctx.run_op(functools.partial(dist.all_gather, slots, padded, async_op=True))
     return torch.cat([s[:n] for s, n in zip(slots, sizes, strict=True)]).to(tensor.device)
 
 
-@control.serialized
 def broadcast_tensor(
     t: torch.Tensor | None, src: int = 0, *, timeout: Timeout = None
 ) -> torch.Tensor:
@@ -294,32 +223,31 @@ def broadcast_tensor(
         GatherTimeout / ProcessGroupError: as in
             [`all_gather_tensor`][gatherstore.all_gather_tensor].
     """
-    seconds = valid_timeout(timeout)
-    ends = time.monotonic() + (seconds or 0.0)
-    if not topology.is_distributed():
+    check("broadcast_tensor", timeout=timeout)
+
+    def serial() -> torch.Tensor:
         if t is None:
             raise ValueError("broadcast_tensor: the source rank passed None; give it a tensor")
         return t
-    rank = topology.get_rank()
-    payload = _meta(t) if rank == src and t is not None else b""
-    wait = to_seconds(None) if seconds is None else seconds
-    metas = control.exchange(payload, timeout=wait, what="broadcast_tensor")
-    if not metas[src]:
-        raise ValueError(f"broadcast_tensor: source rank {src} passed None; give it a tensor")
-    dtype_name, shape = json.loads(metas[src])
-    dtype = getattr(torch, dtype_name.removeprefix("torch."))
-    dev = comm_device()
-    if rank == src and t is not None:
-        buf = t.detach().to(dev).contiguous()
-    else:
-        buf = torch.empty(shape, dtype=dtype, device=dev)
-    start = functools.partial(dist.broadcast, buf, src=src, async_op=True)
-    run_op("broadcast_tensor", start, seconds, ends)
-    target = t.device if t is not None else dev
-    return buf.to(target)
+
+    def body(ctx: Context) -> torch.Tensor:
+        payload = _meta(t) if ctx.rank == src and t is not None else b""
+        metas = ctx.send(payload)
+        if not metas[src]:
+            raise ValueError(f"broadcast_tensor: source rank {src} passed None; give it a tensor")
+        dtype_name, shape = json.loads(metas[src])
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        dev = comm_device()
+        if ctx.rank == src and t is not None:
+            buf = t.detach().to(dev).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=dev)
+        ctx.run_op(functools.partial(dist.broadcast, buf, src=src, async_op=True))
+        return buf.to(t.device if t is not None else dev)
+
+    return run("broadcast_tensor", body, serial, timeout=timeout, bounded=False, sweep=False)
 
 
-@control.serialized
 def shared_random_seed() -> int:
     """A random integer in [0, 2**31), the same on every rank: rank 0's.
 
@@ -329,7 +257,4 @@ def shared_random_seed() -> int:
         RemoteRankError: the job's rendezvous store went away (its host ended).
     """
     seed = random.SystemRandom().randrange(2**31)
-    if not topology.is_distributed():
-        return seed
-    values = control.exchange(str(seed).encode(), timeout=to_seconds(None), what="seed")
-    return int(values[0])
+    return run("seed", lambda ctx: int(ctx.send(str(seed).encode())[0]), lambda: seed, sweep=False)

@@ -29,7 +29,6 @@ from gatherstore.cli.bench.measure import PeakMemory, format_bytes
 from gatherstore.job import topology
 from gatherstore.job.launch import launch
 from gatherstore.results import collect as results
-from gatherstore.stores.file import FileStore
 from gatherstore.stores.registry import open_store
 
 __all__ = ["DemoConfig", "describe_store", "run"]
@@ -56,7 +55,7 @@ def describe_store(spec: str) -> str:
     if spec in ROUTES:
         return spec
     with open_store(spec) as store:
-        return f"{store} ({store.root})" if isinstance(store, FileStore) else str(store)
+        return f"{store} ({store.folder})" if store.folder else str(store)
 
 
 def _check(image: dict[str, Any], position: int, expected: int) -> None:

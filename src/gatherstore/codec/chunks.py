@@ -223,7 +223,7 @@ class Assembly:
         """Rebuild the next chunk (views into its buffer, as a part's).
 
         Raises:
-            GatherError: the chunk cannot be rebuilt here (see ``_serialize.load``).
+            GatherError: the chunk cannot be rebuilt here (see ``gatherstore.codec.frames.load``).
         """
         serialize.rebuilding(verified, self._add)
 

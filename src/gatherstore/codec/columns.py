@@ -50,7 +50,7 @@ class Column:
 
     A column of small numpy arrays keeps the arrays themselves as its pieces, not yet
     joined: a part written into a file takes their bytes straight from them (see
-    ``_serialize.Frame.seal_into``), one copy instead of two; anything else asks for
+    ``gatherstore.codec.frames.Frame.seal_into``), one copy instead of two; anything else asks for
     :attr:`segments`, which joins them once.
     """
 

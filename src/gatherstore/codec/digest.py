@@ -5,7 +5,8 @@ The checksum guards against damage.  XXH3 is the fastest of those measured, but
 one core of a large GPU host hashes only about 7 GB/s (30 GB/s on another
 machine; CRC-32 ran at 3-4 GB/s on both): so a part is cut into blocks of
 :data:`BLOCK` bytes (counted over the frame, whatever its segments), each
-block hashed on a worker thread (see ``_workers``: XXH3 releases the GIL), and the digest is
+block hashed on a worker thread (see ``gatherstore.host.workers``: XXH3 releases the
+GIL), and the digest is
 the XXH3-128 of the bound prefix, the length and the blocks' digests.  The
 signature (with a key) is keyed BLAKE3 on every core (its own threads).
 Both cover ``bind``, length-prefixed, before the frame.

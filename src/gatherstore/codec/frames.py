@@ -5,7 +5,9 @@ regions are pickle's out-of-band buffers, the columns of record batches (see
 :mod:`gatherstore.codec.records`) and the storage spans of large arrays and of
 tensors (see :mod:`gatherstore.codec.storage`: memory that views share travels
 once): written straight from their memory with vectored writes, and on read
-rebuilt as views of the part's buffer (a memory map for files).  CUDA tensors
+rebuilt as views of the part's buffer: memory of the reader's own (a store reads a
+file into private memory, never a mapping another process could change), or the
+sealed memory of a part handed over (see ``gatherstore.routes.handover``).  CUDA tensors
 reach the part through a pinned staging buffer (see :mod:`gatherstore.codec.staging`),
 so objects never grow GPU memory, and are rebuilt on the CPU; tensors that
 require grad are detached.  cloudpickle is used only when plain pickle fails.
@@ -99,7 +101,7 @@ class Frame:
     _fields: tuple[int, int, int, int]  # flags, buffers, persistent regions, pickle length
     _body: list[memoryview | Column]  # table, padding, pickle stream, regions
     segments: list[memoryview] = field(default_factory=list)
-    #: Estimated bytes unpickling allocates besides the part (see ``_sizing``).
+    #: Estimated bytes unpickling allocates besides the part (see ``gatherstore.codec.sizing``).
     rebuilt: int = 0
     #: The objects whose memory the regions are read from, alive until the frame goes.
     _keep: list[Any] = field(default_factory=list)
@@ -318,7 +320,7 @@ def _dump(value: Any, flags: int, guarded: list[Any] | None = None) -> Pickled |
 
     Raises:
         _Split: the pickler met one of ``guarded`` (objects packing replaced, see
-            ``_records.Packed``): it would be rebuilt twice, no longer one object.
+            ``gatherstore.codec.records.Packed``): it would be rebuilt twice, no longer one object.
     """
     stream = io.BytesIO()
     buffers: list[memoryview] = []
@@ -407,7 +409,8 @@ class Verified:
 
     stream: memoryview
     buffers: list[memoryview]
-    #: The regions the stream references: columns, then span regions (see ``_storage``).
+    #: The regions the stream references: columns, then span regions (see
+    #: ``gatherstore.codec.storage``).
     columns: list[memoryview]
     rank: int | None = None
     where: str | None = None
@@ -532,7 +535,7 @@ class Unpickler(pickle.Unpickler):
         self.regions = regions
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name == _region.__name__:
+        if module in (__name__, "gatherstore._serialize") and name == _region.__name__:
             # not a bound method of the unpickler: the unpickler's memo keeps what this
             # returns, and a reference back to it would keep the part alive until a collection
             return self.regions.resolve
@@ -544,7 +547,7 @@ class Unpickler(pickle.Unpickler):
 
 def _unpickle(verified: Verified) -> Any:
     """The part's object: straight from its stream in place, or, when memory could run
-    low, through a reader that stops before it does (see ``_watch``)."""
+    low, through a reader that stops before it does (see ``gatherstore.codec.watch``)."""
     if watch.needs_watch(len(verified.stream)):
         who = "a part" if verified.rank is None else f"the part of rank {verified.rank}"
         reader = io.BufferedReader(watch.Watched(verified.stream, who), watch.STEP)

@@ -27,7 +27,7 @@ Packing keeps pickle's identities.  A run in which one record appears twice is
 pickled plainly, a container met twice is packed once, and packing stops at a
 cycle.  Records and array values that something besides their container holds
 are reported (see :class:`Packed`): the pickler may meet them elsewhere in the
-object, where they would be rebuilt a second time, so ``_serialize`` then pickles
+object, where they would be rebuilt a second time, so ``gatherstore.codec.frames`` then pickles
 the object plainly.  Lists that are not homogeneous fall back to plain pickling
 per run of records; this is never a user-visible format choice.
 """
@@ -65,7 +65,8 @@ _PROTOCOL = (
     "__getnewargs__",
     "__getnewargs_ex__",
 )
-#: Where parts of format 4 name the rebuild of a list of arrays (see ``_columns.rebuilt``).
+#: Where parts of format 4 name the rebuild of a list of arrays (see
+#: ``gatherstore.codec.columns.rebuilt``).
 _column_values = columns.rebuilt
 
 
@@ -320,7 +321,8 @@ def _keyed(keys: list[Any], values: list[Any]) -> dict[Any, Any]:
 
 
 def _pack_arrays(items: list[Any], held: int, screen: _Screen) -> Any:
-    """``items``, arrays or tensors, as one column when they join (see ``_columns``)."""
+    """``items``, arrays or tensors, as one column when they join (see
+    ``gatherstore.codec.columns``)."""
     counts = _references(items)
     packed = columns.joined(items, _once(counts, held))
     if packed is None:

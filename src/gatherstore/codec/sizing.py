@@ -89,7 +89,7 @@ class _Walk:
 
     def _container(self, obj: Any, budget: float) -> float:
         """What a container holds; a list of records or a long dict of them is packed,
-        and its arrays become views (see ``_records.pack``)."""
+        and its arrays become views (see ``gatherstore.codec.records.pack``)."""
         inside = self.columnar
         self.columnar = inside or (type(obj) in (list, dict) and records.columnar(obj))
         try:

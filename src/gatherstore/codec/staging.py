@@ -8,7 +8,7 @@ copy).  Here each process allocates one pinned buffer at its first use
 a ring of :data:`SLOTS` slots.  Sources are packed into one slot after the other,
 asynchronously, on a side stream of their device, one event per slot and side
 stream.  Each time a slot is filled, every slot whose copies the device has
-finished goes to worker threads (see ``_workers``), which copy it into the part's
+finished goes to worker threads (see ``gatherstore.host.workers``), which copy it into the part's
 host buffer in pieces of :data:`PIECE` bytes, taking the first-touch faults of its
 fresh pages on many cores, while the device fills the next slots.  A slot is
 refilled once its pieces are out.  The side stream first waits for what the

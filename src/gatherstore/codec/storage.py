@@ -8,7 +8,7 @@ region each: the views of one batch tensor, a tensor and its slices, an array
 that many records hold, all travel as the bytes of their storage span, once.
 
 Host regions are written from the objects' own memory (no copy).  CUDA regions
-are copied to the host through the pinned staging buffer (see ``_staging``),
+are copied to the host through the pinned staging buffer (see ``gatherstore.codec.staging``),
 straight into the part's buffer, never through GPU memory.
 
 On load every region is one buffer of the part, and every array or tensor a
@@ -116,7 +116,7 @@ class Spans:
 
     def regions(self) -> Regions:
         """Merge the spans; host regions are views of the objects' memory, CUDA regions
-        are staged to the host (see ``_staging``)."""
+        are staged to the host (see ``gatherstore.codec.staging``)."""
         out = Regions(table=np.empty((len(self.spans), 2), np.int64))
         spans = self.spans
         order = sorted(range(len(spans)), key=lambda i: (spans[i].key or _HOST, spans[i].start))

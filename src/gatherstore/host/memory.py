@@ -120,7 +120,7 @@ def mem_available() -> int:
 
 def headroom() -> int:
     """Bytes this process may still allocate: ``MemAvailable`` capped by its cgroups, once
-    the parts it let go are unmapped (see ``_mappings``)."""
+    the parts it let go are unmapped (see ``gatherstore.host.mappings``)."""
     mappings.drained()
     return min(mem_available(), cgroup_headroom())
 

@@ -27,7 +27,7 @@ def write_all(fd: int, buffers: Sequence[memoryview | np.ndarray]) -> None:
     linear in their count: a part may have a segment per array).
 
     numpy arrays are written as they are: a memoryview of each would cost more than its
-    bytes when there are many small ones (a column's, see ``_columns``).
+    bytes when there are many small ones (a column's, see ``gatherstore.codec.columns``).
     """
     pending: list[Any] = list(buffers)  # numpy arrays: buffers to writev, untyped
     first = 0

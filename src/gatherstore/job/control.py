@@ -103,6 +103,11 @@ def serialized(fn: F) -> F:
     return one_at_a_time  # type: ignore[return-value]
 
 
+def calls_in_turn() -> contextlib.AbstractContextManager[Any]:
+    """The block of one gatherstore collective: see ``serialized``."""
+    return _calls
+
+
 def _label(what: str) -> bytes:
     """``what``, with the calling thread's name outside the main thread."""
     thread = threading.current_thread()
@@ -117,7 +122,7 @@ def is_initialized() -> bool:
 
 
 def _current() -> GroupState:
-    """The job's state, with its control store set up (see ``_job``)."""
+    """The job's state, with its control store set up (see ``gatherstore.job.state``)."""
     state = job.group_state()
     if state.control_store is None:
         base = dist.distributed_c10d._get_default_store()
@@ -182,7 +187,9 @@ def bounded(run: Callable[[], Any], timeout: float, what: str) -> Any:
     return _bounded(run, timeout, what, hosts)
 
 
-def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[bytes]:
+def exchange(
+    payload: bytes, *, timeout: float, what: str = "exchange", named: float | None = None
+) -> list[bytes]:
     """Give every rank every rank's ``payload``, in rank order.
 
     O(W) store requests per call for W ranks: each rank sets its key and counts
@@ -196,7 +203,7 @@ def exchange(payload: bytes, *, timeout: float, what: str = "exchange") -> list[
         RemoteRankError: the job's store went away (the process hosting it, rank 0 or
             the launcher, ended).
     """
-    values, _ = exchange_summary(payload, timeout=timeout, what=what)
+    values, _ = exchange_summary(payload, timeout=timeout, what=what, named=named)
     assert values is not None
     return values
 
@@ -208,13 +215,15 @@ def exchange_summary(
     what: str = "exchange",
     summarize: Summarize | None = None,
     full: Collection[int] | None = None,
+    named: float | None = None,
 ) -> tuple[list[bytes] | None, bytes | None]:
     """``exchange``, where every rank gets ``summarize(payloads)`` (computed once,
     on one rank) and only the ranks in ``full`` (default: all) get the payloads.
 
     Returns ``(payloads or None, summary or None)``.  Where ``summarize`` returns
     None (say, a rank reported a failure) or raises, every rank gets the payloads
-    and no summary.  Raises as ``exchange`` does.
+    and no summary.  Raises as ``exchange`` does; a ``GatherTimeout`` names the timeout
+    ``named`` (the call's own, of which this wait is what is left), else ``timeout``.
     """
     if not is_initialized() or dist.get_world_size() == 1:
         return [payload], summary_of(summarize, [payload])
@@ -252,7 +261,7 @@ def exchange_summary(
     if rank == 0 and hosts:
         _track_readers(state.control_store, outcome, timeout)
     if outcome.late is not None:
-        raise late_error(what, outcome.late, timeout)
+        raise late_error(what, outcome.late, timeout if named is None else named)
     values = None if outcome.values is None else _unlabel(outcome.values, what)
     return values, outcome.summary
 

@@ -7,10 +7,10 @@ StoreNotSharedError.  When the store's parts are signed, rank 0 draws a random
 key and broadcasts it over the gloo control group; it is never written to any
 store.  The job's area is removed when the process group is shut down (or at
 exit on rank 0).  When the job is stopped from outside, whoever outlives rank
-0 sweeps: every rank on SIGTERM/SIGINT (see ``_signals``), a rank that finds
+0 sweeps: every rank on SIGTERM/SIGINT (see ``gatherstore.job.signals``), a rank that finds
 rank 0 late or its rendezvous store gone (``after_failure``), and the
 ``gs.launch`` parent, which hosts the rendezvous store and reads there the
-areas rank 0 published (see ``_published``).
+areas rank 0 published (see ``gatherstore.job.published``).
 """
 
 from __future__ import annotations

@@ -6,16 +6,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from gatherstore._config import Timeout
-from gatherstore.calls.objects import check_arguments, gather_prepared
-from gatherstore.job import control
-from gatherstore.job.topology import is_distributed
+from gatherstore.calls.entry import check
+from gatherstore.calls.objects import gather_prepared
 from gatherstore.results.sampling import Order, by_index, check_results, ordered
 from gatherstore.stores.base import Store
 
 __all__ = ["collect_results"]
 
 
-@control.serialized
 def collect_results(
     results: list[Any],
     size: int | None = None,
@@ -58,16 +56,11 @@ def collect_results(
         check_results(results, indices, order)
         return (list(results), [int(i) for i in indices] if indices is not None else None)
 
-    check_arguments("collect_results", store, timeout, rank=("dst", dst), progress=progress)
-    if not is_distributed():
-        parts = [payload()]
-    else:
-        gathered = gather_prepared(
-            payload, dst, store, timeout, "collect_results", progress=progress
-        )
-        if gathered is None:
-            return None
-        parts = list(gathered)
+    check("collect_results", timeout=timeout, store=store, rank=("dst", dst), progress=progress)
+    gathered = gather_prepared(payload, dst, store, timeout, "collect_results", progress=progress)
+    if gathered is None:
+        return None
+    parts = list(gathered)
     if indices is not None:
         return by_index(parts, size)
     return ordered([p[0] for p in parts], order, size)

@@ -13,17 +13,16 @@ which indices are left to compute.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from gatherstore._config import Timeout
-from gatherstore.results import job
+from gatherstore.calls.entry import collective
 from gatherstore.results.resultset import ResultSet
 from gatherstore.results.sampling import check_results, indices_of
 from gatherstore.stores.base import Store
 
-__all__ = ["collect_into", "ended_on_error", "finish", "settle"]
+__all__ = ["collect_into", "finish", "settle"]
 
 
 def finish(rs: ResultSet, size: int | None, dst: int, timeout: Timeout) -> list[Any] | None:
@@ -37,7 +36,7 @@ def finish(rs: ResultSet, size: int | None, dst: int, timeout: Timeout) -> list[
     """
     if size is not None:
         _no_gaps(rs.pending(range(size), timeout=timeout), size)
-    pairs = rs._gather(dst, timeout, keys=True)
+    pairs = rs.gather(dst, timeout=timeout, keys=True)
     if pairs is None:
         return None
     found = {k: v for k, v in pairs if type(k) is int and k >= 0}
@@ -72,33 +71,21 @@ def collect_into(
         ValueError: bad arguments (on every rank), or missing indices (see ``finish``).
         and the errors of ``ResultSet``.
     """
-    rs = ResultSet(name, store=store, timeout=timeout)
-    with ended_on_error(rs):
-        call = job.Collective("collect_results", rs._seconds(timeout))
-        mine = len(results) if isinstance(results, Sequence) else 0
-        counts = [int(n) for n in call.send(str(mine).encode())]
+    with ResultSet(name, store=store, timeout=timeout) as rs:
+        with collective("collect_results", timeout=timeout) as call:
+            mine = len(results) if isinstance(results, Sequence) else 0
+            counts = [int(n) for n in call.send(str(mine).encode())]
 
-        def keyed() -> list[int]:
-            check_results(results, indices, order)
-            return indices_of(counts, order, indices, call.rank, call.world)
+            def keyed() -> list[int]:
+                check_results(results, indices, order)
+                return indices_of(counts, order, indices, call.rank, call.world)
 
-        keys = call.agree(keyed)
+            keys = call.agree(keyed)
         assert keys is not None
         for key, result in zip(keys, results, strict=True):
             if size is None or key < size:
                 rs.add(key, result)
-    return settle(rs, size, dst, timeout)
-
-
-@contextlib.contextmanager
-def ended_on_error(rs: ResultSet) -> Iterator[None]:
-    """On an error (raised on every rank), end the set here, without another collective."""
-    try:
-        yield
-    except BaseException:
-        rs._stop()
-        rs._release()
-        raise
+        return finish(rs, size, dst, timeout)
 
 
 def settle(
@@ -116,13 +103,11 @@ def settle(
     Raises:
         and the errors of ``finish`` (and ``failed``, or RemoteRankError naming it).
     """
-    with ended_on_error(rs):
+    with rs:
         if report:
-            call = job.Collective(f"{rs._what} (collect)", rs._seconds(timeout))
-            call.agree(lambda: _raise(failed))
-        out = finish(rs, size, dst, timeout)
-    rs.close(timeout=timeout)
-    return out
+            with collective(f"result set {rs.name!r} (collect)", timeout=timeout) as call:
+                call.agree(lambda: _raise(failed))
+        return finish(rs, size, dst, timeout)
 
 
 def _raise(error: BaseException | None) -> None:

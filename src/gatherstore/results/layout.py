@@ -4,17 +4,18 @@ A set named ``coco-val/ckpt-1200`` lives under ``gatherstore-results/coco-val/ck
 (``gatherstore gc`` removes job areas only, never this):
 
 - ``meta``: the set's id, whether it is signed, when it was made;
-- ``runs/<run>/claim`` and ``runs/<run>/heartbeat``: its writer jobs (see ``_rs_lock``);
+- ``runs/<run>/claim`` and ``runs/<run>/heartbeat``: its writer jobs (see
+  ``gatherstore.results.lock``);
 - ``chunks/<run>-<rank>-<seq>``: the values one rank flushed at once, with their
   keys, sorted by key;
 - ``index/<run>-<rank>-<seq>``: that chunk's keys, count and size, written after the
   chunk: a chunk without its index is not part of the set (a rank died between
   the two), so a reader never sees a partial flush.
 
-Every value is a frame of ``_serialize``, sealed with the set's key (a signature)
-or without one (a CRC-32), bound to the set's id, its kind and its name: a chunk
-copied from another set or planted under another name fails its check.  Chunk
-names sort by (run, rank, seq): the order in which a key added more than once is
+Every value is a frame of the codec (``gatherstore.codec.frames``), sealed with the set's
+key (a signature) or without one (an XXH3-128 checksum), bound to the set's id, its kind and
+its name: a chunk copied from another set or planted under another name fails its check.
+Chunk names sort by (run, rank, seq): the order in which a key added more than once is
 decided (the first wins).
 """
 
@@ -27,8 +28,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gatherstore import codec
 from gatherstore._errors import IntegrityError
-from gatherstore.codec import frames as serialize
 from gatherstore.results import order
 from gatherstore.stores.base import Store
 from gatherstore.stores.failures import KeyExistsError
@@ -112,13 +113,13 @@ def _meta_of(raw: Any, key: bytes | None, where: str) -> Meta:
     """
     bind = _bind("", "meta", META)
     try:
-        fields = serialize.load(serialize.verify(raw, key=key, bind=bind, where=where))
+        fields = codec.load(codec.verify(raw, key=key, bind=bind, where=where))
     except IntegrityError as exc:
         if key is None:
             why = "it is signed: open it with its key (key= or GATHERSTORE_RESULTS_KEY(_FILE))"
         else:
             try:
-                serialize.verify(raw, key=None, bind=bind, where=where)
+                codec.verify(raw, key=None, bind=bind, where=where)
                 why = "it was written without a signing key: open it without one"
             except IntegrityError:
                 why = "it was written with another signing key (or its metadata was altered)"
@@ -141,7 +142,7 @@ def open_meta(store: Store, key: bytes | None, *, create: bool) -> Meta | None:
     if raw is None and create:
         fields = {"format": FORMAT, "uid": uuid.uuid4().hex, "signed": key is not None}
         fields["created"] = time.time()
-        frame = serialize.encode(fields).seal(key, _bind("", "meta", META))
+        frame = codec.encode(fields).seal(key, _bind("", "meta", META))
         with contextlib.suppress(KeyExistsError):  # made by another job at the same moment
             store.put(META, frame.segments)
         raw = store.get(META)
@@ -163,7 +164,7 @@ class ChunkInfo:
 
 def encode_chunk(
     items: list[tuple[order.Key, Any]], name: str, key: bytes | None, uid: str
-) -> tuple[serialize.Frame, serialize.Frame]:
+) -> tuple[codec.Frame, codec.Frame]:
     """The sealed chunk and index frames of ``items`` (sorted by key here; of equal keys
     the one added first stays first).
 
@@ -175,9 +176,9 @@ def encode_chunk(
     else:
         items = sorted(items, key=lambda item: order.order_key(item[0]))
     keys = order.pack([k for k, _ in items])
-    data = serialize.encode((keys, [v for _, v in items])).seal(key, _bind(uid, "chunk", name))
+    data = codec.encode((keys, [v for _, v in items])).seal(key, _bind(uid, "chunk", name))
     fields = {"keys": keys, "count": len(items), "nbytes": data.nbytes, "rebuilt": data.rebuilt}
-    index = serialize.encode(fields).seal(key, _bind(uid, "index", name))
+    index = codec.encode(fields).seal(key, _bind(uid, "index", name))
     return data, index
 
 
@@ -189,8 +190,8 @@ def decode_index(
     Raises:
         IntegrityError: it is damaged, planted or sealed with another key (names it).
     """
-    verified = serialize.verify(raw, key=key, bind=_bind(uid, "index", name), where=where)
-    fields = serialize.load(verified)
+    verified = codec.verify(raw, key=key, bind=_bind(uid, "index", name), where=where)
+    fields = codec.load(verified)
     keys = fields["keys"]
     if not fields["count"] or len(keys) != fields["count"]:
         raise IntegrityError(f"{where} lists {len(keys)} keys, not {fields['count']}", key=where)
@@ -201,17 +202,17 @@ def decode_index(
 
 def verify_chunk(
     raw: Any, info: ChunkInfo, key: bytes | None, uid: str, where: str
-) -> serialize.Verified:
+) -> codec.Verified:
     """Check a chunk read from the store, before anything in it is unpickled.
 
     Raises:
         IntegrityError: it is damaged, truncated, planted or sealed with another key.
     """
-    return serialize.verify(raw, key=key, bind=_bind(uid, "chunk", info.name), where=where)
+    return codec.verify(raw, key=key, bind=_bind(uid, "chunk", info.name), where=where)
 
 
 def decode_chunk(
-    verified: serialize.Verified, info: ChunkInfo, where: str
+    verified: codec.Verified, info: ChunkInfo, where: str
 ) -> tuple[order.Keys, list[Any]]:
     """The keys and values of a verified chunk.
 
@@ -219,7 +220,7 @@ def decode_chunk(
         IntegrityError: it holds another count of values than its index says.
         GatherError: a value cannot be rebuilt in this process.
     """
-    keys, values = serialize.load(verified)
+    keys, values = codec.load(verified)
     if len(keys) != info.count or len(values) != info.count:
         raise IntegrityError(f"{where} holds {len(values)} values, its index {info.count}")
     return keys, values

@@ -1,7 +1,7 @@
 """What a stopping process does for the result sets it writes.
 
 On SIGTERM or SIGINT, whichever handler is in charge, every open set writes
-what it buffered (see ``_signals``' stop hooks); at ``gs.shutdown()`` and at
+what it buffered (see ``gatherstore.job.signals``' stop hooks); at ``gs.shutdown()`` and at
 exit each writes it and ends its run, so that the next job takes the set over
 at once.  A process
 forked from a rank (a DataLoader worker) does neither for the rank's sets.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from typing import Protocol
+from collections.abc import Callable
 
 from gatherstore.job import hooks
 from gatherstore.results import job
@@ -23,36 +23,38 @@ __all__ = ["STOP_FLUSH", "closed", "end_all", "opened"]
 STOP_FLUSH = 60.0
 
 
-class _Open(Protocol):
-    def drain(self) -> None: ...
-
-    def end(self) -> None: ...
-
-
-_live: weakref.WeakSet[_Open] = weakref.WeakSet()
+#: Each open set's ``drain`` and ``end``, held weakly: a set the program dropped is gone.
+_live: weakref.WeakKeyDictionary[object, tuple[weakref.WeakMethod[Callable[[], None]], ...]]
+_live = weakref.WeakKeyDictionary()
 
 
-def opened(rs: _Open) -> None:
-    """``rs`` is open: flush it on a stop signal, end it at exit."""
-    _live.add(rs)
+def opened(rs: object, *, drain: Callable[[], None], end: Callable[[], None]) -> None:
+    """``rs`` is open: ``drain()`` writes what it buffered on a stop signal, ``end()``
+    ends its run at exit."""
+    _live[rs] = (weakref.WeakMethod(drain), weakref.WeakMethod(end))
     job.on_stop(_drain_all)
 
 
-def closed(rs: _Open) -> None:
+def closed(rs: object) -> None:
     """``rs`` is closed or discarded: nothing more to do for it."""
-    _live.discard(rs)
+    _live.pop(rs, None)
+
+
+def _each(which: int) -> None:
+    for methods in list(_live.values()):
+        method = methods[which]()
+        if method is not None:
+            method()
 
 
 def _drain_all() -> None:
-    for rs in list(_live):
-        rs.drain()
+    _each(0)
 
 
 @atexit.register
 def end_all() -> None:
     """Write what every open set buffered and end its run (``gs.shutdown``, and at exit)."""
-    for rs in list(_live):
-        rs.end()
+    _each(1)
 
 
 os.register_at_fork(after_in_child=_live.clear)

@@ -3,7 +3,7 @@
 Opening a set makes the job its next *run*: rank 0 writes ``runs/<run>/claim``
 (create-only, so of two jobs that open the set at the same moment one wins)
 and beats in ``runs/<run>/heartbeat`` with the heartbeat of job areas (see
-``_heartbeat``) until the job ends, when it marks the run ended.  A job that
+``gatherstore.job.heartbeat``) until the job ends, when it marks the run ended.  A job that
 finds the last run alive is refused with an error naming that job.  A run
 counts as alive unless it ended, or its heartbeat (without one, its claim) is
 older than ``MISSED`` beat intervals, or, seen from the host that beat, the

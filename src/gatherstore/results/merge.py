@@ -30,16 +30,16 @@ from typing import IO, Any
 import numpy as np
 
 from gatherstore import _config as config
-from gatherstore.codec import frames as serialize
+from gatherstore import codec
 from gatherstore.host import memory
 from gatherstore.results import order
 from gatherstore.results.layout import ChunkInfo
 from gatherstore.results.read import SetReader
 
-__all__ = ["IN_FLIGHT", "budget", "merged", "overlap"]
+__all__ = ["CHUNKS_AHEAD", "budget", "merged", "overlap"]
 
 #: Chunks read ahead at most (when the budget allows).
-IN_FLIGHT = 8
+CHUNKS_AHEAD = 8
 #: Chunks read ahead take at most this share of the budget.
 READ_AHEAD_SHARE = 4
 _THREADS = 2
@@ -54,7 +54,7 @@ class _Spill:
         # unlinked at once: nothing is left, however the process ends
         self.file: IO[bytes] = tempfile.TemporaryFile(prefix="gatherstore-spill-")  # noqa: SIM115
         for value in values[start:]:
-            frame = serialize.encode(value).seal(None)
+            frame = codec.encode(value).seal(None)
             self.file.write(_LENGTH.pack(frame.nbytes))
             for segment in frame.segments:
                 self.file.write(segment)
@@ -69,7 +69,7 @@ class _Spill:
             self.file.readinto(data)  # type: ignore[attr-defined]
             here, self.next = self.next, self.next + 1
             if here == pos:
-                return serialize.decode(data, where="a spilled value") if keep else None
+                return codec.decode(data, where="a spilled value") if keep else None
 
     def close(self) -> None:
         self.file.close()
@@ -125,7 +125,7 @@ class _Merge:
         self.plan = sorted(infos, key=lambda i: (order.order_key(i.first), self.prio[i.name]))
         self.reader, self.budget = reader, budget
         self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="gatherstore-results-read")
-        self.futures: dict[int, Future[serialize.Verified]] = {}
+        self.futures: dict[int, Future[codec.Verified]] = {}
         self.next_fetch = 0
         self.fetched = 0  # bytes read ahead, not opened yet
         self.held = 0  # bytes of the open chunks held in memory
@@ -156,7 +156,7 @@ class _Merge:
     def _read_ahead(self) -> None:
         """Read the next chunks ahead, within a quarter of the budget (the chunks held
         open come first: reading ahead must not make them spill)."""
-        while self.next_fetch < len(self.plan) and len(self.futures) < IN_FLIGHT:
+        while self.next_fetch < len(self.plan) and len(self.futures) < CHUNKS_AHEAD:
             info = self.plan[self.next_fetch]
             fetched = self.fetched + info.nbytes
             if fetched > self.budget // READ_AHEAD_SHARE or self.held + fetched > self.budget:

@@ -1,6 +1,6 @@
 """Reading a result set's chunks back: which there are, what their indexes say, their values.
 
-Only chunks whose index exists count (see ``_rs_layout``); a chunk without its
+Only chunks whose index exists count (see ``gatherstore.results.layout``); a chunk without its
 index is left by a rank that died between the two writes, and is removed when
 a later job takes the set over.  Every index and chunk is verified (checksum,
 or signature with the set's key) before anything in it is unpickled, and a
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from gatherstore import codec
 from gatherstore._errors import GatherError
-from gatherstore.codec import frames as serialize
 from gatherstore.results import layout, order
 from gatherstore.stores.base import Store
 
@@ -59,7 +59,7 @@ class SetReader:
         """What each chunk's index says (its keys dropped)."""
         return [info for info, _ in self.indexes(names)]
 
-    def fetch(self, info: layout.ChunkInfo) -> serialize.Verified:
+    def fetch(self, info: layout.ChunkInfo) -> codec.Verified:
         """Read one chunk and verify it (thread-safe: reads run ahead in threads).
 
         Raises:
@@ -72,7 +72,7 @@ class SetReader:
             raise self._gone("chunk", info.name)
         return layout.verify_chunk(raw, info, self.key, self.uid, self.where("chunk", info.name))
 
-    def decode(self, verified: serialize.Verified, info: layout.ChunkInfo) -> tuple[Any, Any]:
+    def decode(self, verified: codec.Verified, info: layout.ChunkInfo) -> tuple[Any, Any]:
         """The keys and values of a verified chunk.
 
         Raises:

@@ -1,9 +1,10 @@
 """``gs.ResultSet``: results keyed by sample, kept in a store as they come, continued by
 a job of any world size after a preemption, read back in key order in bounded memory.
 
-The set's layout is ``_rs_layout``'s, its writer lock ``_rs_lock``'s, the buffer
-that flushes in the background ``_rs_writer``'s, the merge in key order
-``_rs_merge``'s, and what it uses of the core ``_rs_job``'s.
+Its neighbours in ``gatherstore.results`` hold the rest: the set's layout in a store
+(``layout``), its writer lock (``lock``), the buffer that flushes in the background
+(``writer``), the merge in key order (``merge``), and what it uses of the core
+(``job``); its collectives go through the one entry (``gatherstore.calls.entry``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from gatherstore._errors import (
     StoreNotSharedError,
 )
 from gatherstore._time import deadline
+from gatherstore.calls.entry import check, collective
 from gatherstore.results import job, layout, lifetime, lock, merge, order, signing, writer
 from gatherstore.results.read import SetReader
+from gatherstore.routes.context import Context
 from gatherstore.stores.base import Store
 
 __all__ = ["ResultSet"]
@@ -47,13 +50,13 @@ class ResultSet:
     in it.  Keys are ints or strs (a sample's index or id): ints first, in numeric
     order, then strs.
 
-    Values are buffered by [`add`][gatherstore.ResultSet.add] and written in the
-    background as create-only chunks, each sealed with ``key`` (a signature) or, without a
-    key, a CRC-32: ``flush_every`` values (an int), bytes (``"8MB"``) or seconds (``"30s"``,
-    a ``timedelta``), or a tuple of them (default: the ``GATHERSTORE_FLUSH_*`` settings); by
-    [`flush`][gatherstore.ResultSet.flush]; at exit; and on SIGTERM/SIGINT before the
-    program's handler or the default action ends the process.  A rank killed with SIGKILL
-    loses what it added since its last flush.  ``key`` (bytes or str, at least 16 bytes;
+    Values are buffered by [`add`][gatherstore.ResultSet.add] and written in the background
+    as create-only chunks, each sealed with ``key`` (a signature) or, without a key, an
+    XXH3-128 checksum: ``flush_every`` values (an int), bytes (``"8MB"``) or seconds
+    (``"30s"``, a ``timedelta``), or a tuple of them (default: the ``GATHERSTORE_FLUSH_*``
+    settings); by [`flush`][gatherstore.ResultSet.flush]; at exit; and on SIGTERM/SIGINT
+    before the program's handler or the default action ends the process. A rank killed with
+    SIGKILL loses what it added since its last flush.  ``key`` (bytes or str, at least 16 bytes;
     default: ``GATHERSTORE_RESULTS_KEY_FILE``, else ``GATHERSTORE_RESULTS_KEY``) must be the
     same for every job that opens the set.  ``timeout`` bounds each collective (default:
     ``GATHERSTORE_TIMEOUT``).
@@ -70,7 +73,6 @@ class ResultSet:
         RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
     """
 
-    @job.serialized
     def __init__(
         self,
         name: str,
@@ -85,21 +87,32 @@ class ResultSet:
         self._rank = job.rank()
         self._held: lock.Held | None = None
         self._closed = False
-        call = job.Collective(f"ResultSet({name!r})", self._timeout)
-        # what each rank reads of its arguments and settings, checked on every rank at once
-        policy = call.agree(lambda: self._arguments(name, store, key, flush_every))
-        assert policy is not None
-        try:
-            opened = json.loads(call.from_root(self._open_on_root))
-            self._uid, self._run = str(opened["uid"]), int(opened["run"])
-            call.agree(self._check_meta)
-        except BaseException:
-            if self._held is not None:
-                lock.release(self._held)
-            raise
+        with collective(f"ResultSet({name!r})", timeout=self._timeout) as call:
+            # what each rank reads of its arguments and settings, checked on every rank at once
+            policy = call.agree(lambda: self._arguments(name, store, key, flush_every))
+            assert policy is not None
+            try:
+                opened = json.loads(call.from_root(self._open_on_root))
+                self._uid, self._run = str(opened["uid"]), int(opened["run"])
+                call.agree(self._check_meta)
+            except BaseException:
+                if self._held is not None:
+                    lock.release(self._held)
+                raise
         self._seq = itertools.count()
         self._writer = writer.Writer(self._write_chunk, policy, self._what)
-        lifetime.opened(self)
+        lifetime.opened(self, drain=self._drain, end=self._end)
+
+    def __enter__(self) -> ResultSet:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """Close the set (a collective); on an exception, write what this rank added and
+        end its run here, without a collective (the other ranks may not come)."""
+        if kind is None:
+            self.close()
+        elif not self._closed:
+            self._end()
 
     def __repr__(self) -> str:
         return f"<ResultSet {self.name!r} in {self._base}, run {self._run}>"
@@ -172,7 +185,6 @@ class ResultSet:
         return data.nbytes
 
     # --- collectives ----------------------------------------------------------------------
-    @job.serialized
     def pending(self, keys: Iterable[Any], *, timeout: Timeout = None) -> list[Any]:
         """The keys of ``keys`` that no run has stored, distinct and in key order, the same
         on every rank (a collective: every rank passes the same ``keys``).
@@ -186,25 +198,25 @@ class ResultSet:
                 [`flush`][gatherstore.ResultSet.flush]).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
-        call = job.Collective(f"{self._what}.pending", self._seconds(timeout))
-        wanted = call.agree(lambda: self._flushed(order.sort_keys(keys), call))
-        assert wanted is not None
-        digests = call.send(order.digest(wanted).encode())
-        if len(set(digests)) > 1:
-            details = {r: d.decode()[:12] for r, d in enumerate(digests)}
-            raise MismatchError(
-                f"{self._what}.pending: ranks passed different keys (digests {details}); "
-                "every rank must pass the same keys",
-                details=details,
-            )
-        mask = call.from_root(lambda: self._stored_mask(wanted))
+        with collective(f"{self._what}.pending", timeout=self._seconds(timeout)) as call:
+            wanted = call.agree(lambda: self._flushed(order.sort_keys(keys), call))
+            assert wanted is not None
+            digests = call.send(order.digest(wanted).encode())
+            if len(set(digests)) > 1:
+                details = {r: d.decode()[:12] for r, d in enumerate(digests)}
+                raise MismatchError(
+                    f"{self._what}.pending: ranks passed different keys (digests {details}); "
+                    "every rank must pass the same keys",
+                    details=details,
+                )
+            mask = call.from_root(lambda: self._stored_mask(wanted))
         done = np.unpackbits(np.frombuffer(mask, np.uint8), count=len(wanted)).astype(bool)
         if isinstance(wanted, np.ndarray):
             return list(order.unpack(wanted[~done]))
         return [k for k, stored in zip(wanted, done.tolist(), strict=True) if not stored]
 
-    def _flushed(self, out: Any, call: job.Collective) -> Any:
-        self._writer.flush(call.left())
+    def _flushed(self, out: Any, call: Context) -> Any:
+        self._writer.flush(call.deadline.left())
         return out
 
     def _stored_mask(self, wanted: order.Keys) -> bytes:
@@ -213,10 +225,12 @@ class ResultSet:
         stored = (keys for _, keys in reader.indexes(names))
         return np.packbits(order.stored_mask(wanted, stored)).tobytes()
 
-    @job.serialized
-    def gather(self, dst: int = 0, *, timeout: Timeout = None) -> list[Any] | None:
+    def gather(
+        self, dst: int = 0, *, timeout: Timeout = None, keys: bool = False
+    ) -> list[Any] | None:
         """Every stored value, each key once, in key order, on ``dst``; None elsewhere
-        (a collective).  Every rank's buffered values are written first.
+        (a collective).  Every rank's buffered values are written first.  With ``keys``,
+        (key, value) pairs.
 
         Raises:
             ValueError: ``dst`` is not a rank of the job.
@@ -228,24 +242,19 @@ class ResultSet:
                 [`flush`][gatherstore.ResultSet.flush]).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
-        return self._gather(dst, timeout)
-
-    def _gather(self, dst: int, timeout: Timeout, *, keys: bool = False) -> list[Any] | None:
-        """[`gather`][gatherstore.ResultSet.gather]; with ``keys``, (key, value) pairs."""
-        world = job.world_size()
-        if not isinstance(dst, int) or not 0 <= dst < world:
-            raise ValueError(f"dst={dst!r} is not a rank of this job (world size {world})")
-        call = job.Collective(f"{self._what}.gather", self._seconds(timeout))
-        call.agree(lambda: self._writer.flush(call.left()))
-        planned: dict[str, Any] = {}
-        plan = json.loads(call.from_root(lambda: self._plan(planned), root=dst))
-        if plan["short"]:
-            raise InsufficientMemoryError(plan["short"])
-        if "infos" not in planned:
-            return None
-        with deadline(call.left()):
-            found = merge.merged(planned["infos"], self._reader(), 1 << 62)
-            return list(found) if keys else [v for _, v in found]
+        what = f"{self._what}.gather"
+        check(what, timeout=timeout, rank=("dst", dst))
+        with collective(what, timeout=self._seconds(timeout)) as call:
+            call.agree(lambda: self._writer.flush(call.deadline.left()))
+            planned: dict[str, Any] = {}
+            plan = json.loads(call.from_root(lambda: self._plan(planned), root=dst))
+            if plan["short"]:
+                raise InsufficientMemoryError(plan["short"])
+            if "infos" not in planned:
+                return None
+            with deadline(call.deadline.left()):
+                found = merge.merged(planned["infos"], self._reader(), 1 << 62)
+                return list(found) if keys else [v for _, v in found]
 
     def _plan(self, planned: dict[str, Any]) -> bytes:
         """On the destination: the chunks, and whether their values fit in memory."""
@@ -264,7 +273,6 @@ class ResultSet:
             )
         return json.dumps({"short": short}).encode()
 
-    @job.serialized
     def discard(self, *, timeout: Timeout = None) -> None:
         """Remove the set from its store, values buffered included (a collective).
 
@@ -272,10 +280,10 @@ class ResultSet:
             StoreUnavailableError: the store failed (on every rank).
             RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
         """
-        call = job.Collective(f"{self._what}.discard", self._seconds(timeout))
-        self._stop(drop=True)
-        call.agree(lambda: None)
-        call.agree(self._remove, root=0)
+        with collective(f"{self._what}.discard", timeout=self._seconds(timeout)) as call:
+            self._stop(drop=True)
+            call.agree(lambda: None)
+            call.agree(self._remove, root=0)
 
     def _remove(self) -> None:
         if self._held is not None:
@@ -283,7 +291,6 @@ class ResultSet:
             self._held = None
         self._base.delete(layout.prefix(self.name))
 
-    @job.serialized
     def close(self, *, timeout: Timeout = None) -> None:
         """Write what is buffered and end this job's run (a collective): another job may
         then open the set at once.
@@ -295,10 +302,10 @@ class ResultSet:
         """
         if self._closed:
             return
-        call = job.Collective(f"{self._what}.close", self._seconds(timeout))
-        call.agree(lambda: self._writer.flush(call.left()))
-        self._stop()
-        call.agree(self._release, root=0)
+        with collective(f"{self._what}.close", timeout=self._seconds(timeout)) as call:
+            call.agree(lambda: self._writer.flush(call.deadline.left()))
+            self._stop()
+            call.agree(self._release, root=0)
 
     def _release(self) -> None:
         if self._held is not None:
@@ -365,13 +372,15 @@ class ResultSet:
     def _seconds(self, timeout: Timeout) -> float:
         return self._timeout if timeout is None else to_seconds(timeout)
 
-    def drain(self) -> None:
+    def _drain(self) -> None:
         """Write what is buffered, errors logged: for a process that stops."""
         self._writer.drain(min(self._timeout, lifetime.STOP_FLUSH))
 
-    def end(self) -> None:
-        """At exit: write what is buffered and end the run."""
-        self.drain()
+    def _end(self) -> None:
+        """End this rank's run here, without a collective: write what is buffered
+        (errors logged), stop writing, and release the writer's lock (on rank 0).  At
+        exit, at ``gs.shutdown()``, and when a ``with`` block ends in an exception."""
+        self._drain()
         self._stop()
         self._release()
 

@@ -4,7 +4,7 @@ A job's session key is random and lives as long as the job; a result set is
 read by later jobs, so its key comes from the user: the ``key=`` argument,
 else the file ``GATHERSTORE_RESULTS_KEY_FILE`` names, else the text of
 ``GATHERSTORE_RESULTS_KEY``.  With a key every chunk is signed (keyed BLAKE3
-over the chunk and where it belongs); without one, chunks carry a CRC-32,
+over the chunk and where it belongs); without one, chunks carry an XXH3-128 checksum,
 which finds damage but not forgery.  The set records which of the two it is
 in its signed (or checksummed) metadata, so a set written with one key and
 opened with another, or with none, is refused before any chunk is read.

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gatherstore import _config as config
+from gatherstore import codec
 from gatherstore._errors import GatherError, GatherTimeout
-from gatherstore.codec import frames as serialize
 from gatherstore.results import order
 
 __all__ = ["FlushEvery", "Unstorable", "Writer", "flush_policy", "picklable"]
@@ -94,7 +94,7 @@ def picklable(items: list[tuple[Any, Any]], what: str) -> tuple[list[Any], TypeE
     good, bad = [], []
     for key, value in items:
         try:
-            serialize.encode(value)
+            codec.encode(value)
             good.append((key, value))
         except Exception as exc:
             bad.append((key, exc))

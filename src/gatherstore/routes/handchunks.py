@@ -32,19 +32,16 @@ import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gatherstore import codec
 from gatherstore._errors import GatherError, GatherTimeout, IntegrityError, RemoteRankError
-from gatherstore.codec import frames as serialize
-from gatherstore.codec.chunks import Assembly, Chunks, Unchunkable
+from gatherstore.codec import Assembly, Chunks, Unchunkable
 from gatherstore.job import control
 from gatherstore.routes import handover
-from gatherstore.routes.base import confirmed, send_confirmed
+from gatherstore.routes.base import Plan, confirmed, send_confirmed
+from gatherstore.routes.context import Context
 from gatherstore.routes.progress import Progress, wanted
-
-if TYPE_CHECKING:
-    from gatherstore.calls.call import Call
-    from gatherstore.calls.plan import Plan
 
 __all__ = ["WINDOW", "ChunkedRoute"]
 
@@ -84,19 +81,19 @@ class _Sender:
     chunk is sealed (so that its message follows the connect at once).  Chunks are
     sealed on several threads at once, and handed over in their order."""
 
-    def __init__(self, call: Call, call_id: str, dst: int) -> None:
-        self.call, self.call_id, self.dst = call, call_id, dst
+    def __init__(self, ctx: Context, call_id: str, dst: int) -> None:
+        self.ctx, self.call_id, self.dst = ctx, call_id, dst
         self.conn: socket.socket | None = None
         self.sent = self.acked = 0
         self.turn = threading.Condition()
         self.broken = False  # a chunk was not handed over: none after it is
 
-    def put(self, frame: serialize.Frame, kind: str, index: int) -> None:
+    def put(self, frame: codec.Frame, kind: str, index: int) -> None:
         """Seal ``frame`` into a memfd as chunk ``index``, and hand it over once the
         chunks before it are; nothing when one of those was not.  A chunk that cannot
         be sealed or handed over stops the chunks after it."""
         try:
-            fd = handover.sealed(frame, _bind(self.call_id, self.call.rank, index, kind))
+            fd = handover.sealed(frame, _bind(self.call_id, self.ctx.rank, index, kind))
             try:
                 self._hand(fd, index, kind, frame.nbytes)
             finally:
@@ -114,7 +111,7 @@ class _Sender:
             return
         while self.sent - self.acked >= WINDOW:
             self._ack()
-        head = {"call": self.call_id, "rank": self.call.rank, "chunk": index, "kind": kind}
+        head = {"call": self.call_id, "rank": self.ctx.rank, "chunk": index, "kind": kind}
         head["size"] = size
         conn = self._connected()
         self._io(lambda: socket.send_fds(conn, [json.dumps(head).encode()], [fd]))
@@ -130,7 +127,7 @@ class _Sender:
 
     def _connected(self) -> socket.socket:
         if self.conn is None:
-            self.conn = handover.connect(self.dst, self.call.deadline)
+            self.conn = handover.connect(self.dst, self.ctx.deadline)
         return self.conn
 
     def drain(self) -> None:
@@ -142,7 +139,7 @@ class _Sender:
     def _ack(self) -> None:
         """Take one acknowledgement; check now and then whether the destination stopped
         (it may never accept this connection)."""
-        deadline = self.call.deadline
+        deadline = self.ctx.deadline
         while True:
             left = deadline.left()
             if left <= 0:
@@ -162,7 +159,7 @@ class _Sender:
         """``run()`` on the connection, within ``timeout`` (raised as TimeoutError) or
         else the call's deadline (raised as GatherTimeout)."""
         conn = self._connected()
-        conn.settimeout(max(self.call.deadline.left() if timeout is None else timeout, 0.001))
+        conn.settimeout(max(self.ctx.deadline.left() if timeout is None else timeout, 0.001))
         try:
             return run()
         except (BrokenPipeError, ConnectionResetError):
@@ -176,7 +173,7 @@ class _Sender:
 
     def _late(self) -> GatherTimeout:
         return GatherTimeout(
-            f"{self.call.what}: rank {self.dst} took no chunk of this rank's part within "
+            f"{self.ctx.what}: rank {self.dst} took no chunk of this rank's part within "
             "the call's timeout",
             ranks=[self.dst],
         )
@@ -184,8 +181,8 @@ class _Sender:
     def _halted(self) -> bool:
         """Whether the destination said it stopped."""
         key = _halt_key(self.call_id)
-        left = max(self.call.deadline.left(), 0.001)
-        return bool(control.bounded(lambda: control.store().check([key]), left, self.call.what))
+        left = max(self.ctx.deadline.left(), 0.001)
+        return bool(control.bounded(lambda: control.store().check([key]), left, self.ctx.what))
 
     def stopped(self) -> None:
         """The destination stopped taking chunks: fine when it said so (the confirmation
@@ -198,12 +195,12 @@ class _Sender:
             raise RemoteRankError(
                 self.dst,
                 "its connection closed before it took every chunk: its process ended",
-                context=self.call.what,
+                context=self.ctx.what,
             )
 
     def fail(self) -> None:
         """Tell the destination that this rank stopped (best effort: it may be gone)."""
-        head = {"call": self.call_id, "rank": self.call.rank, "failed": True}
+        head = {"call": self.call_id, "rank": self.ctx.rank, "failed": True}
         try:
             conn = self._connected()
             conn.setblocking(False)
@@ -228,19 +225,19 @@ def _sealers(world: int) -> int:
     return _SEALERS if world <= len(os.sched_getaffinity(0)) else 1
 
 
-def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
+def _send(ctx: Context, chunks: Chunks, dst: int, call_id: str) -> None:
     """Hand this rank's chunks to ``dst``, the first one already encoded, the others as
     they are encoded; the whole object instead when the run breaks.  Threads of the
     call seal and hand the chunks over while the next ones are encoded.
 
     Raises:
-        GatherTimeout / GatherError: as ``_handover.hand``; whatever encoding a chunk
-            raises.  A destination that stopped and said so is not an error here (the
-            confirmation exchange says why it stopped).
+        GatherTimeout / GatherError: as ``gatherstore.routes.handover.hand``; whatever
+            encoding a chunk raises. A destination that stopped and said so is not an error
+            here (the confirmation exchange says why it stopped).
     """
-    sender = _Sender(call, call_id, dst)
+    sender = _Sender(ctx, call_id, dst)
     queued: list[Future[None]] = []
-    indices, sealers = itertools.count(), _sealers(call.world)
+    indices, sealers = itertools.count(), _sealers(ctx.world)
     with ThreadPoolExecutor(sealers, "gatherstore-chunks") as threads:
 
         def take() -> None:
@@ -249,7 +246,7 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
             queued[0].result()
             queued.pop(0)
 
-        def put(frame: serialize.Frame, kind: str) -> None:
+        def put(frame: codec.Frame, kind: str) -> None:
             queued.append(threads.submit(sender.put, frame, kind, next(indices)))
             while len(queued) > sealers + _WAITING or (queued and queued[0].done()):
                 take()
@@ -263,7 +260,7 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
                 chunks.close()
                 # chunks still queued hold their arrays: encoding whole may count those as
                 # held elsewhere too, which costs a little time, never a wrong result
-                put(serialize.encode(chunks.items), "whole")
+                put(codec.encode(chunks.items), "whole")
             while queued:
                 take()
             sender.drain()
@@ -283,8 +280,8 @@ def _send(call: Call, chunks: Chunks, dst: int, call_id: str) -> None:
 class _Inbox:
     """The destination's side: every sender's connection, and what each one sent so far."""
 
-    def __init__(self, call: Call, plan: Plan, call_id: str, senders: list[int]) -> None:
-        self.call, self.plan, self.call_id = call, plan, call_id
+    def __init__(self, ctx: Context, plan: Plan, call_id: str, senders: list[int]) -> None:
+        self.ctx, self.plan, self.call_id = ctx, plan, call_id
         self.listener = handover.listening()
         self.waiting = select.poll()
         self.waiting.register(self.listener.sock, select.POLLIN)
@@ -295,8 +292,8 @@ class _Inbox:
         self.done: dict[int, Any] = {}
         self.stopped = False
         incoming = sum(plan.sizes[r] for r in senders)
-        enabled = wanted(call.progress, incoming)
-        self.progress = Progress(call.what, len(senders), incoming, enabled=enabled)
+        enabled = wanted(ctx.progress, incoming)
+        self.progress = Progress(ctx.what, len(senders), incoming, enabled=enabled)
 
     def run(self) -> dict[int, Any] | None:
         """Every sender's object by rank; None when a sender stopped (its failure is in
@@ -308,15 +305,15 @@ class _Inbox:
         """
         listening = self.listener.sock.fileno()
         while len(self.done) < len(self.due) and not self.stopped:
-            left = self.call.deadline.left()
+            left = self.ctx.deadline.left()
             events = self.waiting.poll(math.ceil(max(left, 0.0) * 1000)) if left > 0 else []
             if not events:
                 missing = [r for r in self.due if r not in self.done]
                 raise GatherTimeout(
-                    f"{self.call.what}: the parts of ranks {missing} were not all handed over "
+                    f"{self.ctx.what}: the parts of ranks {missing} were not all handed over "
                     "within the call's timeout",
                     ranks=missing,
-                    timeout=self.call.deadline.timeout,
+                    timeout=self.ctx.deadline.timeout,
                 )
             for fileno, _ in events:
                 if fileno == listening:
@@ -358,7 +355,7 @@ class _Inbox:
         finally:
             for fd in fds:
                 os.close(fd)
-        if "chunk" in found:  # not a part whole, by ``_handover.hand``
+        if "chunk" in found:  # not a part whole, by ``gatherstore.routes.handover.hand``
             with contextlib.suppress(OSError):  # the sender is gone: its confirmation says so
                 conn.send(_ACK)
         if sender in self.done:
@@ -370,11 +367,11 @@ class _Inbox:
     def _chunk(self, rank: int, found: dict[str, Any], fds: list[int]) -> None:
         """Verify a chunk of ``rank`` and rebuild it onto its list (its descriptor is
         taken out of ``fds``)."""
-        what = self.call.what
+        what = self.ctx.what
         index: Any
         kind: Any
         size: Any
-        if "chunk" not in found:  # whole, sealed by ``_handover.hand``
+        if "chunk" not in found:  # whole, sealed by ``gatherstore.routes.handover.hand``
             index, kind, size = self.due[rank], "whole", self.plan.sizes[rank]
             bind = handover.binding(self.call_id, rank)
         else:
@@ -387,10 +384,10 @@ class _Inbox:
                 rank=rank,
             )
         view = handover.mapped(fds.pop(), size, rank, what)
-        verified = serialize.verify(view, bind=bind, rank=rank, where=f"{what}, handed over")
+        verified = codec.verify(view, bind=bind, rank=rank, where=f"{what}, handed over")
         if kind == "whole":
             self.runs.pop(rank, None)
-            self.done[rank] = serialize.load(verified)
+            self.done[rank] = codec.load(verified)
         else:
             self.runs.setdefault(rank, Assembly()).add(verified)
             if kind == "last":
@@ -413,9 +410,9 @@ class _Inbox:
         said so."""
         stopping = len(self.done) < len(self.due)
         if stopping:
-            key, left = _halt_key(self.call_id), max(self.call.deadline.left(), 0.001)
+            key, left = _halt_key(self.call_id), max(self.ctx.deadline.left(), 0.001)
             with contextlib.suppress(GatherError):
-                control.bounded(lambda: control.store().set(key, b"1"), left, self.call.what)
+                control.bounded(lambda: control.store().set(key, b"1"), left, self.ctx.what)
         for conn, _ in list(self.conns.values()):
             self._close(conn, [])
         if stopping:
@@ -443,23 +440,23 @@ class ChunkedRoute(handover.HandoverRoute):
     def __str__(self) -> str:
         return f"{super().__str__()} in chunks"
 
-    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+    def gather(self, ctx: Context, plan: Plan, dst: int, *, lazy: bool) -> Iterator[Any] | None:
         call_id = str(control.step())
-        if call.rank != dst:
+        if ctx.rank != dst:
 
-            def send(frame: serialize.Frame) -> bool:
-                chunks = call.take_chunks()
+            def send(frame: codec.Frame) -> bool:
+                chunks = ctx.take_chunks()
                 if chunks is None:
-                    bind = handover.binding(call_id, call.rank)
-                    handover.hand(frame, bind, [dst], call_id, call.deadline)
+                    bind = handover.binding(call_id, ctx.rank)
+                    handover.hand(frame, bind, [dst], call_id, ctx.deadline)
                 else:
-                    _send(call, chunks, dst, call_id)
+                    _send(ctx, chunks, dst, call_id)
                 return True
 
-            send_confirmed(call, send, lambda sent: None)
-            call.finish()
+            send_confirmed(ctx, send, lambda sent: None)
+            ctx.finish()
             return None
-        inbox = _Inbox(call, plan, call_id, [r for r in range(call.world) if r != dst])
+        inbox = _Inbox(ctx, plan, call_id, [r for r in range(ctx.world) if r != dst])
         halted = False
 
         def read() -> dict[int, Any] | None:
@@ -467,25 +464,25 @@ class ChunkedRoute(handover.HandoverRoute):
             try:
                 # paused from the first chunk to the last, not chunk by chunk: between
                 # chunks it would walk the records rebuilt so far, again and again
-                with serialize.collection_paused():
+                with codec.collection_paused():
                     return inbox.run()
             finally:
                 halted = inbox.close()
 
         try:
-            got = confirmed(call, read, call.what)
+            got = confirmed(ctx, read, ctx.what)
         finally:
             if halted:  # every sender is past its last look at the key
-                _forget(call, call_id)
-            call.finish()
+                _forget(ctx, call_id)
+            ctx.finish()
         if got is None:  # a sender stopped, yet no rank reported a failure
-            raise GatherError(f"{call.what}: a rank stopped handing over its part")
-        return iter([plan.own if r == dst else got[r] for r in range(call.world)])
+            raise GatherError(f"{ctx.what}: a rank stopped handing over its part")
+        return iter([plan.own if r == dst else got[r] for r in range(ctx.world)])
 
 
-def _forget(call: Call, call_id: str) -> None:
+def _forget(ctx: Context, call_id: str) -> None:
     """Delete the key that said the destination stopped (best effort: a key left goes
     with the job)."""
     key = _halt_key(call_id)
     with contextlib.suppress(GatherError):
-        control.bounded(lambda: control.store().delete_key(key), 5.0, call.what)
+        control.bounded(lambda: control.store().delete_key(key), 5.0, ctx.what)

@@ -44,25 +44,21 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from gatherstore import _config as config
+from gatherstore import codec
 from gatherstore._errors import GatherError, GatherTimeout, IntegrityError
 from gatherstore._time import Deadline
-from gatherstore.codec import frames as serialize
 from gatherstore.host import mappings
 from gatherstore.job import control, hooks
 from gatherstore.job import state as job
-from gatherstore.routes.base import Route, confirmed, send_confirmed
+from gatherstore.routes.base import Plan, Route, confirmed, send_confirmed
+from gatherstore.routes.context import Context
 from gatherstore.routes.progress import Progress, wanted
 from gatherstore.stores.base import Store
-from gatherstore.stores.tmpdir import TmpdirStore
-
-if TYPE_CHECKING:
-    from gatherstore.calls.call import Call
-    from gatherstore.calls.plan import Plan
 
 __all__ = [
     "HandoverRoute",
@@ -75,7 +71,6 @@ __all__ = [
     "mapped",
     "received",
     "sealed",
-    "suits",
     "token",
     "unsent",
 ]
@@ -232,18 +227,6 @@ def listening() -> _Listener:
     return _listener
 
 
-def suits(store: Store) -> bool:
-    """Whether parts for ``store`` may be handed over instead: a ``tmpdir`` whose base is
-    gatherstore's choice, /dev/shm (a base the user named, in the URL or in
-    ``GATHERSTORE_TMPDIR``, is a folder the parts go to as files, checked as such)."""
-    return (
-        isinstance(store, TmpdirStore)
-        and not store.explicit_base
-        and config.tmpdir_base() is None
-        and store.shares_memory_with_host
-    )
-
-
 def close() -> None:
     """Close this process's listener (``gs.shutdown``): what waits there is dropped."""
     global _listener
@@ -283,7 +266,7 @@ def binding(call_id: str, rank: int) -> bytes:
 
 
 def hand(
-    frame: serialize.Frame, bind: bytes, readers: Sequence[int], call_id: str, deadline: Deadline
+    frame: codec.Frame, bind: bytes, readers: Sequence[int], call_id: str, deadline: Deadline
 ) -> None:
     """Seal this rank's part into a memfd (see :func:`sealed`) and hand it to each of
     ``readers``.
@@ -303,7 +286,7 @@ def hand(
         os.close(fd)
 
 
-def sealed(frame: serialize.Frame, bind: bytes) -> int:
+def sealed(frame: codec.Frame, bind: bytes) -> int:
     """A memfd holding ``frame`` with its digest over ``bind`` (see ``Frame.seal_into``),
     sealed: nobody can change it any more.
 
@@ -325,7 +308,7 @@ def sealed(frame: serialize.Frame, bind: bytes) -> int:
     return fd
 
 
-def _unwritten(frame: serialize.Frame, exc: OSError) -> GatherError:
+def _unwritten(frame: codec.Frame, exc: OSError) -> GatherError:
     """The error of a part that could not be put into memory to hand over."""
     return GatherError(
         f"this rank's part ({frame.nbytes} bytes) could not be put in memory to hand over: "
@@ -466,47 +449,50 @@ class HandoverRoute(Route):
     def __str__(self) -> str:
         return f"{self.store} (handed over)"
 
-    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
-        others = [r for r in range(call.world) if r != call.rank]
-        call_id = self._hand(call, others)
+    def all_gather(self, ctx: Context, plan: Plan) -> list[Any]:
+        others = [r for r in range(ctx.world) if r != ctx.rank]
+        call_id = self._hand(ctx, others)
         # every rank reads: one progress bar, on rank 0
-        shown = call.rank == 0
-        return _read_confirmed(call, plan, call_id, others, "all_gather_object (read)", shown=shown)
+        shown = ctx.rank == 0
+        return _read_confirmed(ctx, plan, call_id, others, "all_gather_object (read)", shown=shown)
 
-    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
-        call_id = self._hand(call, [dst] if call.rank != dst else [])
-        if call.rank != dst:
-            call.finish()
+    def gather(self, ctx: Context, plan: Plan, dst: int, *, lazy: bool) -> Iterator[Any] | None:
+        call_id = self._hand(ctx, [dst] if ctx.rank != dst else [])
+        if ctx.rank != dst:
+            ctx.finish()
             return None
-        fds = take(call_id, [r for r in range(call.world) if r != dst], call.deadline, call.what)
-        parts = _decoded(call, plan, call_id, fds, own=True, shown=True)
-        return parts if stream else iter(list(parts))
+        fds = take(call_id, [r for r in range(ctx.world) if r != dst], ctx.deadline, ctx.what)
+        parts = _decoded(ctx, plan, call_id, fds, own=True, shown=True)
+        if lazy:
+            ctx.reading = True  # its consumer's reading ends the call
+            return parts
+        return iter(list(parts))
 
-    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
-        readers = [r for r in range(call.world) if r != src] if call.rank == src else []
-        call_id = self._hand(call, readers)
-        senders = [src] if call.rank != src else []
-        got = _read_confirmed(call, plan, call_id, senders, "broadcast_object (read)", own=False)
-        return got[0] if call.rank != src else plan.own
+    def broadcast(self, ctx: Context, plan: Plan, src: int) -> Any:
+        readers = [r for r in range(ctx.world) if r != src] if ctx.rank == src else []
+        call_id = self._hand(ctx, readers)
+        senders = [src] if ctx.rank != src else []
+        got = _read_confirmed(ctx, plan, call_id, senders, "broadcast_object (read)", own=False)
+        return got[0] if ctx.rank != src else plan.own
 
-    def _hand(self, call: Call, readers: Sequence[int]) -> str:
+    def _hand(self, ctx: Context, readers: Sequence[int]) -> str:
         """Hand this rank's part to ``readers``; confirm every rank's handover.  The call's
         id: the control plane's step, the same on every rank after the plan's exchange."""
         call_id = str(control.step())
 
-        def send(frame: serialize.Frame) -> bool:
+        def send(frame: codec.Frame) -> bool:
             if not readers:
                 return False
-            hand(frame, binding(call_id, call.rank), readers, call_id, call.deadline)
+            hand(frame, binding(call_id, ctx.rank), readers, call_id, ctx.deadline)
             return True
 
         # after a failure: what others handed this rank for the call goes at once
-        send_confirmed(call, send, lambda sent: listening().drop())
+        send_confirmed(ctx, send, lambda sent: listening().drop())
         return call_id
 
 
 def _read_confirmed(
-    call: Call,
+    ctx: Context,
     plan: Plan,
     call_id: str,
     senders: list[int],
@@ -519,47 +505,45 @@ def _read_confirmed(
     ``confirmed``)."""
 
     def read() -> list[Any]:
-        fds = take(call_id, senders, call.deadline, call.what)
-        return list(_decoded(call, plan, call_id, fds, own=own, shown=shown))
+        fds = take(call_id, senders, ctx.deadline, ctx.what)
+        return list(_decoded(ctx, plan, call_id, fds, own=own, shown=shown))
 
-    return confirmed(call, read, what)
+    return confirmed(ctx, read, what)
 
 
 def _decoded(
-    call: Call, plan: Plan, call_id: str, fds: dict[int, int], *, own: bool, shown: bool
+    ctx: Context, plan: Plan, call_id: str, fds: dict[int, int], *, own: bool, shown: bool
 ) -> Iterator[Any]:
     """Map, verify and decode each part of ``fds`` in rank order, this rank's own object in
     its place with ``own``, with a progress bar where ``shown``; the call ends with the
     last.  The parts not decoded are closed when the iterator is closed or dropped, even
     one never started."""
-    parts = _decoding(call, plan, call_id, fds, own, shown)
+    parts = _decoding(ctx, plan, call_id, fds, own, shown)
     weakref.finalize(parts, _close_left, fds).atexit = False
     return parts
 
 
 def _decoding(
-    call: Call, plan: Plan, call_id: str, fds: dict[int, int], own: bool, shown: bool
+    ctx: Context, plan: Plan, call_id: str, fds: dict[int, int], own: bool, shown: bool
 ) -> Iterator[Any]:
     incoming = sum(plan.sizes[r] for r in fds)
-    enabled = shown and wanted(call.progress, incoming)
-    progress = Progress(call.what, len(fds), incoming, enabled=enabled)
+    enabled = shown and wanted(ctx.progress, incoming)
+    progress = Progress(ctx.what, len(fds), incoming, enabled=enabled)
     try:
-        for rank in range(call.world):
-            if rank == call.rank and own:
+        for rank in range(ctx.world):
+            if rank == ctx.rank and own:
                 yield plan.own
             elif rank in fds:
-                view = mapped(fds.pop(rank), plan.sizes[rank], rank, call.what)
-                where = f"{call.what}, handed over"
-                verified = serialize.verify(
-                    view, bind=binding(call_id, rank), rank=rank, where=where
-                )
-                value = serialize.load(verified)
+                view = mapped(fds.pop(rank), plan.sizes[rank], rank, ctx.what)
+                where = f"{ctx.what}, handed over"
+                verified = codec.verify(view, bind=binding(call_id, rank), rank=rank, where=where)
+                value = codec.load(verified)
                 progress.update(plan.sizes[rank])
                 yield value
     finally:
         _close_left(fds)
         progress.close()
-        call.finish()
+        ctx.finish()
 
 
 def _close_left(fds: dict[int, int]) -> None:

@@ -1,6 +1,6 @@
 """Reading a stored gather back: parts in rank order, read ahead within a byte budget.
 
-The reader requests up to ``IN_FLIGHT`` parts at once, in two batches, each
+The reader requests up to ``PARTS_REQUESTED`` parts at once, in two batches, each
 one ``Store.get_many`` (a Redis pipeline, concurrent S3 GETs on one event
 loop), so that the latency of a thousand small parts overlaps instead of adding
 up, as long as the parts read ahead of the consumer fit the call's read-ahead
@@ -25,15 +25,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gatherstore import codec
 from gatherstore._errors import GatherError, IntegrityError
 from gatherstore._time import END_JOB_TIMEOUT, Deadline, deadline
-from gatherstore.codec import frames as serialize
 from gatherstore.job.session import JobSession
 from gatherstore.routes.progress import Progress, wanted
 from gatherstore.stores.base import Store
 
 __all__ = [
-    "IN_FLIGHT",
+    "PARTS_REQUESTED",
     "Parts",
     "Reading",
     "Window",
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: Parts a reader requests at once (in two batches of one store request each).
-IN_FLIGHT = 32
+PARTS_REQUESTED = 32
 _BATCHES = 2
 _log = logging.getLogger("gatherstore")
 #: A batch ends once it holds this many bytes (see the module's docstring).
@@ -52,7 +52,7 @@ BATCH_BYTES = 4 << 20
 
 
 class Reading(Protocol):
-    """What a reader needs of its call (``gatherstore.calls.call.Call`` is one)."""
+    """What a reader needs of its call (``gatherstore.routes.context.Context`` is one)."""
 
     what: str
     rank: int
@@ -63,7 +63,7 @@ class Reading(Protocol):
 
 
 class Planned(Protocol):
-    """What a reader needs of its call's plan (``gatherstore.calls.plan.Plan`` is one)."""
+    """What a reader needs of its call's plan (``gatherstore.calls.choice.Plan`` is one)."""
 
     @property
     def sizes(self) -> tuple[int, ...]: ...
@@ -83,8 +83,8 @@ def binding(session: JobSession, prefix: str, rank: int) -> bytes:
 
 
 def fetch(
-    call: Reading, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
-) -> serialize.Verified:
+    ctx: Reading, session: JobSession, prefix: str, rank: int, *, fresh: bool = False
+) -> codec.Verified:
     """Read and verify one part; ``fresh``: within the call's whole timeout (see
     ``Deadline.for_store``).
 
@@ -92,15 +92,15 @@ def fetch(
         IntegrityError: the part is damaged, planted or replayed; names ``rank``.
         GatherError: the part is gone (deleted, or its TTL ran out).
     """
-    outcome = fetch_many(call, session, prefix, [rank], fresh=fresh)[0]
+    outcome = fetch_many(ctx, session, prefix, [rank], fresh=fresh)[0]
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
 
 
 def fetch_many(
-    call: Reading, session: JobSession, prefix: str, ranks: list[int], *, fresh: bool = False
-) -> list[serialize.Verified | BaseException]:
+    ctx: Reading, session: JobSession, prefix: str, ranks: list[int], *, fresh: bool = False
+) -> list[codec.Verified | BaseException]:
     """Read the parts of ``ranks`` together and verify each (checksums release the GIL:
     this runs ahead in a thread); per rank its verified part or what went wrong.
 
@@ -109,27 +109,27 @@ def fetch_many(
     """
     keys = [part_key(prefix, rank) for rank in ranks]
     try:
-        with call.deadline.for_store(whole=fresh):
+        with ctx.deadline.for_store(whole=fresh):
             raws = session.store.get_many(keys)
     except IntegrityError as exc:
         if len(ranks) > 1:  # which one: read them one at a time
-            return [fetch_many(call, session, prefix, [r], fresh=fresh)[0] for r in ranks]
+            return [fetch_many(ctx, session, prefix, [r], fresh=fresh)[0] for r in ranks]
         where = f"{session.store} {keys[0]}"
-        message = f"{call.what}: part of rank {ranks[0]}: {exc}"
+        message = f"{ctx.what}: part of rank {ranks[0]}: {exc}"
         return [IntegrityError(message, rank=ranks[0], key=where)]
-    out: list[serialize.Verified | BaseException] = []
+    out: list[codec.Verified | BaseException] = []
     for rank, key, raw in zip(ranks, keys, raws, strict=True):
         if raw is None:
             out.append(
                 GatherError(
-                    f"{call.what}: the part of rank {rank} is gone from {session.store} "
+                    f"{ctx.what}: the part of rank {rank} is gone from {session.store} "
                     "(deleted, or it expired: raise the store's ttl)"
                 )
             )
             continue
         bind, where = binding(session, prefix, rank), f"{session.store} {key}"
         try:
-            out.append(serialize.verify(raw, key=session.key, bind=bind, rank=rank, where=where))
+            out.append(codec.verify(raw, key=session.key, bind=bind, rank=rank, where=where))
         except IntegrityError as exc:
             out.append(exc)
     return out
@@ -194,7 +194,7 @@ class Parts(Iterator[Any]):
 
     def __init__(
         self,
-        call: Reading,
+        ctx: Reading,
         plan: Planned,
         session: JobSession,
         prefix: str,
@@ -203,9 +203,9 @@ class Parts(Iterator[Any]):
         budget: int,
         delete: bool = True,
         lazy: bool = False,
-        in_flight: int = IN_FLIGHT,
+        in_flight: int = PARTS_REQUESTED,
     ) -> None:
-        self.call, self.session, self.prefix = call, session, prefix
+        self.ctx, self.session, self.prefix = ctx, session, prefix
         self.own_rank, self.own, self.delete, self.lazy = own_rank, plan.own, delete, lazy
         self.budget, self.sizes, self.in_flight = budget, plan.sizes, in_flight
         self.batch = max(in_flight // _BATCHES, 1)
@@ -220,11 +220,11 @@ class Parts(Iterator[Any]):
         self.deletes: list[tuple[Future[None], list[str]]] = []  # (a delete, its keys)
         incoming = sum(self.sizes) - self.sizes[own_rank]
         self.progress = Progress(
-            call.what,
+            ctx.what,
             len(self.todo),
             incoming,
             # all_gather_object reads on every rank: one bar, on rank 0
-            enabled=(delete or call.rank == 0) and wanted(call.progress, incoming),
+            enabled=(delete or ctx.rank == 0) and wanted(ctx.progress, incoming),
         )
         try:
             self._read_ahead()
@@ -244,7 +244,7 @@ class Parts(Iterator[Any]):
 
     def _request(self, ranks: list[int]) -> None:
         future = self.pool.submit(
-            fetch_many, self.call, self.session, self.prefix, ranks, fresh=self.lazy
+            fetch_many, self.ctx, self.session, self.prefix, ranks, fresh=self.lazy
         )
         for place, rank in enumerate(ranks):
             self.requested[rank] = (future, place)
@@ -260,7 +260,7 @@ class Parts(Iterator[Any]):
         self.next_rank += 1
         if rank == self.own_rank:
             return self.own
-        with self.call.deadline.for_store(whole=self.lazy):  # the clean-up after a failure too
+        with self.ctx.deadline.for_store(whole=self.lazy):  # the clean-up after a failure too
             try:
                 self._read_ahead(asked=rank)
                 future, place = self.requested.pop(rank)
@@ -272,7 +272,7 @@ class Parts(Iterator[Any]):
                 if isinstance(outcome, BaseException):
                     raise outcome
                 self._read_ahead()  # the window has room again
-                value = serialize.load(outcome)
+                value = codec.load(outcome)
                 self.progress.update(self.sizes[rank])
                 return value
             except BaseException:
@@ -295,7 +295,7 @@ class Parts(Iterator[Any]):
             self.deletes.append((self.deleter.submit(self._delete_read, keys), keys))
 
     def _delete_read(self, keys: list[str]) -> None:
-        with self.call.deadline.for_store(whole=self.lazy):
+        with self.ctx.deadline.for_store(whole=self.lazy):
             self.session.store.discard_many(keys)
 
     def close(self) -> None:
@@ -312,7 +312,7 @@ class Parts(Iterator[Any]):
         self.closed = True
         self.next_rank = len(self.sizes)
         self.progress.close()
-        self.call.finish()
+        self.ctx.finish()
         for future, _ in self.requested.values():  # reads not started are dropped
             future.cancel()
         self.pool.shutdown(wait=wait)
@@ -345,7 +345,7 @@ class Parts(Iterator[Any]):
         _log.warning(
             "gatherstore: %s: %d part(s) read but not deleted from %s (%s): %s; they go "
             "with the job's area at its end, or run `gatherstore gc`",
-            self.call.what,
+            self.ctx.what,
             len(left),
             self.session.store,
             failed[0][0],

@@ -30,23 +30,20 @@ import datetime as _dt
 import functools
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gatherstore import _config as config
+from gatherstore import codec
 from gatherstore._errors import GatherError, GatherTimeout, RemoteRankError, seconds
 from gatherstore._time import Deadline
-from gatherstore.codec import frames as serialize
 from gatherstore.job import control, gloo
-from gatherstore.routes.base import Route
+from gatherstore.routes.base import Plan, Route
+from gatherstore.routes.context import Context
 from gatherstore.routes.halt import RELEASE_GRACE, Halt
 from gatherstore.routes.progress import Progress, wanted
-
-if TYPE_CHECKING:
-    from gatherstore.calls.call import Call
-    from gatherstore.calls.plan import Plan
 
 __all__ = [
     "CHUNK",
@@ -203,12 +200,12 @@ def broadcast_chunked(
 
 
 # --- the route ------------------------------------------------------------------------------
-def _limits(call: Call) -> dict[str, Any]:
-    return {"deadline": call.deadline, "what": call.what}
+def _limits(ctx: Context) -> dict[str, Any]:
+    return {"deadline": ctx.deadline, "what": ctx.what}
 
 
-def _segments(call: Call) -> list[memoryview]:
-    frame = call.take_frame()
+def _segments(ctx: Context) -> list[memoryview]:
+    frame = ctx.take_frame()
     return [] if frame is None else frame.seal(None).segments
 
 
@@ -220,7 +217,7 @@ class StreamRoute(Route):
     def __str__(self) -> str:
         return "stream"
 
-    def gather(self, call: Call, plan: Plan, dst: int, *, stream: bool) -> Iterator[Any] | None:
+    def gather(self, ctx: Context, plan: Plan, dst: int, *, lazy: bool) -> Iterator[Any] | None:
         """Send this rank's part to ``dst``; on ``dst``, every part in rank order as it
         arrives (its own object in place).
 
@@ -229,23 +226,26 @@ class StreamRoute(Route):
                 sender also the destination's reason for stopping early.
         """
         group = gloo.group()
-        halt = Halt(control.step(), deadline=call.deadline, what=call.what)
-        if call.rank == dst:
-            parts = _gathered(call, plan, dst, group, halt)
-            return parts if stream else iter(list(parts))
-        reason = send(_segments(call), plan.sizes[call.rank], dst, group, halt, **_limits(call))
-        call.lap("send")
-        call.finish()
+        halt = Halt(control.step(), deadline=ctx.deadline, what=ctx.what)
+        if ctx.rank == dst:
+            parts = _gathered(ctx, plan, dst, group, halt)
+            if lazy:
+                ctx.reading = True  # its consumer's reading ends the call
+                return parts
+            return iter(list(parts))
+        reason = send(_segments(ctx), plan.sizes[ctx.rank], dst, group, halt, **_limits(ctx))
+        ctx.lap("send")
+        ctx.finish()
         if reason is not None and reason["kind"] != "closed":
-            raise _halted(reason, dst, call)
+            raise _halted(reason, dst, ctx)
         return None
 
-    def broadcast(self, call: Call, plan: Plan, src: int) -> Any:
-        out = _part_from(call, plan, src)
-        call.finish()
+    def broadcast(self, ctx: Context, plan: Plan, src: int) -> Any:
+        out = _part_from(ctx, plan, src)
+        ctx.finish()
         return out
 
-    def all_gather(self, call: Call, plan: Plan) -> list[Any]:
+    def all_gather(self, ctx: Context, plan: Plan) -> list[Any]:
         """Every rank's part on every rank, one broadcast per rank.
 
         A part that cannot be rebuilt here does not stop this rank from taking part in
@@ -254,46 +254,44 @@ class StreamRoute(Route):
         """
         out: list[Any] = []
         failed: GatherError | None = None
-        segments = _segments(call)
-        for src in range(call.world):
+        segments = _segments(ctx)
+        for src in range(ctx.world):
             try:
-                out.append(_part_from(call, plan, src, segments))
+                out.append(_part_from(ctx, plan, src, segments))
             except GatherError as exc:
                 if isinstance(exc, (GatherTimeout, RemoteRankError)):  # the transfer failed
                     raise
                 failed = failed or exc
-        call.finish()
+        ctx.finish()
         if failed is not None:
             raise failed
         return out
 
 
-def _halted(reason: dict[str, Any], dst: int, call: Call) -> GatherError:
+def _halted(reason: dict[str, Any], dst: int, ctx: Context) -> GatherError:
     """A sender's error for a destination that stopped early for ``reason``."""
     if reason["kind"] == "timeout":
         return GatherTimeout(
-            f"{call.what}: rank {dst} stopped the gather: {reason['message']}",
+            f"{ctx.what}: rank {dst} stopped the gather: {reason['message']}",
             ranks=reason["ranks"],
-            timeout=call.deadline.timeout,
+            timeout=ctx.deadline.timeout,
         )
-    return RemoteRankError(reason["rank"], reason["message"], context=call.what)
+    return RemoteRankError(reason["rank"], reason["message"], context=ctx.what)
 
 
-def _gathered(call: Call, plan: Plan, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
+def _gathered(ctx: Context, plan: Plan, dst: int, group: Any, halt: Halt) -> Iterator[Any]:
     incoming = plan.total - plan.sizes[dst]
-    progress = Progress(
-        call.what, call.world - 1, incoming, enabled=wanted(call.progress, incoming)
-    )
-    taken = dict.fromkeys(range(call.world), 0)
+    progress = Progress(ctx.what, ctx.world - 1, incoming, enabled=wanted(ctx.progress, incoming))
+    taken = dict.fromkeys(range(ctx.world), 0)
     reason: dict[str, Any] | None = None
     try:
-        for rank in range(call.world):
+        for rank in range(ctx.world):
             if rank == dst:
                 yield plan.own
                 continue
-            part = receive(plan.sizes[rank], rank, group, taken, **_limits(call))
+            part = receive(plan.sizes[rank], rank, group, taken, **_limits(ctx))
             progress.update(len(part))
-            yield serialize.decode(memoryview(part), rank=rank, where=call.what)
+            yield codec.decode(memoryview(part), rank=rank, where=ctx.what)
     except GeneratorExit:
         reason = {"kind": "closed"}
         raise
@@ -310,12 +308,12 @@ def _gathered(call: Call, plan: Plan, dst: int, group: Any, halt: Halt) -> Itera
     finally:
         progress.close()
         if reason is not None:
-            _release(call, plan, group, halt, reason, taken)
-        call.finish()
+            _release(ctx, plan, group, halt, reason, taken)
+        ctx.finish()
 
 
 def _release(
-    call: Call, plan: Plan, group: Any, halt: Halt, reason: dict[str, Any], taken: dict[int, int]
+    ctx: Context, plan: Plan, group: Any, halt: Halt, reason: dict[str, Any], taken: dict[int, int]
 ) -> None:
     """Stop the senders whose parts were not taken whole, and take the chunk each has
     in flight, so that they return at once and the group stays in step.
@@ -327,16 +325,16 @@ def _release(
     named = set(reason.get("ranks", ()))
     unfinished = {
         r: chunk_count(sizes[r])
-        for r in range(call.world)
-        if r != call.rank and taken[r] < chunk_count(sizes[r])
+        for r in range(ctx.world)
+        if r != ctx.rank and taken[r] < chunk_count(sizes[r])
     }
     try:
         posted = halt.stop(reason, unfinished)
         if reason["kind"] == "timeout":  # gloo closed every connection of this rank
             return
         scratch = torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
-        ends = max(call.deadline.ends, time.monotonic() + RELEASE_GRACE)
-        deadline = Deadline(call.deadline.timeout, ends)
+        ends = max(ctx.deadline.ends, time.monotonic() + RELEASE_GRACE)
+        deadline = Deadline(ctx.deadline.timeout, ends)
         for rank, count in posted.items():
             if rank in named:  # it died, or its chunk is awaited already: the group is broken
                 continue
@@ -344,24 +342,24 @@ def _release(
                 size = min(CHUNK, sizes[rank] - taken[rank] * CHUNK)
                 post = functools.partial(dist.irecv, scratch[:size], rank, group=group)
                 late = "did not finish the chunk it had in flight"
-                _wait(post, rank, deadline, call.what, late)
+                _wait(post, rank, deadline, ctx.what, late)
                 taken[rank] += 1
     except GatherError:  # the senders left end at their deadline; the group is marked broken
         return
 
 
-def _part_from(call: Call, plan: Plan, src: int, segments: list[memoryview] | None = None) -> Any:
+def _part_from(ctx: Context, plan: Plan, src: int, segments: list[memoryview] | None = None) -> Any:
     """``src``'s part on this rank, broadcast chunk by chunk (``src``: its own object;
     ``segments``: its encoded part, when taken already)."""
-    if call.rank == src and segments is None:
-        segments = _segments(call)
+    if ctx.rank == src and segments is None:
+        segments = _segments(ctx)
     part = broadcast_chunked(
-        segments if call.rank == src else None,
+        segments if ctx.rank == src else None,
         plan.sizes[src],
         src,
         gloo.group(),
-        **_limits(call),
+        **_limits(ctx),
     )
     if part is None:
         return plan.own
-    return serialize.decode(memoryview(part), rank=src, where=call.what)
+    return codec.decode(memoryview(part), rank=src, where=ctx.what)

@@ -92,6 +92,18 @@ class Backend(ABC):
         memory check counts them."""
         return False
 
+    @property
+    def supports_handover(self) -> bool:
+        """Whether the processes of one host may hand parts for this store over as sealed
+        memory instead of writing them here: only where the store's place is
+        gatherstore's own choice in RAM, never a folder the user named."""
+        return False
+
+    @property
+    def folder(self) -> str | None:
+        """The folder on this host that holds the values, for a store that has one."""
+        return None
+
     # --- primitives -------------------------------------------------------------
     @abstractmethod
     def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:

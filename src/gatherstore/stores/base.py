@@ -419,6 +419,8 @@ class ScopedStore(Store):
     is_private = _parents("is_private")
     persistent = _parents("persistent")
     shares_memory_with_host = _parents("shares_memory_with_host")
+    supports_handover = _parents("supports_handover")
+    folder = _parents("folder")
 
     @property
     def url(self) -> str:

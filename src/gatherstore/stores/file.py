@@ -84,6 +84,10 @@ class FileStore(Store):
         return f"file://{urllib.parse.quote(str(self.root))}"
 
     @property
+    def folder(self) -> str | None:
+        return str(self.root)
+
+    @property
     def shares_memory_with_host(self) -> bool:
         """Whether the folder is in this node's RAM (under /dev/shm)."""
         shm = Path(SHM)

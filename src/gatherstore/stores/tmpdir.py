@@ -91,5 +91,14 @@ class TmpdirStore(FileStore):
         )
 
     @property
+    def supports_handover(self) -> bool:
+        """A tmpdir whose base is gatherstore's choice, in RAM (/dev/shm): a base the user
+        named, in the URL or in ``GATHERSTORE_TMPDIR``, is a folder the parts go to as
+        files, checked as such."""
+        return (
+            not self.explicit_base and config.tmpdir_base() is None and self.shares_memory_with_host
+        )
+
+    @property
     def url(self) -> str:
         return f"tmpdir://{urllib.parse.quote(str(self.root))}" if self.explicit_base else "tmpdir"

@@ -14,7 +14,7 @@ waits out differs, and each stays within the deadline in force:
 - ``FileStore._publish``, a folder a concurrent delete pruned while a write created
   it: at once, up to 50 times (each prune needs an empty folder, so every try makes
   progress);
-- ``_session._misses_marker``, a network filesystem that fails a lookup while it
+- ``gatherstore.job.session._misses_marker``, a network filesystem that fails a lookup while it
   reconnects (sshfs, NFS): every 0.1 s until the marker's own wait ends.
 """
 

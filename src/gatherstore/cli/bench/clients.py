@@ -120,10 +120,10 @@ def _redis_pass(client: Any, src: memoryview, depth: int, keys: list[bytes]) -> 
 
 def _redis_wire(url: str, src: memoryview, prefix: str) -> tuple[float, float]:
     """Seconds of gatherstore's wire: every value SET, then GET, 4 in flight, no copies."""
-    from gatherstore.stores.redis import RedisStore
+    from gatherstore.stores.registry import open_store
 
     spans = _slices(len(src), REDIS_VALUE)
-    store = RedisStore(url, key_prefix=prefix, ttl=_TTL_MS / 1000)
+    store = open_store(url, key_prefix=prefix, ttl=_TTL_MS / 1000)
     out = memoryview(bytearray(len(src)))
     keys = [f"{i}" for i in range(len(spans))]
     try:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from gatherstore import codec
 from gatherstore.cli.bench import payloads
 from gatherstore.codec import digest as _digest
-from gatherstore.codec import frames as serialize
 
 __all__ = ["measure"]
 
@@ -39,7 +39,7 @@ def _median(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _sealed(obj: Any) -> bytearray:
-    frame = serialize.encode(obj).seal(None)
+    frame = codec.encode(obj).seal(None)
     buf = bytearray(frame.nbytes)
     frame.copy_into(memoryview(buf))
     return buf
@@ -76,12 +76,12 @@ def measure(kind: str, nbytes: int, world: int, repeats: int) -> dict[str, Any]:
     """Seconds to encode rank 1's part and to decode ranks 1..W-1's parts from memory,
     medians of ``repeats``; the checksum's GB/s; for CUDA payloads the rates above."""
     parts = [payloads.make(kind, nbytes, rank, world) for rank in range(1, max(world, 2))]
-    encode = _median(lambda: serialize.encode(parts[0]).seal(None), repeats)
+    encode = _median(lambda: codec.encode(parts[0]).seal(None), repeats)
     sealed = [_sealed(part) for part in parts]
 
     def decode() -> None:
         for rank, buf in enumerate(sealed, 1):
-            serialize.decode(buf, rank=rank)
+            codec.decode(buf, rank=rank)
 
     decode_s = _median(decode, repeats)
     first = memoryview(sealed[0])
@@ -95,6 +95,6 @@ def measure(kind: str, nbytes: int, world: int, repeats: int) -> dict[str, Any]:
     }
     if kind.startswith("cuda"):
         moved = _cuda_bytes(parts[0])
-        out["d2h_gbps"] = moved / _median(lambda: serialize.encode(parts[0]), repeats) / 1e9
+        out["d2h_gbps"] = moved / _median(lambda: codec.encode(parts[0]), repeats) / 1e9
         out.update(_device_rates(moved, repeats))
     return out

@@ -6,7 +6,7 @@ public Store API (in a job area of its own, sealed as ranks seal them, signed
 where the store signs), then the destination's reader
 (``gatherstore.routes.parts.Parts``) reads, verifies, unpickles and deletes them
 in rank order, as ``gather_object`` does.  Only the reading is timed.  Each
-store is measured with the reader as it is (``IN_FLIGHT`` reads and deletes
+store is measured with the reader as it is (``PARTS_REQUESTED`` reads and deletes
 at once, within the read-ahead budget) and with the previous two-part window,
 in the same run.  A part costs one GET (its deletes go in batches).
 
@@ -30,20 +30,23 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from gatherstore import codec
 from gatherstore._config import DEFAULT_READ_AHEAD
 from gatherstore._time import Deadline
 from gatherstore.cli.bench.cases import Case, reachable
 from gatherstore.cli.bench.delay import DelayProxy
-from gatherstore.codec import frames as serialize
 from gatherstore.job.session import JobSession
-from gatherstore.routes.parts import IN_FLIGHT, Parts, binding, part_key
+from gatherstore.routes.parts import PARTS_REQUESTED, Parts, binding, part_key
 from gatherstore.stores.base import Store
 from gatherstore.stores.registry import open_store
 
 __all__ = ["WINDOWS", "main", "read_back"]
 
 #: Reader settings compared: (label, reads in flight, read-ahead budget in parts or bytes).
-WINDOWS = {"two parts (before)": (2, 2), f"{IN_FLIGHT} in flight (now)": (IN_FLIGHT, None)}
+WINDOWS = {
+    "two parts (before)": (2, 2),
+    f"{PARTS_REQUESTED} in flight (now)": (PARTS_REQUESTED, None),
+}
 #: The stores measured, by bench case name.
 STORES = ("gs.tmpdir-shm", "gs.file", "gs.redis", "gs.s3")
 # documented S3 request rates per prefix (requests per second)
@@ -82,7 +85,7 @@ def _write(session: JobSession, prefix: str, world: int, part_bytes: int) -> lis
     payload = np.frombuffer(os.urandom(part_bytes), dtype=np.uint8)
 
     def write(rank: int) -> int:
-        frame = serialize.encode({"rank": rank, "data": payload})
+        frame = codec.encode({"rank": rank, "data": payload})
         sealed = frame.seal(session.key, binding(session, prefix, rank))
         session.store.put(part_key(prefix, rank), sealed.segments)
         return frame.nbytes

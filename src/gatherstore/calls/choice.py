@@ -1,12 +1,15 @@
-"""A call's plan: what every rank agreed on before any data moves, and the route it picks.
+"""The route of a call, decided once, from what every rank reported before any data moves.
 
 Every rank reports (status, part size, free memory, node) in one exchange; one rank
-summarises the reports into ``Facts`` for all, and every rank turns them into
-the same frozen ``Plan``: the part sizes, the route (``"auto"`` settled by total
-size and node count, the default ``tmpdir`` moved off ``/dev/shm`` when the gather
-does not fit there, a ``tmpdir`` in RAM handed over as memfds where every rank can,
-which needs RAM but no room in /dev/shm), checked to fit in every node's memory.
-``pick`` is the route decision alone, pure, so that it can be tested without processes.
+summarises the reports into ``Facts`` for all, and every rank turns them into the same
+route (``settle``, a pure function of the facts): ``"auto"`` settled by total size and
+node count, the default ``tmpdir`` moved off ``/dev/shm`` when the gather does not fit
+there, a ``tmpdir`` in RAM handed over as memfds where every rank can (which needs RAM
+but no room in /dev/shm), checked to fit in every node's memory.  Parts sent in chunks
+are a branch of it: their sizes are estimates, and when the route would not hand them
+over (or the estimates would not fit) the answer is to encode them whole and agree
+again.  ``pick`` is the spec's decision alone; both are tested as tables, without
+processes (tests/test_plan.py).
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from gatherstore import _config as config
+from gatherstore._errors import InsufficientMemoryError
 from gatherstore.calls import fit
 from gatherstore.job import gloo
 from gatherstore.job.specs import resolve
-from gatherstore.routes import handover
-from gatherstore.routes.base import CollectiveRoute, InlineRoute, Route, StoreRoute
+from gatherstore.routes.base import Route
+from gatherstore.routes.collective import CollectiveRoute, InlineRoute
 from gatherstore.routes.handchunks import WINDOW, ChunkedRoute
+from gatherstore.routes.handover import HandoverRoute
+from gatherstore.routes.store import StoreRoute
 from gatherstore.routes.stream import StreamRoute
 from gatherstore.stores.base import Store
 
-__all__ = ["Facts", "Plan", "facts", "pick", "settle"]
+__all__ = ["Facts", "facts", "pick", "settle"]
 
 
 @dataclass(frozen=True)
@@ -45,24 +51,6 @@ class Facts:
     inlined: bool = False  # every rank's part rode on the status exchange
     handover: bool = False  # every rank can take parts handed over (one machine, one user)
     chunked: bool = False  # a rank's part is sent in chunks when handed over
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One call, as every rank agreed on it, and this rank's object.
-
-    ``sizes``: each rank's part size (0 for ranks that send nothing; a rank outside
-    the call's ``full`` ranks knows only its own and the root's, the others read as
-    0); ``budget``: this rank's read-ahead budget in bytes; ``own``: this rank's
-    object (or a copy of it, see ``gatherstore.calls.objects.own_copies``).
-    """
-
-    route: Route
-    sizes: tuple[int, ...]
-    total: int
-    longest: int
-    budget: int
-    own: Any
 
 
 def facts(
@@ -141,9 +129,12 @@ def settle(
     what: str,
     nodes: int,
     parts: Sequence[memoryview] | None = None,
-) -> Route:
+) -> Route | None:
     """The route for ``spec`` (see ``pick``), the same on every rank; ``parts``: every
     rank's part as it rode on the status exchange (on the ranks that received them).
+    None when a rank's part went in chunks (``found.chunked``, sizes estimated from a
+    first chunk) and the route would not hand chunks over, or the estimates would not
+    fit: every rank then encodes its part whole and agrees again.
 
     Raises:
         GatherError: the route needs gatherstore's gloo group, which an earlier call broke.
@@ -165,7 +156,7 @@ def settle(
         tmpdir = resolve("tmpdir")  # gatherstore's choice of base: /dev/shm when it is there
         if isinstance(tmpdir, Store) and tmpdir.shares_memory_with_host:
             # handed over, parts take RAM but no room in /dev/shm (a container's 64 MiB)
-            handed = found.handover and handover.suits(tmpdir)
+            handed = found.handover and tmpdir.supports_handover
             chosen = chosen_for(bool(found.short["memfd" if handed else "shm"]))
     if chosen in ("collective", "stream") and found.broken:
         raise gloo.refuse(what, found.broken)
@@ -179,10 +170,17 @@ def settle(
         route = StreamRoute()
     else:
         assert isinstance(target, Store)
-        suits = found.handover and handover.suits(target)
-        handing = ChunkedRoute if found.chunked else handover.HandoverRoute
-        route = handing(target) if suits else StoreRoute(target)
-    fit.check(what, route, found.total, found.short)
+        handing = ChunkedRoute if found.chunked else HandoverRoute
+        handed = found.handover and target.supports_handover
+        route = handing(target) if handed else StoreRoute(target)
+    if found.chunked and not isinstance(route, HandoverRoute):
+        return None  # the parts go whole on this route
+    try:
+        fit.check(what, route, found.total, found.short)
+    except InsufficientMemoryError:
+        if found.chunked:  # sizes estimated from a first chunk may be too large
+            return None
+        raise
     return route
 
 
