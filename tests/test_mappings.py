@@ -154,7 +154,7 @@ def test_a_part_let_go_while_threading_holds_its_lock_does_not_deadlock() -> Non
 def test_an_interpreter_exits_with_a_part_still_to_unmap() -> None:
     script = (
         "import os\n"
-        "from gatherstore import _mappings\n"
+        "from gatherstore.host import mappings as _mappings\n"
         "fd = os.memfd_create('exit'); os.write(fd, bytes(64 << 20))\n"
         "views = [_mappings.map_private(fd, 64 << 20) for _ in range(8)]\n"
         "os.close(fd)\n"

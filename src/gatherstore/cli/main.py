@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gatherstore._config import ROUTES
 from gatherstore._errors import first_line
@@ -32,6 +32,9 @@ from gatherstore.stores.registry import check_scheme, default_store, open_store
 from gatherstore.stores.tmpdir import default_tmpdir_base
 
 __all__ = ["main"]
+
+if TYPE_CHECKING:
+    _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 _PROBE_BYTES = 1 << 20
 _VERSIONS = ("gatherstore", "torch", "numpy", "fsspec", "cloudpickle", "redis", "s3fs", "mmengine")
@@ -259,13 +262,24 @@ def _describe(args: argparse.Namespace) -> int:
 
 # --- the parser ----------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
+    """The ``gatherstore`` command's parser, one subcommand at a time, in help order."""
     parser = argparse.ArgumentParser(
         prog="gatherstore", description="Gather large Python objects across PyTorch ranks."
     )
     parser.add_argument("--version", action="version", version=f"gatherstore {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     store = _argtype(_store_spec)
+    _add_demo(sub, store)
+    _add_bench(sub)
+    _add_check(sub, store)
+    _add_gc(sub, store)
+    results_cli.add_parser(sub, store)
+    _add_describe(sub)
+    return parser
 
+
+def _add_demo(sub: _Subparsers, store: Callable[[str], str]) -> None:
+    """Add the ``demo`` command (``store`` checks a URL)."""
     p = sub.add_parser("demo", help="gather a sharded evaluation's predictions on rank 0")
     p.add_argument("--nproc", type=_argtype(_positive_int), default=4, help="processes (4)")
     p.add_argument("--size", type=_argtype(parse_size), default=64 << 20, help="total (64MB)")
@@ -278,7 +292,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_demo)
 
+
+def _add_bench(sub: _Subparsers) -> None:
+    """Add the ``bench`` command: the measured runs' options, then the other modes'."""
     p = sub.add_parser("bench", help="gatherstore's stores against the usual tools")
+    _add_bench_measure(p)
+    _add_bench_modes(p)
+    p.set_defaults(handler=_bench)
+
+
+def _add_bench_measure(p: argparse.ArgumentParser) -> None:
+    """The options of bench's default run: the stores against the usual tools."""
     p.add_argument(
         "--sizes", type=_argtype(_sizes), default=_sizes("256MB,1GB"), help="totals (256MB,1GB)"
     )
@@ -318,6 +342,10 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes moved to measure memcpy, /dev/shm and the Redis/S3 clients alone (1GB)",
     )
     p.add_argument("--timeout", type=_argtype(_seconds), default=900.0, help="per collective")
+
+
+def _add_bench_modes(p: argparse.ArgumentParser) -> None:
+    """The options that run another benchmark instead, and the ones that go with them."""
     p.add_argument(
         "--scale",
         type=_argtype(_ints),
@@ -378,14 +406,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="with --parts: S3 once more through a proxy holding each reply MS (e.g. 20)",
     )
-    p.set_defaults(handler=_bench)
 
+
+def _add_check(sub: _Subparsers, store: Callable[[str], str]) -> None:
+    """Add the ``check`` command (``store`` checks a URL)."""
     p = sub.add_parser("check", help="check that a store works for every rank")
     p.add_argument("--store", type=store, required=True, help="store URL")
     p.add_argument("--nproc", type=_argtype(_positive_int), default=1, help="local processes")
     p.add_argument("--timeout", type=_argtype(_seconds), default=60.0, help="per step (60 s)")
     p.set_defaults(handler=_check)
 
+
+def _add_gc(sub: _Subparsers, store: Callable[[str], str]) -> None:
+    """Add the ``gc`` command (``store`` checks a URL)."""
     p = sub.add_parser(
         "gc", help="remove the job areas of jobs that are gone (no heartbeat, no live process)"
     )
@@ -404,11 +437,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_gc)
 
-    results_cli.add_parser(sub, store)
 
+def _add_describe(sub: _Subparsers) -> None:
+    """Add the ``describe`` command."""
     p = sub.add_parser("describe", help="topology and configuration as JSON")
     p.set_defaults(handler=_describe)
-    return parser
 
 
 def _one_line(exc: BaseException) -> str:

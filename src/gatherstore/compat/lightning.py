@@ -134,10 +134,110 @@ class _Remaining:
         return len(self._todo())
 
 
+class _Gathering:
+    """``GatherPredictions``' hooks that need no Lightning class: kept at module level so that
+    ``_define`` only has to combine them with ``BasePredictionWriter`` on first use."""
+
+    dst: int
+    store: Any
+    resume: str | None
+    predictions: list[Any] | None
+    _mine: Any
+    _set: Any
+    _size: int | None  # remaining(): the dataset's size
+    _todo: list[int] | None
+
+    def remaining(self, dataset: Any) -> _Remaining:
+        """With ``resume``: a sampler of ``dataset``'s indices that no run stored yet, for
+        the (one) predict dataloader, so that a requeued job predicts only those.
+
+        Raises:
+            ValueError: the writer has no ``resume``.
+            TypeError: ``dataset`` has no length.
+        """
+        if self.resume is None:
+            raise ValueError("remaining() needs GatherPredictions(resume=..., store=...)")
+        self._size = len(dataset)
+        return _Remaining(self)
+
+    def write_on_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """With ``resume``: add the batch's samples to the set (raised at teardown)."""
+        if isinstance(self._mine, Raising):
+            return
+        try:
+            offset = sum(_dataset_sizes(trainer)[:dataloader_idx])
+            items = split_output(prediction)
+            if batch_indices is None or len(items) != len(batch_indices):
+                raise ValueError(
+                    "Lightning recorded no dataset indices for this batch, or not one per "
+                    "sample: GatherPredictions needs a torch DataLoader over a sized dataset"
+                )
+            for item, index in zip(items, batch_indices, strict=True):
+                self._set.add(offset + int(index), item)
+        except Exception as exc:
+            self._mine = Raising(exc)
+
+    def write_on_epoch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        predictions: Sequence[Any],
+        batch_indices: Sequence[Any],
+    ) -> None:
+        """Split and keep this rank's predictions until the run's teardown."""
+        try:
+            self._mine = _samples(predictions, batch_indices, _dataset_sizes(trainer))
+        except Exception as exc:
+            self._mine = Raising(exc)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Gather every rank's samples on ``dst`` in dataset order."""
+        if stage != "predict":
+            return
+        if self.resume is not None:
+            self._settle(trainer)
+            return
+        mine: Any = self._mine or ([], [])
+        self._mine = None
+        try:
+            sizes = _dataset_sizes(trainer)
+            if isinstance(mine, Raising):
+                raise mine.error
+            samples, indices = mine
+        except Exception as exc:  # every rank raises it, from collect_results' arguments
+            samples, indices, sizes = [None], [Raising(exc)], [0]
+        merged = gs.collect_results(
+            samples, sum(sizes), indices=indices, dst=self.dst, store=self.store
+        )
+        self.predictions = _per_loader(merged, sizes)
+
+    def _settle(self, trainer: Any) -> None:
+        """With ``resume``: every dataset index's prediction, from any run, on ``dst``."""
+        from gatherstore.results.collect_into import settle
+
+        rs, self._set, self._todo = self._set, None, None
+        failed = self._mine.error if isinstance(self._mine, Raising) else None
+        self._mine = None
+        sizes = _dataset_sizes(trainer)
+        merged = settle(rs, sum(sizes), self.dst, None, failed=failed, report=True)
+        self.predictions = _per_loader(merged, sizes)
+
+
 def _define() -> type:
+    """``GatherPredictions``: ``_Gathering``'s hooks on Lightning's ``BasePredictionWriter``,
+    which is imported now, on first use, rather than with this module."""
     writer: Any = _import("pytorch_lightning.callbacks", "pytorch-lightning").BasePredictionWriter
 
-    class GatherPredictions(writer):  # type: ignore[misc]
+    class GatherPredictions(_Gathering, writer):  # type: ignore[misc]
         """Every rank's ``trainer.predict`` outputs on ``dst``, one item per dataset sample.
 
         After ``trainer.predict(model, dataloaders=..., return_predictions=False)``,
@@ -160,24 +260,11 @@ def _define() -> type:
             self.dst = dst
             self.store = store
             self.resume = resume
-            self.predictions: list[Any] | None = None
-            self._mine: Any = None
-            self._set: Any = None
-            self._size: int | None = None  # remaining(): the dataset's size
-            self._todo: list[int] | None = None
-
-        def remaining(self, dataset: Any) -> _Remaining:
-            """With ``resume``: a sampler of ``dataset``'s indices that no run stored yet, for
-            the (one) predict dataloader, so that a requeued job predicts only those.
-
-            Raises:
-                ValueError: the writer has no ``resume``.
-                TypeError: ``dataset`` has no length.
-            """
-            if self.resume is None:
-                raise ValueError("remaining() needs GatherPredictions(resume=..., store=...)")
-            self._size = len(dataset)
-            return _Remaining(self)
+            self.predictions = None
+            self._mine = None
+            self._set = None
+            self._size = None
+            self._todo = None
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             super().setup(trainer, pl_module, stage)
@@ -187,77 +274,6 @@ def _define() -> type:
                     self._set = gs.ResultSet(self.resume, store=self.store)
                     if self._size is not None:
                         self._todo = self._set.pending(range(self._size))
-
-        def write_on_batch_end(
-            self,
-            trainer: Any,
-            pl_module: Any,
-            prediction: Any,
-            batch_indices: Sequence[int] | None,
-            batch: Any,
-            batch_idx: int,
-            dataloader_idx: int = 0,
-        ) -> None:
-            """With ``resume``: add the batch's samples to the set (raised at teardown)."""
-            if isinstance(self._mine, Raising):
-                return
-            try:
-                offset = sum(_dataset_sizes(trainer)[:dataloader_idx])
-                items = split_output(prediction)
-                if batch_indices is None or len(items) != len(batch_indices):
-                    raise ValueError(
-                        "Lightning recorded no dataset indices for this batch, or not one per "
-                        "sample: GatherPredictions needs a torch DataLoader over a sized dataset"
-                    )
-                for item, index in zip(items, batch_indices, strict=True):
-                    self._set.add(offset + int(index), item)
-            except Exception as exc:
-                self._mine = Raising(exc)
-
-        def write_on_epoch_end(
-            self,
-            trainer: Any,
-            pl_module: Any,
-            predictions: Sequence[Any],
-            batch_indices: Sequence[Any],
-        ) -> None:
-            """Split and keep this rank's predictions until the run's teardown."""
-            try:
-                self._mine = _samples(predictions, batch_indices, _dataset_sizes(trainer))
-            except Exception as exc:
-                self._mine = Raising(exc)
-
-        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            """Gather every rank's samples on ``dst`` in dataset order."""
-            if stage != "predict":
-                return
-            if self.resume is not None:
-                self._settle(trainer)
-                return
-            mine: Any = self._mine or ([], [])
-            self._mine = None
-            try:
-                sizes = _dataset_sizes(trainer)
-                if isinstance(mine, Raising):
-                    raise mine.error
-                samples, indices = mine
-            except Exception as exc:  # every rank raises it, from collect_results' arguments
-                samples, indices, sizes = [None], [Raising(exc)], [0]
-            merged = gs.collect_results(
-                samples, sum(sizes), indices=indices, dst=self.dst, store=self.store
-            )
-            self.predictions = _per_loader(merged, sizes)
-
-        def _settle(self, trainer: Any) -> None:
-            """With ``resume``: every dataset index's prediction, from any run, on ``dst``."""
-            from gatherstore.results.collect_into import settle
-
-            rs, self._set, self._todo = self._set, None, None
-            failed = self._mine.error if isinstance(self._mine, Raising) else None
-            self._mine = None
-            sizes = _dataset_sizes(trainer)
-            merged = settle(rs, sum(sizes), self.dst, None, failed=failed, report=True)
-            self.predictions = _per_loader(merged, sizes)
 
     GatherPredictions.__module__ = __name__
     GatherPredictions.__qualname__ = "GatherPredictions"

@@ -17,9 +17,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from gatherstore import codec
 from gatherstore._config import Timeout, to_seconds
 from gatherstore._errors import GatherError, RemoteRankError
-from gatherstore.codec import staging
 from gatherstore.host import mappings
 from gatherstore.job import control, gloo, hooks, session, shipping, signals, slurm, specs, topology
 from gatherstore.job import published as publication
@@ -113,6 +113,47 @@ def launch(
         RuntimeError: called while a new rank imports the main script, i.e. the
             script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
     """
+    _check_call(nproc_per_node, nnodes, node_rank, master_port)
+    seconds = to_seconds(timeout)
+    chosen = _pick_backend(backend, nproc_per_node)
+    payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
+    world_size = nproc_per_node * nnodes
+    server = None
+    if master_port is None:
+        server = _host_rendezvous(master_addr, world_size, seconds)
+        master_port = server.port
+    env = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
+        "TORCHELASTIC_USE_AGENT_STORE": str(server is not None),
+    }
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    try:
+        for local_rank in range(nproc_per_node):
+            rank = node_rank * nproc_per_node + local_rank
+            child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+            proc, conn = _start_child(payload, child_env, chosen, timeout)
+            procs.append(proc)
+            conns.append(conn)
+        return _collect(procs, conns, node_rank * nproc_per_node)
+    finally:
+        _stop(procs)
+        for conn in conns:
+            conn.close()
+        if server is not None:  # what a stopped job left behind, rank 0 published here
+            publication.sweep(server)
+        del server  # stops the store's server, if this process hosted one
+
+
+def _check_call(nproc_per_node: int, nnodes: int, node_rank: int, master_port: int | None) -> None:
+    """Refuse, before anything starts, a ``launch`` that a spawning rank runs again while it
+    imports the main script, and arguments that describe no job."""
     if getattr(mp.current_process(), "_inheriting", False):  # set while spawn imports __main__
         raise RuntimeError(
             "gatherstore.launch() ran again while a launched rank was importing the main "
@@ -128,59 +169,40 @@ def launch(
             "master_port=None only works on one node: pass the same master_port "
             "(a free port on master_addr) to launch() on every node"
         )
-    seconds = to_seconds(timeout)
-    chosen = _pick_backend(backend, nproc_per_node)
-    payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
-    world_size = nproc_per_node * nnodes
-    server = None
-    if master_port is None:
-        # This process hosts the rendezvous store on a port the OS picks while binding
-        # (as torchrun's agent does): no window in which another process can take a
-        # "free" port, and the store outlives any child that dies.
-        server = dist.TCPStore(  # type: ignore[attr-defined]
-            master_addr,
-            0,
-            world_size,
-            is_master=True,
-            timeout=_dt.timedelta(seconds=seconds),
-            wait_for_workers=False,
-        )
-        master_port = server.port
-    env = {
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(nproc_per_node),
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(nnodes),
-        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
-        "TORCHELASTIC_USE_AGENT_STORE": str(server is not None),
-    }
+
+
+def _host_rendezvous(master_addr: str, world_size: int, seconds: float) -> Any:
+    """Host the rendezvous store in this process, on a port the OS picks while binding (as
+    torchrun's agent does): no window in which another process can take a "free" port, and
+    the store outlives any child that dies."""
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        master_addr,
+        0,
+        world_size,
+        is_master=True,
+        timeout=_dt.timedelta(seconds=seconds),
+        wait_for_workers=False,
+    )
+
+
+def _start_child(
+    payload: tuple[bytes | None, bytes | None, bytes],
+    env: dict[str, str],
+    backend: str,
+    timeout: Timeout,
+) -> tuple[Any, Connection]:
+    """Spawn the rank ``env`` names, running ``_child``; the process and the end of the pipe
+    its result comes back on."""
     ctx = mp.get_context("spawn")
-    procs: list[Any] = []
-    conns: list[Connection] = []
-    try:
-        for local_rank in range(nproc_per_node):
-            rank = node_rank * nproc_per_node + local_rank
-            child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child,
-                args=(payload, child_env, chosen, timeout, child_end),
-                name=f"gatherstore-rank{rank}",
-            )
-            proc.start()
-            child_end.close()
-            procs.append(proc)
-            conns.append(parent_end)
-        return _collect(procs, conns, node_rank * nproc_per_node)
-    finally:
-        _stop(procs)
-        for conn in conns:
-            conn.close()
-        if server is not None:  # what a stopped job left behind, rank 0 published here
-            publication.sweep(server)
-        del server  # stops the store's server, if this process hosted one
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_child,
+        args=(payload, env, backend, timeout, child_end),
+        name=f"gatherstore-rank{env['RANK']}",
+    )
+    proc.start()
+    child_end.close()
+    return proc, parent_end
 
 
 def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list[Any]:
@@ -366,7 +388,7 @@ def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
         control.outlive_readers()
         dist.destroy_process_group()
     specs.close_opened()
-    staging.release()
+    codec.release_pinned()
     hooks.run(before_group_ends=False)  # the handover's listener is closed
     mappings.drained()
     job.forget_groups()
