@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
+from gatherstore import InsufficientMemoryError
 from gatherstore import _config as config
 from gatherstore._time import MIN_TIMEOUT, REPORT_TIME, Deadline, time_left
 from gatherstore.calls.choice import Facts, facts, pick, settle
 from gatherstore.calls.fit import route_need
-from gatherstore.routes.handchunks import WINDOW
+from gatherstore.routes.collective import CollectiveRoute
+from gatherstore.routes.handchunks import WINDOW, ChunkedRoute
 from gatherstore.routes.handover import HandoverRoute
 from gatherstore.routes.parts import BATCH_BYTES, Window
 from gatherstore.routes.store import StoreRoute
@@ -168,6 +170,39 @@ def test_handed_over_parts_need_ram_but_no_room_in_dev_shm(monkeypatch: Any) -> 
     no_ram = dict(no_room, memfd=["ranks [0, 1] on a need 2 GiB"])
     short = dataclasses.replace(found, short=no_ram)
     assert isinstance(settle("tmpdir", short, what="gather_object", nodes=1), StoreRoute)
+
+
+def test_parts_in_chunks_are_a_branch_of_the_choice(monkeypatch: Any) -> None:
+    """Sizes estimated from first chunks: handed over, the chunked route; on any route that
+    does not hand chunks over, or when the estimates would not fit, None (every rank encodes
+    its part whole and agrees again), where parts encoded whole raise or take that route."""
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    ram = TmpdirStore()
+    if not ram.shares_memory_with_host:
+        pytest.skip("/dev/shm is not writable here")
+    fits: dict[str, list[str]] = {"collective": [], "shm": [], "memfd": [], "store": []}
+    short = dict(fits, memfd=["ranks [0, 1] on a need 2 GiB"], store=["ranks [0] need 2 GiB"])
+    whole = Facts(total=LARGE, longest=LARGE, root=0, broken="", short=fits, handover=True)
+    chunked = dataclasses.replace(whole, chunked=True)
+    rows = [  # (store, facts, the route's type or None)
+        (ram, chunked, ChunkedRoute),
+        (ram, dataclasses.replace(chunked, handover=False), None),  # a rank cannot take them
+        (ram, dataclasses.replace(chunked, short=short), None),  # the estimates do not fit
+        (TmpdirStore(tempfile.gettempdir()), chunked, None),  # files: never in chunks
+        ("collective", dataclasses.replace(chunked, total=SMALL, longest=SMALL), None),
+        (ram, whole, HandoverRoute),
+        ("collective", dataclasses.replace(whole, total=SMALL, longest=SMALL), CollectiveRoute),
+    ]
+    for store, found, expected in rows:
+        route = settle(store, found, what="gather_object", nodes=1)
+        assert (route is None) if expected is None else type(route) is expected, (store, found)
+    with pytest.raises(InsufficientMemoryError):  # parts encoded whole do not retry
+        settle(
+            TmpdirStore(tempfile.gettempdir()),
+            dataclasses.replace(whole, short=short),
+            what="gather_object",
+            nodes=1,
+        )
 
 
 # --- what a route needs ----------------------------------------------------------------------
