@@ -97,7 +97,7 @@ class Host:
         there): its directory is bound outside /tmp first and put on PYTHONPATH.
         """
         steps = []
-        package_root = Path(__file__).resolve().parents[2]
+        package_root = Path(__file__).resolve().parents[3]
         if Path("/tmp") in package_root.parents:
             stash = self.root / "package"
             stash.mkdir(exist_ok=True)

@@ -95,7 +95,7 @@ def _use_torchvision() -> None:
     """Put the tests' torchvision stand-in on sys.path when no torchvision is installed
     (before torchmetrics is imported: it checks once)."""
     if importlib.util.find_spec("torchvision") is None:
-        standins = Path(__file__).resolve().parents[3] / "tests" / "standins"
+        standins = Path(__file__).resolve().parents[4] / "tests" / "standins"
         if (standins / "torchvision").is_dir():
             sys.path.insert(0, str(standins))
 
