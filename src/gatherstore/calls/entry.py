@@ -8,7 +8,8 @@ calls) goes through ``collective`` or ``run``, which own what every call shares:
 - its arguments are checked (``check``) the same way in one process as in many,
   before anything is sent: a typo fails in the first run on a laptop, not hours later
   on a cluster;
-- it takes the process group (only the default group for now);
+- it takes the process group (only the default group for now), and refuses to run
+  alone in a process that a launcher started as one of several;
 - its calls are made one after another within a rank (``control.serialized``);
 - it has one ``Deadline``, carried by the ``Context`` its steps receive: meeting every
   rank (late ranks and ranks in another call named on every rank), work whose failure
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from gatherstore import _config as config
 from gatherstore._config import Timeout, to_seconds
+from gatherstore._errors import ProcessGroupError
 from gatherstore._time import Deadline
 from gatherstore.job import control, topology
 from gatherstore.job.specs import resolve
@@ -75,6 +77,25 @@ def check(
     _default_group(what, group)
 
 
+def _not_alone(what: str) -> None:
+    """Refuse a collective in a process without a process group when a launcher started
+    several: each would gather alone and return only its own share, silently.
+
+    Raises:
+        ProcessGroupError: names the launcher's variable and the fix.
+    """
+    launched = topology.launched_as()
+    if launched is None:
+        return
+    world, variable = launched
+    raise ProcessGroupError(
+        f"{what}: {variable}={world} says this job has {world} processes, but this one has "
+        "no process group: alone, it would gather only its own results. Call "
+        "gs.init_from_env() (or torch.distributed.init_process_group()) in every process "
+        "before the first collective"
+    )
+
+
 def _default_group(what: str, group: Any) -> None:
     """Refuse a process group other than the default one (None).
 
@@ -109,6 +130,8 @@ def collective(
     (it logs it when the reading ends).
     """
     _default_group(what, group)
+    if not topology.is_distributed():
+        _not_alone(what)
     with control.calls_in_turn():
         ctx = Context(
             what,
@@ -140,6 +163,7 @@ def run(
     """``body(ctx)`` of a collective (see ``collective``) on a job of several processes;
     ``serial()``, what a world of one returns, in a process without a process group."""
     if not topology.is_distributed():
+        _not_alone(what)
         return serial()
     with collective(
         what, timeout=timeout, bounded=bounded, sweep=sweep, progress=progress, group=group

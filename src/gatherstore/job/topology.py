@@ -36,6 +36,7 @@ __all__ = [
     "gpu_mem_usage",
     "is_distributed",
     "is_main_process",
+    "launched_as",
 ]
 
 
@@ -72,6 +73,21 @@ _LAUNCHERS = {
 def is_distributed() -> bool:
     """Whether a torch.distributed process group is initialised."""
     return control.is_initialized()
+
+
+def launched_as() -> tuple[int, str] | None:
+    """How many processes a launcher started for this job, and the variable that says so,
+    when it says more than one: torchrun's ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS`` inside
+    a job step (``srun``; a batch script runs once), Open MPI's ``OMPI_COMM_WORLD_SIZE``."""
+    for name in _LAUNCHERS:
+        world_var = _LAUNCHERS[name][1]
+        assert world_var is not None
+        value = os.environ.get(world_var, "")
+        if name == "slurm" and "SLURM_STEP_ID" not in os.environ:
+            continue
+        if value.isdigit() and int(value) > 1:
+            return int(value), world_var
+    return None
 
 
 def get_world_size() -> int:

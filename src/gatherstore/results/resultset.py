@@ -61,6 +61,13 @@ class ResultSet:
     same for every job that opens the set.  ``timeout`` bounds each collective (default:
     ``GATHERSTORE_TIMEOUT``).
 
+    A set ends with [`close`][gatherstore.ResultSet.close] (a collective: this job's run
+    ends, another job may open it at once) or [`discard`][gatherstore.ResultSet.discard]
+    (removes it); ``with gs.ResultSet(...) as rs:`` closes it when the block ends, and
+    when the block raises, each rank writes what it added and ends its run without a
+    collective.  [`flush`][gatherstore.ResultSet.flush] makes what was added durable and
+    keeps the set open.
+
     Raises:
         ValueError: a bad name, key or ``flush_every``; a store that does not outlive
             the job (``tmpdir``, a route, ``memory://`` across processes).
