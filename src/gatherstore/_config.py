@@ -3,7 +3,7 @@
 | variable | default | what it sets |
 | --- | --- | --- |
 | ``GATHERSTORE_STORE`` | ``auto`` | the store object collectives use when none is passed |
-| ``GATHERSTORE_TIMEOUT`` | 1800 | seconds a collective waits by default |
+| ``GATHERSTORE_TIMEOUT`` | 1800 | seconds a collective waits by default (at most 24 days) |
 | ``GATHERSTORE_READ_AHEAD`` | 32MiB | bytes a reader reads ahead of its consumer |
 | ``GATHERSTORE_AUTO_THRESHOLD`` | 128KiB | ``auto``: totals up to this go over the process group |
 | ``GATHERSTORE_STREAM_CHUNK`` | 16MiB | bytes per message of the ``stream`` route |
@@ -19,9 +19,10 @@
 | ``GATHERSTORE_RESULTS_KEY`` | none | the signing key of result sets (text); unsigned when unset |
 | ``GATHERSTORE_RESULTS_KEY_FILE`` | none | a file holding that key (read first) |
 
-Sizes take units (``64MB``, ``1.5GiB``: binary).  Variables read once are read
-when gatherstore is imported; the others (store, tmpdir, progress, heartbeat, the
-result sets' flushes and key) each time they are used.
+Sizes take units (``64MB``, ``1.5GiB``: binary).  Seconds longer than 24 days are
+24 days (``MAX_WAIT``).  Variables read once are read when gatherstore is imported; the
+others (store, tmpdir, progress, heartbeat, the result sets' flushes and key) each time
+they are used.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "SHM",
     "DEFAULT_READ_AHEAD",
     "DEFAULT_TIMEOUT",
+    "MAX_WAIT",
     "PART_CHUNK",
     "PINNED",
     "STREAM_CHUNK",
@@ -52,6 +54,16 @@ __all__ = [
     "tmpdir_base",
     "to_seconds",
 ]
+
+#: The longest wait, in seconds, that gatherstore asks of the platform: 24 days.  A longer
+#: timeout (``timeout=1e12``, ``GATHERSTORE_TIMEOUT=1e12``: "as long as it takes") is
+#: clamped to it, so that every wait a call makes can take it: torch's c10d store client
+#: polls its socket for an ``int`` of milliseconds (at most 2**31 - 1, 24.8 days; a
+#: longer wait wraps around and may end at once, or spin), and beyond that Python's waits
+#: (threads, sockets) and c10d's and gloo's deadlines, in nanoseconds of the steady clock,
+#: overflow (past ``threading.TIMEOUT_MAX``, about 292 years).  The 20 hours left under
+#: 2**31 ms are room for the grace periods a call adds to its timeout.
+MAX_WAIT = 24 * 86400.0
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
@@ -102,7 +114,7 @@ def _seconds_setting(name: str, default: float) -> float:
             f"{name}={text!r} is not a positive, finite number of seconds: set it to e.g. "
             f"600, or unset it for the default {default:g}"
         )
-    return seconds
+    return min(seconds, MAX_WAIT)
 
 
 #: The node's shared memory (RAM), where ``tmpdir`` keeps its job folders when it can.
@@ -235,7 +247,8 @@ Timeout = float | int | _dt.timedelta | None
 
 
 def to_seconds(timeout: Timeout) -> float:
-    """Seconds of a user timeout: a number, a timedelta, or None for the library default.
+    """Seconds of a user timeout: a number, a timedelta, or None for the library default;
+    at most ``MAX_WAIT`` (a longer one is clamped to what every wait can take).
 
     Raises:
         ValueError: the timeout is not a positive, finite number of seconds (NaN and
@@ -245,8 +258,10 @@ def to_seconds(timeout: Timeout) -> float:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, _dt.timedelta):
         seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
+    elif isinstance(timeout, int) and not isinstance(timeout, bool):
+        seconds = float(min(timeout, MAX_WAIT))  # an int too large for a float is finite
+    elif isinstance(timeout, float):
+        seconds = timeout
     else:
         raise ValueError(
             f"timeout={timeout!r} is not valid: give seconds (a number), a "
@@ -260,4 +275,4 @@ def to_seconds(timeout: Timeout) -> float:
             "cannot hang the job; give a finite number of seconds (e.g. 86400 for a day), "
             "or None for the default (GATHERSTORE_TIMEOUT)"
         )
-    return seconds
+    return min(seconds, MAX_WAIT)
