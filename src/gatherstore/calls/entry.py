@@ -55,10 +55,13 @@ def check(
 
     The store spec is opened (its scheme and syntax checked; nothing is connected).
 
+    The settings in the environment are checked too (``config.check_environment``).
+
     Raises:
-        ValueError: the argument named, with what it must be.
+        ValueError: the argument (or setting) named, with what it must be.
         ImportError: the store needs a package that is not installed.
     """
+    config.check_environment()
     to_seconds(timeout)
     if store is not NO_STORE:
         resolve(store)
@@ -109,6 +112,7 @@ def collective(
     (it logs it when the reading ends).
     """
     _default_group(what, group)
+    config.check_environment()
     with control.calls_in_turn():
         ctx = Context(
             what,
