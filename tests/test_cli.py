@@ -13,6 +13,7 @@ import pytest
 
 import gatherstore as gs
 from gatherstore.calls.objects import AUTO_THRESHOLD
+from gatherstore.cli import check
 from gatherstore.cli import main as cli
 from gatherstore.cli.bench.measure import format_bytes, parse_size
 from gatherstore.job.cleanup import parse_duration
@@ -149,6 +150,29 @@ def test_check_one_process(spec: str) -> None:
     assert result.returncode == 0, result.stderr
     assert "reachable" in result.stdout and "put/get/delete" in result.stdout
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_check_leaves_no_folder_it_created(tmp_path: Path, nproc: str) -> None:
+    root = tmp_path / "new" / "deeper"
+    result = run_cli("check", "--store", f"file://{root}", "--nproc", nproc)
+    assert result.returncode == 0, result.stderr
+    made = f"created the missing folders {tmp_path / 'new'}, {root} (removed after the check)"
+    assert made in result.stdout.splitlines()[0] and result.stdout.strip().endswith("ok")
+    assert list(tmp_path.iterdir()) == []
+    root.mkdir(parents=True)  # a folder that was there stays, and is not named
+    result = run_cli("check", "--store", f"file://{root}", "--nproc", nproc)
+    assert result.returncode == 0 and "missing" not in result.stdout, result.stderr
+    assert list(root.iterdir()) == []
+
+
+def test_check_that_fails_leaves_no_folder_either(tmp_path: Path) -> None:
+    spec = f"file://{tmp_path}/new"
+    with pytest.raises(gs.GatherError), check._leaving_no_folder(spec) as removed:
+        assert check._roundtrip(spec)["store"].startswith(spec)  # made the folder
+        raise gs.GatherError("a rank failed after the round trip")
+    assert removed == [str(tmp_path / "new")] and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.timeout(120)

@@ -1,9 +1,14 @@
 """One deadline per call: every phase of a call shares its ``timeout``; a store's set-up
-happens at init (the default store) or is absorbed by the first call."""
+happens at init (the default store) or is absorbed by the first call; a timeout longer than
+any wait below can take is clamped to ``MAX_WAIT``, in one process as in many."""
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 import re
+import socket
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +17,7 @@ from typing import Any
 import pytest
 
 import gatherstore as gs
+from gatherstore._config import MAX_WAIT, to_seconds
 from gatherstore._errors import seconds as gs_seconds
 from gatherstore.stores.base import Buffer
 from gatherstore.stores.file import FileStore
@@ -141,3 +147,82 @@ def test_a_timeout_is_printed_rounded() -> None:
         "0.25",
         "60",
     ]
+
+
+# --- timeouts longer than the platform waits: "as long as it takes" -------------------------
+FOREVER = 1e12  # seconds: 31,700 years
+
+
+def test_a_timeout_past_what_the_platform_waits_is_clamped() -> None:
+    assert to_seconds(FOREVER) == MAX_WAIT == 24 * 86400
+    assert to_seconds(dt.timedelta(days=10**6)) == MAX_WAIT
+    assert to_seconds(10**400) == MAX_WAIT  # an int too large for a float is still finite
+    assert to_seconds(600) == 600.0 and to_seconds(dt.timedelta(minutes=1)) == 60.0
+    for refused in (math.inf, math.nan, 0, -FOREVER):
+        with pytest.raises(ValueError, match="timeout="):
+            to_seconds(refused)
+
+
+def test_every_wait_below_takes_the_ceiling() -> None:
+    """Python's waits, a socket's timeout, and a c10d store client's connect and wait (whose
+    poll takes an int of milliseconds) all take MAX_WAIT, with the call's grace on top."""
+    import torch.distributed as dist
+
+    assert (MAX_WAIT + 3600) * 1000 < 2**31 - 1 and MAX_WAIT < threading.TIMEOUT_MAX
+    done = threading.Event()
+    done.set()
+    assert done.wait(MAX_WAIT)
+    with socket.socket() as sock:
+        sock.settimeout(MAX_WAIT)
+    span = dt.timedelta(seconds=MAX_WAIT)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=span, wait_for_workers=False)  # type: ignore[attr-defined]
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=span)  # type: ignore[attr-defined]
+    threading.Timer(0.2, server.set, args=("key", "1")).start()
+    client.wait(["key"], span)
+    assert client.get("key") == b"1"
+
+
+def test_a_result_set_takes_a_timeout_past_the_platform_in_one_process() -> None:
+    with gs.ResultSet("forever", store="memory://bucket", timeout=FOREVER) as rs:
+        rs.add(1, "one")
+        rs.flush()
+        assert rs.pending([1, 2]) == [2]
+        assert rs.gather(timeout=dt.timedelta(days=10**6), keys=True) == [(1, "one")]
+    assert gs.all_gather_object("x", timeout=FOREVER) == ["x"]
+    gs.barrier(timeout=1e30)
+
+
+def _calls_without_end(root: str) -> dict[str, Any]:
+    rank = gs.get_rank()
+    out: dict[str, Any] = {
+        "collective": gs.all_gather_object(rank, timeout=FOREVER),
+        "default": gs.all_gather_object(rank),  # GATHERSTORE_TIMEOUT=1e12
+        "file": gs.all_gather_object(bytes(1 << 20), store=f"file://{root}", timeout=FOREVER),
+        "sum": gs.all_reduce(rank + 1, timeout=dt.timedelta(days=10**6)),
+    }
+    gs.barrier(timeout=FOREVER)
+    with gs.ResultSet("forever", store=f"file://{root}/sets", timeout=FOREVER) as rs:
+        rs.add(rank, f"v{rank}")
+        out["set"] = rs.gather(keys=True)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_takes_a_timeout_past_the_platform(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What used to end on every rank in ``OverflowError: timestamp out of range for
+    platform time_t``: the calls, the default timeout and the process group's own."""
+    monkeypatch.setenv("GATHERSTORE_TIMEOUT", str(FOREVER))
+    results = gs.launch(
+        _calls_without_end,
+        nproc_per_node=2,
+        backend="gloo",
+        args=(str(tmp_path),),
+        timeout=FOREVER,
+    )
+    for out in results:
+        assert out["collective"] == out["default"] == [0, 1]
+        assert [len(part) for part in out["file"]] == [1 << 20] * 2
+        assert out["sum"] == 3
+    assert results[0]["set"] == [(0, "v0"), (1, "v1")] and results[1]["set"] is None

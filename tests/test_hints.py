@@ -79,11 +79,14 @@ def test_a_missing_tmpdir_base_in_the_url_says_create_it(tmp_path: Path) -> None
     assert not (tmp_path / "absent").exists()
 
 
-def test_a_missing_last_folder_of_the_base_is_still_created(tmp_path: Path) -> None:
+def test_a_missing_last_folder_of_the_base_is_created_and_check_removes_it(
+    tmp_path: Path,
+) -> None:
     base = tmp_path / "gather"
     result = run_cli("check", "--store", f"tmpdir://{base}")
     assert result.returncode == 0, result.stderr
-    assert base.is_dir() and list(base.iterdir()) == []
+    assert f"created the missing folder {base} (removed after the check)" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # check leaves nothing it created
 
 
 # --- Redis ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -99,6 +100,27 @@ def test_writes_race_deletes_that_prune_directories(tmp_path: Path) -> None:
         thread.join()
     assert errors == []
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_folders_a_store_creates_are_named_at_info(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistyped path makes new folders: the store says which, once, when it makes them."""
+    caplog.set_level(logging.INFO, logger="gatherstore")
+    root = tmp_path / "new" / "deeper"
+    store = FileStore(root)
+    store.put("a", b"1")
+    store.put("b", b"2")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"store {store}: created the missing folders {tmp_path / 'new'}, {root}"
+    ]
+    caplog.clear()
+    FileStore(root).put("c", b"3")  # there now: nothing to say
+    tmpdir_base = TmpdirStore(tmp_path / "base")
+    tmpdir_base.prepare_job("0123456789abcdef")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"store {tmpdir_base}: created the missing folder {tmp_path / 'base'}"
+    ]
 
 
 def test_a_store_that_skips_the_base_init_is_told_how_to_fix_it(tmp_path: Path) -> None:

@@ -3,14 +3,14 @@
 | variable | default | what it sets |
 | --- | --- | --- |
 | ``GATHERSTORE_STORE`` | ``auto`` | the store object collectives use when none is passed |
-| ``GATHERSTORE_TIMEOUT`` | 1800 | seconds a collective waits by default |
+| ``GATHERSTORE_TIMEOUT`` | 1800 | seconds a collective waits by default (at most 24 days) |
 | ``GATHERSTORE_READ_AHEAD`` | 32MiB | bytes a reader reads ahead of its consumer |
 | ``GATHERSTORE_AUTO_THRESHOLD`` | 128KiB | ``auto``: totals up to this go over the process group |
 | ``GATHERSTORE_STREAM_CHUNK`` | 16MiB | bytes per message of the ``stream`` route |
 | ``GATHERSTORE_TMPDIR`` | /dev/shm, else the temp dir | the base folder of ``tmpdir`` |
-| ``GATHERSTORE_HANDOVER`` | 1 | ``0``: ``tmpdir`` in RAM moves parts as files, not sealed memfds |
+| ``GATHERSTORE_HANDOVER`` | 1 | off: ``tmpdir`` in RAM moves parts as files, not sealed memfds |
 | ``GATHERSTORE_PART_CHUNK`` | 16MiB | most bytes per chunk of a long list handed over; 0: whole |
-| ``GATHERSTORE_PROGRESS`` | on a terminal | ``0``/``1``: show a long gather's progress |
+| ``GATHERSTORE_PROGRESS`` | on a terminal | on/off: show a long gather's progress |
 | ``GATHERSTORE_HEARTBEAT`` | 30 | seconds between a job area's heartbeats |
 | ``GATHERSTORE_PINNED`` | 128MiB | pinned memory per process for CUDA tensors, kept to shutdown |
 | ``GATHERSTORE_FLUSH_VALUES`` | 100000 | a result set writes a chunk once this many values wait |
@@ -19,17 +19,23 @@
 | ``GATHERSTORE_RESULTS_KEY`` | none | the signing key of result sets (text); unsigned when unset |
 | ``GATHERSTORE_RESULTS_KEY_FILE`` | none | a file holding that key (read first) |
 
-Sizes take units (``64MB``, ``1.5GiB``: binary).  Variables read once are read
-when gatherstore is imported; the others (store, tmpdir, progress, heartbeat, the
-result sets' flushes and key) each time they are used.
+Sizes take units (``64MB``, ``1.5GiB``: binary).  Seconds longer than 24 days are
+24 days (``MAX_WAIT``).  On/off settings take ``1``/``0``, ``true``/``false``,
+``yes``/``no`` or ``on``/``off`` (any case); anything else raises ``ValueError`` at the
+next call.  Variables read once are read when gatherstore is imported; the others
+(store, tmpdir, handover, progress, heartbeat, the result sets' flushes and key) each
+time they are used.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import math
 import os
 import re
+import sys
+import warnings
 
 __all__ = [
     "AUTO_THRESHOLD",
@@ -37,10 +43,12 @@ __all__ = [
     "SHM",
     "DEFAULT_READ_AHEAD",
     "DEFAULT_TIMEOUT",
+    "MAX_WAIT",
     "PART_CHUNK",
     "PINNED",
     "STREAM_CHUNK",
     "Timeout",
+    "check_environment",
     "flush_every",
     "handover",
     "heartbeat_interval",
@@ -52,6 +60,16 @@ __all__ = [
     "tmpdir_base",
     "to_seconds",
 ]
+
+#: The longest wait, in seconds, that gatherstore asks of the platform: 24 days.  A longer
+#: timeout (``timeout=1e12``, ``GATHERSTORE_TIMEOUT=1e12``: "as long as it takes") is
+#: clamped to it, so that every wait a call makes can take it: torch's c10d store client
+#: polls its socket for an ``int`` of milliseconds (at most 2**31 - 1, 24.8 days; a
+#: longer wait wraps around and may end at once, or spin), and beyond that Python's waits
+#: (threads, sockets) and c10d's and gloo's deadlines, in nanoseconds of the steady clock,
+#: overflow (past ``threading.TIMEOUT_MAX``, about 292 years).  The 20 hours left under
+#: 2**31 ms are room for the grace periods a call adds to its timeout.
+MAX_WAIT = 24 * 86400.0
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
@@ -102,7 +120,31 @@ def _seconds_setting(name: str, default: float) -> float:
             f"{name}={text!r} is not a positive, finite number of seconds: set it to e.g. "
             f"600, or unset it for the default {default:g}"
         )
-    return seconds
+    return min(seconds, MAX_WAIT)
+
+
+#: How an on/off setting may be spelled (any case): what each spelling means.
+FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+         "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+
+
+def _flag_setting(name: str) -> bool | None:
+    """The on/off setting in the environment variable ``name``; None when unset or empty.
+
+    Raises:
+        ValueError: the variable holds another spelling; the message names it and the
+            spellings it takes.
+    """
+    text = os.environ.get(name, "")
+    spelling = text.strip().lower()
+    if not spelling:
+        return None
+    if spelling not in FLAGS:
+        raise ValueError(
+            f"{name}={text!r} is neither on nor off: set it to 1, true, yes or on (on), or "
+            "to 0, false, no or off (off), in any case, or unset it for the default"
+        )
+    return FLAGS[spelling]
 
 
 #: The node's shared memory (RAM), where ``tmpdir`` keeps its job folders when it can.
@@ -151,17 +193,22 @@ def tmpdir_base() -> str | None:
 
 
 def handover() -> bool:
-    """``GATHERSTORE_HANDOVER``: False (0/false/no) keeps ``tmpdir``'s parts in files even
-    between the ranks of one machine (see ``gatherstore.routes.handover``); else True."""
-    return os.environ.get("GATHERSTORE_HANDOVER", "").strip().lower() not in ("0", "false", "no")
+    """``GATHERSTORE_HANDOVER``: off keeps ``tmpdir``'s parts in files even between the
+    ranks of one machine (see ``gatherstore.routes.handover``); on or unset, True.
+
+    Raises:
+        ValueError: the variable is not spelled as on or off (see ``FLAGS``).
+    """
+    return _flag_setting("GATHERSTORE_HANDOVER") is not False
 
 
 def progress() -> bool | None:
-    """``GATHERSTORE_PROGRESS``: True (1/true/yes), False (0/false/no), else None."""
-    setting = os.environ.get("GATHERSTORE_PROGRESS", "").strip().lower()
-    if setting in ("0", "1", "false", "true", "no", "yes"):
-        return setting in ("1", "true", "yes")
-    return None
+    """``GATHERSTORE_PROGRESS``: True (on), False (off), None when unset.
+
+    Raises:
+        ValueError: the variable is not spelled as on or off (see ``FLAGS``).
+    """
+    return _flag_setting("GATHERSTORE_PROGRESS")
 
 
 def heartbeat_interval() -> float:
@@ -235,7 +282,8 @@ Timeout = float | int | _dt.timedelta | None
 
 
 def to_seconds(timeout: Timeout) -> float:
-    """Seconds of a user timeout: a number, a timedelta, or None for the library default.
+    """Seconds of a user timeout: a number, a timedelta, or None for the library default;
+    at most ``MAX_WAIT`` (a longer one is clamped to what every wait can take).
 
     Raises:
         ValueError: the timeout is not a positive, finite number of seconds (NaN and
@@ -245,8 +293,10 @@ def to_seconds(timeout: Timeout) -> float:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, _dt.timedelta):
         seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
+    elif isinstance(timeout, int) and not isinstance(timeout, bool):
+        seconds = float(min(timeout, MAX_WAIT))  # an int too large for a float is finite
+    elif isinstance(timeout, float):
+        seconds = timeout
     else:
         raise ValueError(
             f"timeout={timeout!r} is not valid: give seconds (a number), a "
@@ -260,4 +310,81 @@ def to_seconds(timeout: Timeout) -> float:
             "cannot hang the job; give a finite number of seconds (e.g. 86400 for a day), "
             "or None for the default (GATHERSTORE_TIMEOUT)"
         )
-    return seconds
+    return min(seconds, MAX_WAIT)
+
+
+#: Every setting, as the table above lists them (``tests/test_settings.py`` keeps them equal).
+SETTINGS = (
+    "GATHERSTORE_STORE",
+    "GATHERSTORE_TIMEOUT",
+    "GATHERSTORE_READ_AHEAD",
+    "GATHERSTORE_AUTO_THRESHOLD",
+    "GATHERSTORE_STREAM_CHUNK",
+    "GATHERSTORE_TMPDIR",
+    "GATHERSTORE_HANDOVER",
+    "GATHERSTORE_PART_CHUNK",
+    "GATHERSTORE_PROGRESS",
+    "GATHERSTORE_HEARTBEAT",
+    "GATHERSTORE_PINNED",
+    "GATHERSTORE_FLUSH_VALUES",
+    "GATHERSTORE_FLUSH_BYTES",
+    "GATHERSTORE_FLUSH_SECONDS",
+    "GATHERSTORE_RESULTS_KEY",
+    "GATHERSTORE_RESULTS_KEY_FILE",
+)
+#: The variables of the repository's ``docker-compose.yml``: no settings of the library, but
+#: exported in the same shells.
+_COMPOSE = ("GATHERSTORE_S3_KEY", "GATHERSTORE_S3_SECRET", "GATHERSTORE_PUBLISH_ADDR")
+#: Variables under this prefix belong to test suites (the pytest plugin, the benchmark,
+#: a project's own tests): never warned about.
+TEST_PREFIX = "GATHERSTORE_TEST_"
+_warned: set[str] = set()
+
+
+def check_environment() -> None:
+    """Check the environment's settings before a call sends anything (``calls.entry``,
+    ``launch``): the on/off ones at every call, as they are read at every call; and,
+    once per process and name, warn (``UserWarning``) of a ``GATHERSTORE_*`` variable that
+    is no setting, naming the nearest one: a typo would otherwise change nothing, silently.
+
+    Raises:
+        ValueError: an on/off setting is spelled otherwise (the message names it).
+    """
+    handover()
+    progress()
+    for name in sorted(os.environ):
+        if name.startswith("GATHERSTORE_") and name not in _warned and not _known(name):
+            _warned.add(name)
+            warnings.warn(_unknown(name), UserWarning, stacklevel=_outside())
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of a warning made here that points at the program's own call:
+    the first frame outside gatherstore (and the ``with`` machinery it calls through)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and _internal(frame.f_globals.get("__name__", "")):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _internal(module: str) -> bool:
+    return module.startswith("gatherstore.") or module == "contextlib"
+
+
+def _known(name: str) -> bool:
+    return name in SETTINGS or name in _COMPOSE or name.startswith(TEST_PREFIX)
+
+
+def _unknown(name: str) -> str:
+    """What the warning about the unknown variable ``name`` says."""
+    prefix = len("GATHERSTORE_")  # shared by all: only what follows tells them apart
+    close = difflib.get_close_matches(name[prefix:], [s[prefix:] for s in SETTINGS + _COMPOSE])
+    fix = (
+        f"did you mean GATHERSTORE_{close[0]}?"
+        if close
+        else "the settings are " + ", ".join(SETTINGS)
+    )
+    return (
+        f"{name} is set but is not a gatherstore setting, so it changes nothing: {fix} "
+        f"(variables for tests start with {TEST_PREFIX})"
+    )

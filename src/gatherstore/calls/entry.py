@@ -57,10 +57,13 @@ def check(
 
     The store spec is opened (its scheme and syntax checked; nothing is connected).
 
+    The settings in the environment are checked too (``config.check_environment``).
+
     Raises:
-        ValueError: the argument named, with what it must be.
+        ValueError: the argument (or setting) named, with what it must be.
         ImportError: the store needs a package that is not installed.
     """
+    config.check_environment()
     to_seconds(timeout)
     if store is not NO_STORE:
         resolve(store)
@@ -130,6 +133,7 @@ def collective(
     (it logs it when the reading ends).
     """
     _default_group(what, group)
+    config.check_environment()
     if not topology.is_distributed():
         _not_alone(what)
     with control.calls_in_turn():

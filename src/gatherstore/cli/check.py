@@ -2,14 +2,18 @@
 
 Reachability, a put/get/delete round trip in a job area of its own (created with
 its marker and removed, as a job does), permissions, and, with several ranks,
-that every rank sees the store.
+that every rank sees the store.  It leaves nothing behind: a store's folder that
+did not exist (a store creates it at its first use) is removed again, and named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from gatherstore._config import ROUTES
@@ -96,9 +100,51 @@ def _check_rank(spec: str, timeout: float) -> dict[str, Any]:
     return facts
 
 
+def _missing_folders(spec: str) -> list[Path]:
+    """The folders of the store ``spec`` names that do not exist yet, outermost first."""
+    if spec in ROUTES:
+        return []
+    try:
+        with open_store(spec) as store:
+            folder = store.folder
+    except (GatherError, ValueError, ImportError, TypeError):  # the round trip reports it
+        return []
+    if folder is None:
+        return []
+    return [p for p in (*reversed(Path(folder).parents), Path(folder)) if not p.exists()]
+
+
+@contextlib.contextmanager
+def _leaving_no_folder(spec: str) -> Iterator[list[str]]:
+    """Remove, when the block ends, the folders of ``spec``'s store that did not exist
+    when it began (the deepest first; only empty ones); yields the list of those removed.
+
+    Looked at before the job is joined, so before any rank can create them.
+    """
+    missing = _missing_folders(spec)
+    removed: list[str] = []
+    try:
+        yield removed
+    finally:
+        for folder in reversed(missing):
+            try:
+                folder.rmdir()
+            except FileNotFoundError:  # another rank of this host was first
+                continue
+            except OSError:  # not empty: what it holds is not the check's
+                break
+            removed.insert(0, str(folder))
+
+
 def _check_report(facts: dict[str, Any]) -> str:
     spec = hide_password(facts["store"])
     lines = [f"route {spec}: the process group" if spec in ROUTES else f"store {spec}: reachable"]
+    if facts.get("created"):
+        made = facts["created"]
+        lines[0] += (
+            f"; created the missing folder{'s' * (len(made) > 1)} {', '.join(made)} "
+            "(removed after the check)"
+        )
     if "seconds" in facts:
         mode = f" (mode {facts['mode'][2:]})" if "mode" in facts else ""
         lines[0] += (
@@ -117,13 +163,15 @@ def run(spec: str, nproc: int, timeout: float) -> int:
     Raises:
         CheckFailed: a rank found a problem (named).
     """
-    if nproc > 1:
-        facts = launch(_check_rank, nproc_per_node=nproc, backend="gloo", args=(spec, timeout))[0]
-    else:
-        with joined_from_env(timeout):
-            facts = _check_rank(spec, timeout)
-            rank = topology.get_rank()
-        if rank != 0:
-            return 0
-    print(_check_report(facts))
+    with _leaving_no_folder(spec) as removed:
+        if nproc > 1:
+            args = (spec, timeout)
+            facts = launch(_check_rank, nproc_per_node=nproc, backend="gloo", args=args)[0]
+        else:
+            with joined_from_env(timeout):
+                facts = _check_rank(spec, timeout)
+                rank = topology.get_rank()
+            if rank != 0:
+                return 0
+    print(_check_report({**facts, "created": removed}))
     return 0

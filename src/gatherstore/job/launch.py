@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gatherstore import codec
-from gatherstore._config import Timeout, to_seconds
+from gatherstore._config import Timeout, check_environment, to_seconds
 from gatherstore._errors import GatherError, RemoteRankError
 from gatherstore.host import mappings
 from gatherstore.job import control, gloo, hooks, session, shipping, signals, slurm, specs, topology
@@ -44,6 +44,7 @@ def _pick_backend(requested: str, nproc_per_node: int) -> str:
 
 def _join(backend: str, rank: int, world_size: int, local_rank: int, timeout: Timeout) -> None:
     """Initialise the default group (env:// rendezvous) and the control group."""
+    check_environment()
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(
@@ -109,11 +110,13 @@ def launch(
         RemoteRankError: a child raised or died; names the rank the failure
             started on (not a rank that only relays it) and carries its traceback
             text.  The other children are stopped first.
-        ValueError: bad arguments (e.g. no ``master_port`` for several nodes).
+        ValueError: bad arguments (e.g. no ``master_port`` for several nodes), or a
+            malformed setting (e.g. ``GATHERSTORE_PROGRESS``).
         RuntimeError: called while a new rank imports the main script, i.e. the
             script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
     """
     _check_call(nproc_per_node, nnodes, node_rank, master_port)
+    check_environment()
     seconds = to_seconds(timeout)
     chosen = _pick_backend(backend, nproc_per_node)
     payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
@@ -314,7 +317,8 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
         single process with none of those variables (the serial answers apply).
 
     Raises:
-        ValueError: the variables are incomplete or a SLURM node list is malformed.
+        ValueError: the variables are incomplete, a SLURM node list is malformed, or a
+            setting is (e.g. ``GATHERSTORE_PROGRESS``).
     """
     if topology.is_distributed():
         return True

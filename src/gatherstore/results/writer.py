@@ -49,7 +49,8 @@ class FlushEvery:
 def flush_policy(spec: Any = None) -> FlushEvery:
     """The flush triggers of ``flush_every``: an int (values), a size such as ``"8MB"``
     (bytes), a duration ``"30s"`` or a ``timedelta`` (seconds), or a tuple of them; each
-    one not given is its setting's (``GATHERSTORE_FLUSH_VALUES`` / ``_BYTES`` / ``_SECONDS``).
+    one not given is its setting's (``GATHERSTORE_FLUSH_VALUES`` / ``_BYTES`` / ``_SECONDS``);
+    seconds are at most ``MAX_WAIT`` (24 days).
 
     Raises:
         ValueError: anything else, or a value that is not positive.
@@ -59,9 +60,9 @@ def flush_policy(spec: Any = None) -> FlushEvery:
         if isinstance(item, int) and not isinstance(item, bool) and item > 0:
             policy = replace(policy, values=item)
         elif isinstance(item, dt.timedelta) and item.total_seconds() > 0:
-            policy = replace(policy, seconds=item.total_seconds())
+            policy = replace(policy, seconds=min(item.total_seconds(), config.MAX_WAIT))
         elif isinstance(item, str) and _SECONDS.fullmatch(item) and float(item.strip()[:-1]) > 0:
-            policy = replace(policy, seconds=float(item.strip()[:-1]))
+            policy = replace(policy, seconds=min(float(item.strip()[:-1]), config.MAX_WAIT))
         elif isinstance(item, str):
             try:
                 policy = replace(policy, nbytes=config.parse_size(item))

@@ -48,7 +48,8 @@ class FileStore(Store):
 
     At a job's first use rank 0 creates ``<dir>/gatherstore-<job>-*`` (mode
     0700); the job works there and removes only that directory at its end.
-    The directory the user passed is never removed.
+    The directory the user passed is created when missing, with the folders above it
+    (logged at INFO), and never removed.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -129,7 +130,7 @@ class FileStore(Store):
         except FileNotFoundError:
             if not create:
                 raise
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700 if self.is_private else 0o777)
+            self._create_root()
             fd = os.open(self.root, flags)
         if self.is_private:
             try:
@@ -138,6 +139,19 @@ class FileStore(Store):
                 os.close(fd)
                 raise
         return fd
+
+    def _create_root(self) -> None:
+        """Create the missing folder of the store, and the missing folders above it, and
+        say so (INFO on the ``gatherstore`` logger): a mistyped path makes new folders."""
+        missing = [p for p in (*reversed(self.root.parents), self.root) if not p.exists()]
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700 if self.is_private else 0o777)
+        if missing:
+            _logger.info(
+                "store %s: created the missing folder%s %s",
+                self,
+                "s" if len(missing) > 1 else "",
+                ", ".join(map(str, missing)),
+            )
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

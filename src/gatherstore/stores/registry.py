@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import urllib.parse
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 from gatherstore import _config as config
@@ -28,17 +30,22 @@ __all__ = [
 
 _FSSPEC = "gatherstore.stores.fsspec:FsspecStore"
 
-#: scheme -> {"class": Store class or "module:Class", "err": install hint}, as fsspec keeps them
+#: scheme -> {"class": Store class or "module:Class", "needs": the package it imports,
+#: "err": the command that installs it}, as fsspec keeps them
 _registry: dict[str, dict[str, Any]] = {
     "tmpdir": {"class": "gatherstore.stores.tmpdir:TmpdirStore"},
     "file": {"class": "gatherstore.stores.file:FileStore"},
     **{
-        scheme: {"class": "gatherstore.stores.redis:RedisStore", "err": "pip install redis"}
+        scheme: {
+            "class": "gatherstore.stores.redis:RedisStore",
+            "needs": "redis",
+            "err": "pip install redis",
+        }
         for scheme in ("redis", "rediss", "unix")
     },
-    "s3": {"class": _FSSPEC, "err": "pip install 'gatherstore[s3]' (s3fs)"},
-    "gs": {"class": _FSSPEC, "err": "pip install gcsfs"},
-    "az": {"class": _FSSPEC, "err": "pip install adlfs"},
+    "s3": {"class": _FSSPEC, "needs": "s3fs", "err": "pip install 'gatherstore[s3]'"},
+    "gs": {"class": _FSSPEC, "needs": "gcsfs", "err": "pip install gcsfs"},
+    "az": {"class": _FSSPEC, "needs": "adlfs", "err": "pip install adlfs"},
 }
 _entry_points_loaded = [False]
 _default: list[str | Store | None] = [None]
@@ -90,8 +97,11 @@ def _entry(scheme: str) -> dict[str, Any]:
         return entry
     from fsspec.registry import known_implementations
 
-    if scheme in known_implementations:
-        return {"class": _FSSPEC, "err": known_implementations[scheme].get("err")}
+    if scheme in known_implementations:  # its package is its class's, e.g. "ocifs.OCIFileSystem"
+        package = known_implementations[scheme]["class"].partition(".")[0]
+        if package == "fsspec":  # one of fsspec's own: what it misses is named when it fails
+            return {"class": _FSSPEC}
+        return {"class": _FSSPEC, "needs": package, "err": f"pip install {package}"}
     close = difflib.get_close_matches(scheme, known_schemes(), n=1)
     raise ValueError(
         f"unknown store scheme {scheme!r}"
@@ -104,8 +114,18 @@ def _entry(scheme: str) -> dict[str, Any]:
 
 
 def _missing(scheme: str, entry: dict[str, Any], exc: ImportError) -> ImportError:
-    hint = entry.get("err") or "install the package that provides it"
-    return ImportError(f"store scheme {scheme!r} needs {exc.name or exc}: {hint}", name=exc.name)
+    """The ImportError of a store whose package is missing, in one sentence that ends with
+    the command that installs it (fsspec's own ImportError names the missing module only
+    in its cause)."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else None
+    name = exc.name or (cause.name if cause else None) or entry.get("needs")
+    if entry.get("err") and entry.get("needs") in (None, name):
+        hint = entry["err"]  # the scheme's own command (an extra may bring more)
+    else:  # a package the scheme's package needs in turn, or one of fsspec's own
+        hint = f"pip install {name}" if name else "install the package that provides it"
+    return ImportError(
+        f"store scheme {scheme!r} needs {name or exc}, which is not installed: {hint}", name=name
+    )
 
 
 def check_scheme(spec: str) -> None:
@@ -114,8 +134,12 @@ def check_scheme(spec: str) -> None:
 
     Raises:
         ValueError: the URL cannot be parsed, or its scheme is unknown; names the URL
-            (passwords and secret query parameters hidden).
+            (passwords and secret query parameters hidden).  A bare path is refused with
+            its ``file://`` URL.
     """
+    if spec.startswith(("/", ".", "~")) or ("/" in spec and ":" not in spec):
+        url = Path(os.path.abspath(os.path.expanduser(spec))).as_uri()
+        raise ValueError(f"store {spec!r} is a path, not a store URL: give its URL, {url}")
     scheme = _scheme(spec)
     try:
         _entry(scheme)
