@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
-from gatherstore.results import layout, merge, order
+from gatherstore.results import admin, layout, merge, order
 from gatherstore.results.writer import FlushEvery, flush_policy
 
 SRC = str(Path(gs.__file__).resolve().parents[1])
@@ -184,6 +184,23 @@ def test_only_stores_that_outlive_the_job(tmp_path: Path) -> None:
     rs.add(1, 2)
     assert rs.gather() == [2]
     rs.discard()
+
+
+@pytest.mark.timeout(60)
+def test_a_set_in_memory_with_no_root() -> None:
+    """``memory://`` alone is fsspec's whole in-process filesystem: a set lives there as
+    under ``memory://bucket``, its keys listed as the store wrote them."""
+    name = f"bare/{uuid.uuid4().hex[:8]}"
+    with gs.ResultSet(name, store="memory://") as rs:
+        rs.add(2, "b")
+        rs.add(1, "a")
+        assert rs.pending([1, 2, 3]) == [3]
+        assert rs.gather(keys=True) == [(1, "a"), (2, "b")]
+        assert list(rs.items()) == [(1, "a"), (2, "b")]
+    store = gs.open_store("memory://")
+    assert name in admin.names(store)
+    gs.ResultSet(name, store="memory://").discard()
+    assert name not in admin.names(store)
 
 
 @pytest.mark.timeout(60)
