@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 
 import gatherstore as gs
+from gatherstore._errors import counted, ranks_named
 from gatherstore.calls.objects import AUTO_THRESHOLD
+from gatherstore.cli import demo
 from gatherstore.cli import main as cli
 from gatherstore.cli.bench.measure import format_bytes, parse_size
 from gatherstore.job.cleanup import parse_duration
+from gatherstore.job.exchange import late_error
 from gatherstore.job.session import MARKER
 from gatherstore.stores.file import FileStore
 
@@ -94,6 +97,16 @@ def test_python_m_gatherstore_help() -> None:
         assert command in result.stdout
 
 
+def test_messages_say_one_rank_in_the_singular() -> None:
+    assert [counted(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
+    assert ranks_named([3]) == "rank 3" and ranks_named([1, 2]) == "ranks [1, 2]"
+    assert "exchange: rank 1 did not arrive within 10 s" in str(late_error("exchange", [1], 10))
+    ranks = [{"rank": 0, "seconds": 0.5, "peak": 1 << 20}]
+    said = demo.summary(demo.DemoConfig(nproc=1), "tmpdir", 1000, ranks)
+    assert said.startswith("gatherstore demo: 1 rank (gloo), store tmpdir\n")
+    assert "(2.7 MiB of arrays, 1 part) on rank 0" in said
+
+
 @pytest.mark.timeout(120)
 def test_version() -> None:
     result = subprocess.run(
@@ -138,7 +151,7 @@ def test_demo_fails_in_one_line_on_a_store_ranks_do_not_share() -> None:
     assert result.returncode == 1
     line = one_line_error(result)
     assert line.startswith("gatherstore demo: StoreNotSharedError:")
-    assert "not visible from ranks [1]" in line
+    assert "not visible from rank 1, which cannot see the job area" in line
 
 
 # --- check -------------------------------------------------------------------------------------

@@ -13,7 +13,13 @@ import time
 from typing import Any
 
 from gatherstore._config import ROUTES
-from gatherstore._errors import GatherError, IntegrityError, StoreUnavailableError, first_line
+from gatherstore._errors import (
+    GatherError,
+    IntegrityError,
+    StoreUnavailableError,
+    counted,
+    first_line,
+)
 from gatherstore.calls import objects
 from gatherstore.cli import demo
 from gatherstore.cli.bench.measure import format_bytes
@@ -106,7 +112,8 @@ def _check_report(facts: dict[str, Any]) -> str:
             f"removed in {facts['seconds'] * 1000:.1f} ms"
         )
     if "ranks" in facts:
-        lines.append(f"{facts['ranks']} ranks on {', '.join(facts['hosts'])} all see the store")
+        where = f"{counted(facts['ranks'], 'rank')} on {', '.join(facts['hosts'])}"
+        lines.append(f"every rank sees the store: {where}")
     return "\n".join([*lines, "ok"])
 
 
