@@ -12,17 +12,18 @@ from pathlib import Path
 import pytest
 
 import gatherstore as gs
+from gatherstore._config import parse_duration
 from gatherstore._errors import counted, ranks_named
 from gatherstore.calls.objects import AUTO_THRESHOLD
 from gatherstore.cli import demo
 from gatherstore.cli import main as cli
 from gatherstore.cli.bench.measure import format_bytes, parse_size
-from gatherstore.job.cleanup import parse_duration
 from gatherstore.job.exchange import late_error
 from gatherstore.job.session import MARKER
 from gatherstore.stores.file import FileStore
 
 OLD = 7200.0  # seconds: older than the --older-than 1h used below
+COMMANDS = ("demo", "bench", "check", "gc", "results", "describe")
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -93,8 +94,41 @@ def test_python_m_gatherstore_help() -> None:
         [sys.executable, "-m", "gatherstore", "--help"], capture_output=True, text=True
     )
     assert result.returncode == 0
-    for command in ("demo", "bench", "check", "gc", "describe"):
+    for command in COMMANDS:
         assert command in result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_says_what_it_does(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([command, "--help"])
+    assert stopped.value.code == 0
+    description = capsys.readouterr().out.split("\n\n")[1]  # after the usage
+    assert not description.startswith("options:")
+    assert len(description.split()) >= 10 and description.rstrip().endswith("."), description
+
+
+@pytest.mark.timeout(120)
+def test_help_and_bad_arguments_import_no_torch() -> None:
+    """``python -m gatherstore --help``, each command's ``--help`` and a usage error answer
+    from the parser alone: the commands, and torch with them, load when one runs."""
+    code = (
+        "import runpy, sys\n"
+        "from gatherstore.cli.main import main\n"
+        f"for argv in [['--help'], *[[c, '--help'] for c in {list(COMMANDS)!r}], "
+        "['demo', '--size', 'banana']]:\n"
+        "    sys.argv = ['gatherstore', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('gatherstore', run_name='__main__', alter_sys=True)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == (2 if 'banana' in argv else 0), (argv, exc.code)\n"
+        "heavy = ('torch', 'numpy', 'gatherstore.cli.commands', 'gatherstore.job.launch', "
+        "'gatherstore.cli.bench.payloads', 'gatherstore.calls')\n"
+        "print([m for m in heavy if m in sys.modules], file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "[]", result.stderr
 
 
 def test_messages_say_one_rank_in_the_singular() -> None:

@@ -14,14 +14,13 @@ from typing import Any
 
 from gatherstore._config import ROUTES
 from gatherstore._errors import (
-    GatherError,
     IntegrityError,
     StoreUnavailableError,
     counted,
     first_line,
 )
 from gatherstore.calls import objects
-from gatherstore.cli import demo
+from gatherstore.cli import CommandFailed, demo
 from gatherstore.cli.bench.measure import format_bytes
 from gatherstore.job import topology
 from gatherstore.job.launch import joined_from_env, launch
@@ -34,7 +33,7 @@ __all__ = ["CheckFailed", "run"]
 _PROBE_BYTES = 1 << 20
 
 
-class CheckFailed(GatherError):
+class CheckFailed(CommandFailed):
     """``gatherstore check`` found a problem; the message says which rank and what."""
 
 
