@@ -48,7 +48,8 @@ def run(
         report.check_plot()
     with cases.reachable(redis, s3, services) as (found, notes, workdir):
         chosen = cases.select(found, patterns)
-        for note in notes:  # before any work: what will not run, and why
+        said = len(notes)  # said before any work: what will not run, and why
+        for note in notes:
             print(f"bench: {note}", file=sys.stderr, flush=True)
         gathers = [c for c in chosen if c.op != cases.TORCHMETRICS]
         records: list[dict[str, Any]] = []
@@ -63,7 +64,7 @@ def run(
     if json_path == "-":
         out.write(report.json_lines(records + maps, limits))
     else:
-        tables = [report.table(records, limits, notes)] if records else []
+        tables = [report.table(records, limits, notes[said:])] if records else []
         out.write("\n\n".join(tables + ([metrics.table(maps)] if maps else [])) + "\n")
         if json_path:
             with open(json_path, "w") as f:
