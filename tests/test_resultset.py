@@ -523,3 +523,32 @@ def test_gc_removes_result_sets_only_when_asked_and_results_shows_them(
     assert _cli.main(["gc", "--store", url, "--older-than", "0s", "--result-sets"]) == 0
     assert "removed 2 result set(s)" in capsys.readouterr().out
     assert [p.name for p in (tmp_path / "gatherstore-results" / "eval").iterdir()] == ["live"]
+
+
+@pytest.mark.parametrize("holds", [[], ["eval/a", "eval/b"]])
+def test_a_set_that_does_not_exist_is_never_created_by_reading_or_removing_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], holds: list[str]
+) -> None:
+    """Showing, exporting or discarding a set the store does not hold fails alike, in one
+    line that names the sets it holds, and leaves the store as it was."""
+    from gatherstore.cli import main as _cli
+
+    url = f"file://{tmp_path}/store"
+    for name in holds:
+        with gs.ResultSet(name, store=url) as rs:
+            rs.add(1, name)
+    store = gs.open_store(url)
+    before = store.list()
+    held = ", ".join(repr(name) for name in holds) or "none"
+    export = tmp_path / "nope.jsonl"
+    for how in ([], ["--export", str(export)], ["--discard"]):
+        assert _cli.main(["results", "--store", url, "--name", "nope", *how]) == 1
+        said = capsys.readouterr()
+        assert said.out == ""
+        assert said.err == (
+            f"gatherstore results: ValueError: store {store} holds no result set 'nope' "
+            f"(it holds {held}): check the set's name and the store\n"
+        )
+        assert store.list() == before and admin.names(store) == holds
+    assert not export.exists()
+    assert (tmp_path / "store").exists() == bool(holds)  # not even the store's folder

@@ -302,7 +302,8 @@ def _add_results(sub: _Subparsers, store: Callable[[str], str]) -> None:
         "results",
         help="list, show, export or discard the result sets of a store",
         description="List the result sets a persistent store holds, show one (--name), "
-        "write its values to a file (--export) or remove it (--discard).",
+        "write its values to a file (--export) or remove it (--discard).  A set that does "
+        "not exist is never created: naming one fails, and says which sets the store holds.",
     )
     p.add_argument("--store", type=store, required=True, help="store URL")
     p.add_argument("--name", help="one set: show it, or export or discard it")

@@ -3,7 +3,9 @@
 A signed set is read with its key from ``GATHERSTORE_RESULTS_KEY_FILE`` or
 ``GATHERSTORE_RESULTS_KEY`` (never from the command line, which other users of
 the machine can see).  Exporting or discarding a set opens it as a writer, as a
-job does: refused while a job writes it.
+job does: refused while a job writes it.  A set that does not exist is never
+created: showing, exporting or discarding one fails alike, naming the sets the
+store holds.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: a store that does not outlive a job, options that do not go
-            together, or no set ``args.name`` to show.
+            together, or a set the store does not hold (named with those it holds).
     """
     if args.store in ROUTES or args.store.startswith("tmpdir"):
         raise ValueError(f"results needs the URL of a persistent store, not {args.store!r}")
@@ -32,13 +34,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--export and --discard go with --name NAME")
     if args.export and args.discard:
         raise ValueError("give --export or --discard, not both")
-    if args.export or args.discard:
-        return _export_or_discard(args)
     with open_store(args.store) as opened:
         if not args.name:
             return _list(opened)
-        print(json.dumps(admin.describe(opened, args.name, signing.resolve(None)), indent=2))
-        return 0
+        admin.require(opened, args.name)  # opening it as a writer below would create it
+        if not (args.export or args.discard):
+            print(json.dumps(admin.describe(opened, args.name, signing.resolve(None)), indent=2))
+            return 0
+    return _export_or_discard(args)
 
 
 def _list(store: Store) -> int:
