@@ -352,6 +352,9 @@ def test_bench_table_json_file_and_plot(tmp_path: Path) -> None:
     result = run_bench(*args, timeout=290)
     assert result.returncode == 0, result.stderr
     assert "ceilings: memcpy" in result.stdout
+    said = result.stderr + result.stdout  # what a terminal shows
+    for skipped in ("gs.redis skipped: no Redis given", "gs.s3 skipped: no S3 endpoint given"):
+        assert said.count(skipped) == 1, said  # before any work, not again in the table
     assert BASELINE in result.stdout and "gs.iter-tmpdir-shm" in result.stdout
     cases = [json.loads(line) for line in jsonl.read_text().splitlines()][1:]
     assert [c["case"] for c in cases] == [BASELINE, "gs.iter-tmpdir-shm"]

@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 
 import gatherstore as gs
+from gatherstore._config import parse_duration
+from gatherstore._errors import counted, ranks_named
 from gatherstore.calls.objects import AUTO_THRESHOLD
-from gatherstore.cli import check
+from gatherstore.cli import check, demo
 from gatherstore.cli import main as cli
 from gatherstore.cli.bench.measure import format_bytes, parse_size
-from gatherstore.job.cleanup import parse_duration
+from gatherstore.job.exchange import late_error
 from gatherstore.job.session import MARKER
 from gatherstore.stores.file import FileStore
 
 OLD = 7200.0  # seconds: older than the --older-than 1h used below
+COMMANDS = ("demo", "bench", "check", "gc", "results", "describe")
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -91,8 +94,51 @@ def test_python_m_gatherstore_help() -> None:
         [sys.executable, "-m", "gatherstore", "--help"], capture_output=True, text=True
     )
     assert result.returncode == 0
-    for command in ("demo", "bench", "check", "gc", "describe"):
+    for command in COMMANDS:
         assert command in result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_says_what_it_does(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([command, "--help"])
+    assert stopped.value.code == 0
+    description = capsys.readouterr().out.split("\n\n")[1]  # after the usage
+    assert not description.startswith("options:")
+    assert len(description.split()) >= 10 and description.rstrip().endswith("."), description
+
+
+@pytest.mark.timeout(120)
+def test_help_and_bad_arguments_import_no_torch() -> None:
+    """``python -m gatherstore --help``, each command's ``--help`` and a usage error answer
+    from the parser alone: the commands, and torch with them, load when one runs."""
+    code = (
+        "import runpy, sys\n"
+        "from gatherstore.cli.main import main\n"
+        f"for argv in [['--help'], *[[c, '--help'] for c in {list(COMMANDS)!r}], "
+        "['demo', '--size', 'banana']]:\n"
+        "    sys.argv = ['gatherstore', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('gatherstore', run_name='__main__', alter_sys=True)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == (2 if 'banana' in argv else 0), (argv, exc.code)\n"
+        "heavy = ('torch', 'numpy', 'gatherstore.cli.commands', 'gatherstore.job.launch', "
+        "'gatherstore.cli.bench.payloads', 'gatherstore.calls')\n"
+        "print([m for m in heavy if m in sys.modules], file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "[]", result.stderr
+
+
+def test_messages_say_one_rank_in_the_singular() -> None:
+    assert [counted(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
+    assert ranks_named([3]) == "rank 3" and ranks_named([1, 2]) == "ranks [1, 2]"
+    assert "exchange: rank 1 did not arrive within 10 s" in str(late_error("exchange", [1], 10))
+    ranks = [{"rank": 0, "seconds": 0.5, "peak": 1 << 20}]
+    said = demo.summary(demo.DemoConfig(nproc=1), "tmpdir", 1000, ranks)
+    assert said.startswith("gatherstore demo: 1 rank (gloo), store tmpdir\n")
+    assert "(2.7 MiB of arrays, 1 part) on rank 0" in said
 
 
 @pytest.mark.timeout(120)
@@ -139,7 +185,7 @@ def test_demo_fails_in_one_line_on_a_store_ranks_do_not_share() -> None:
     assert result.returncode == 1
     line = one_line_error(result)
     assert line.startswith("gatherstore demo: StoreNotSharedError:")
-    assert "not visible from ranks [1]" in line
+    assert "not visible from rank 1, which cannot see the job area" in line
 
 
 # --- check -------------------------------------------------------------------------------------

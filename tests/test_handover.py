@@ -273,7 +273,7 @@ def test_late_parts_are_dropped_and_a_new_group_listens_anew(tmp_path: Path) -> 
         frame = serialize.encode("late")
         handover.hand(frame, b"", [0], "call-3", Deadline.start(30))
         handover.token(30)  # the next call: nothing of it can be there yet
-        with pytest.raises(gs.GatherTimeout, match=r"ranks \[0\] were never handed over"):
+        with pytest.raises(gs.GatherTimeout, match=r"the parts of rank 0 were never handed over"):
             handover.take("call-3", [0], Deadline.start(0.2), "gather_object")
         assert handover._listener is not None
         old = handover._listener.name

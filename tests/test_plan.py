@@ -100,8 +100,8 @@ def test_a_node_short_of_memory_is_named_for_the_routes_it_cannot_take() -> None
     statuses[0]["avail"] = 1 << 29  # half a GiB on node a, where dst reads
     found = facts(statuses, [0], root=0)
     assert found is not None
-    assert found.short["store"] and "on a need" in found.short["store"][0]
-    assert found.short["collective"] and not any("on b" in s for s in found.short["store"])
+    assert found.short["store"] and "node a (rank 0) needs" in found.short["store"][0]
+    assert found.short["collective"] and not any("node b" in s for s in found.short["store"])
 
 
 def _handing(

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gatherstore as gs
-from gatherstore.results import layout, merge, order
+from gatherstore.results import admin, layout, merge, order
 from gatherstore.results.writer import FlushEvery, flush_policy
 
 SRC = str(Path(gs.__file__).resolve().parents[1])
@@ -184,6 +184,23 @@ def test_only_stores_that_outlive_the_job(tmp_path: Path) -> None:
     rs.add(1, 2)
     assert rs.gather() == [2]
     rs.discard()
+
+
+@pytest.mark.timeout(60)
+def test_a_set_in_memory_with_no_root() -> None:
+    """``memory://`` alone is fsspec's whole in-process filesystem: a set lives there as
+    under ``memory://bucket``, its keys listed as the store wrote them."""
+    name = f"bare/{uuid.uuid4().hex[:8]}"
+    with gs.ResultSet(name, store="memory://") as rs:
+        rs.add(2, "b")
+        rs.add(1, "a")
+        assert rs.pending([1, 2, 3]) == [3]
+        assert rs.gather(keys=True) == [(1, "a"), (2, "b")]
+        assert list(rs.items()) == [(1, "a"), (2, "b")]
+    store = gs.open_store("memory://")
+    assert name in admin.names(store)
+    gs.ResultSet(name, store="memory://").discard()
+    assert name not in admin.names(store)
 
 
 @pytest.mark.timeout(60)
@@ -506,3 +523,32 @@ def test_gc_removes_result_sets_only_when_asked_and_results_shows_them(
     assert _cli.main(["gc", "--store", url, "--older-than", "0s", "--result-sets"]) == 0
     assert "removed 2 result set(s)" in capsys.readouterr().out
     assert [p.name for p in (tmp_path / "gatherstore-results" / "eval").iterdir()] == ["live"]
+
+
+@pytest.mark.parametrize("holds", [[], ["eval/a", "eval/b"]])
+def test_a_set_that_does_not_exist_is_never_created_by_reading_or_removing_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], holds: list[str]
+) -> None:
+    """Showing, exporting or discarding a set the store does not hold fails alike, in one
+    line that names the sets it holds, and leaves the store as it was."""
+    from gatherstore.cli import main as _cli
+
+    url = f"file://{tmp_path}/store"
+    for name in holds:
+        with gs.ResultSet(name, store=url) as rs:
+            rs.add(1, name)
+    store = gs.open_store(url)
+    before = store.list()
+    held = ", ".join(repr(name) for name in holds) or "none"
+    export = tmp_path / "nope.jsonl"
+    for how in ([], ["--export", str(export)], ["--discard"]):
+        assert _cli.main(["results", "--store", url, "--name", "nope", *how]) == 1
+        said = capsys.readouterr()
+        assert said.out == ""
+        assert said.err == (
+            f"gatherstore results: ValueError: store {store} holds no result set 'nope' "
+            f"(it holds {held}): check the set's name and the store\n"
+        )
+        assert store.list() == before and admin.names(store) == holds
+    assert not export.exists()
+    assert (tmp_path / "store").exists() == bool(holds)  # not even the store's folder

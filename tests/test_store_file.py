@@ -8,9 +8,11 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pytest
 from fsspec_raw import FsspecRaw
@@ -77,6 +79,25 @@ class TestFsspecMemory(FsspecRaw):
     @pytest.fixture
     def store(self) -> Store:
         return FsspecStore(f"memory://conformance-{uuid.uuid4().hex}")
+
+
+class TestFsspecMemoryTop(FsspecRaw):
+    """``memory://`` with no root: the store is the whole of fsspec's in-process filesystem,
+    emptied for each check (and given back after it), whose keys it lists as ``key``, not
+    ``/key``."""
+
+    @pytest.fixture
+    def store(self) -> Iterator[Store]:
+        fs = fsspec.filesystem("memory")
+        files, dirs = dict(fs.store), list(fs.pseudo_dirs)
+        fs.store.clear()
+        fs.pseudo_dirs[:] = [""]
+        try:
+            yield FsspecStore("memory://")
+        finally:
+            fs.store.clear()
+            fs.store.update(files)
+            fs.pseudo_dirs[:] = dirs
 
 
 def test_writes_race_deletes_that_prune_directories(tmp_path: Path) -> None:

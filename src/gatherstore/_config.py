@@ -52,6 +52,7 @@ __all__ = [
     "flush_every",
     "handover",
     "heartbeat_interval",
+    "parse_duration",
     "parse_size",
     "progress",
     "read_ahead",
@@ -86,6 +87,21 @@ def parse_size(text: str, at_least: int = 1) -> int:
     if nbytes < at_least:
         raise ValueError(f"{text!r} is not a size; use e.g. 64MB, 1GB or 4096 (bytes)")
     return nbytes
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration such as ``30s``, ``15m``, ``1h``, ``2d`` or ``1.5h``.
+
+    Raises:
+        ValueError: ``text`` is not a non-negative number followed by s, m, h, d or w.
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw])\s*", text.lower())
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration; use e.g. 30s, 15m, 1h or 2d")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
 def _size_setting(name: str, default: str, at_least: int = 1) -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: The public errors (re-exported by the package); ``first_line`` and ``seconds`` help
-#: the modules that raise them.
+#: The public errors (re-exported by the package); ``first_line``, ``seconds``, ``counted``
+#: and ``ranks_named`` help the modules that raise them.
 __all__ = [
     "GatherError",
     "GatherTimeout",
@@ -158,3 +158,14 @@ def seconds(value: float) -> str:
     """A duration for a message, rounded: ``10`` for 9.99904, ``2.5``, ``0.25``, ``1800``
     (a timeout is often the time left, which no one wants to read to the microsecond)."""
     return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 rank``, ``4 ranks``: a count with its noun, singular for one (a message that
+    says "1 ranks" reads as a bug)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def ranks_named(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks [1, 2]``: the ranks a message names, singular for one."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gatherstore._config import SHM
-from gatherstore._errors import InsufficientMemoryError
+from gatherstore._errors import InsufficientMemoryError, ranks_named
 
 if TYPE_CHECKING:
     from gatherstore.routes.base import Route
@@ -121,9 +121,9 @@ def shortfalls(
         shm = min(int(statuses[r]["shm"]) for r in ranks)
         if need.ram > room or need.shm > shm:
             out.append(
-                f"ranks {ranks} on {node} need {need.ram / 2**30:.2f} GiB of memory"
+                f"node {node} ({ranks_named(ranks)}) needs {need.ram / 2**30:.2f} GiB of memory"
                 + (f" ({need.shm / 2**30:.2f} GiB in {SHM})" if need.shm else "")
-                + f" and have {room / 2**30:.2f} GiB"
+                + f" and has {room / 2**30:.2f} GiB"
                 + (f" ({shm / 2**30:.2f} GiB free in {SHM})" if need.shm else "")
             )
     return out

@@ -17,9 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from gatherstore._config import ROUTES
-from gatherstore._errors import GatherError, IntegrityError, StoreUnavailableError, first_line
+from gatherstore._errors import (
+    IntegrityError,
+    StoreUnavailableError,
+    counted,
+    first_line,
+)
 from gatherstore.calls import objects
-from gatherstore.cli import demo
+from gatherstore.cli import CommandFailed, demo
 from gatherstore.cli.bench.measure import format_bytes
 from gatherstore.job import topology
 from gatherstore.job.launch import joined_from_env, launch
@@ -32,7 +37,7 @@ __all__ = ["CheckFailed", "run"]
 _PROBE_BYTES = 1 << 20
 
 
-class CheckFailed(GatherError):
+class CheckFailed(CommandFailed):
     """``gatherstore check`` found a problem; the message says which rank and what."""
 
 
@@ -152,7 +157,8 @@ def _check_report(facts: dict[str, Any]) -> str:
             f"removed in {facts['seconds'] * 1000:.1f} ms"
         )
     if "ranks" in facts:
-        lines.append(f"{facts['ranks']} ranks on {', '.join(facts['hosts'])} all see the store")
+        where = f"{counted(facts['ranks'], 'rank')} on {', '.join(facts['hosts'])}"
+        lines.append(f"every rank sees the store: {where}")
     return "\n".join([*lines, "ok"])
 
 

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from gatherstore._config import ROUTES
-from gatherstore._errors import IntegrityError
+from gatherstore._errors import IntegrityError, counted
 from gatherstore.calls import objects
 from gatherstore.calls.tensors import barrier
 from gatherstore.cli.bench import payloads
@@ -31,7 +31,7 @@ from gatherstore.job.launch import launch
 from gatherstore.results import collect as results
 from gatherstore.stores.registry import open_store
 
-__all__ = ["DemoConfig", "describe_store", "run"]
+__all__ = ["DemoConfig", "describe_store", "run", "summary"]
 
 
 @dataclass
@@ -142,14 +142,20 @@ def run(cfg: DemoConfig, out: TextIO = sys.stdout) -> None:
     where = describe_store(cfg.store)
     n_images = payloads.image_count(cfg.nbytes)
     ranks = launch(_rank_main, nproc_per_node=cfg.nproc, backend="gloo", args=(cfg, n_images))
+    out.write(summary(cfg, where, n_images, ranks))
+
+
+def summary(cfg: DemoConfig, where: str, n_images: int, ranks: list[dict[str, Any]]) -> str:
+    """What the demo prints: its ranks and store, the gather's time, rate and peak memory
+    per rank (``ranks``: what each rank returned), and torch's with ``cfg.compare``."""
     seconds = ranks[0]["seconds"]
     nbytes = n_images * payloads.IMAGE_BYTES
     how = "gather_iter, verified part by part" if cfg.stream else "collect_results"
     peaks = ", ".join(f"rank {r['rank']} +{format_bytes(r['peak'])}" for r in ranks)
-    out.write(
-        f"gatherstore demo: {cfg.nproc} ranks (gloo), store {where}\n"
+    text = (
+        f"gatherstore demo: {counted(cfg.nproc, 'rank')} (gloo), store {where}\n"
         f"gathered {n_images:,} predictions ({format_bytes(nbytes)} of arrays, "
-        f"{cfg.nproc} parts) on rank 0 with {how} in {seconds:.3f} s: "
+        f"{counted(cfg.nproc, 'part')}) on rank 0 with {how} in {seconds:.3f} s: "
         f"{nbytes / seconds / 2**20:,.1f} MiB/s\n"
         "verified: count, order (image_id == position), CRC-32 of every prediction\n"
         f"peak memory growth: {peaks}\n"
@@ -159,8 +165,9 @@ def run(cfg: DemoConfig, out: TextIO = sys.stdout) -> None:
         torch_peaks = ", ".join(
             f"rank {r['rank']} +{format_bytes(r['torch']['peak'])}" for r in ranks
         )
-        out.write(
+        text += (
             f"torch.distributed.all_gather_object, same predictions, same run: {theirs:.3f} s "
             f"({theirs / seconds:.1f}x gatherstore's time)\n"
             f"its peak memory growth: {torch_peaks}\n"
         )
+    return text

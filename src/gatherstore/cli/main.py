@@ -1,43 +1,29 @@
-"""The ``gatherstore`` command: demo, bench, check, gc, describe, results.
+"""The ``gatherstore`` command's parser: demo, bench, check, gc, results, describe.
 
 Every failure ends in one line on stderr that names what to fix, and a
-non-zero exit: 2 for bad arguments, 1 for a failed run.
+non-zero exit: 2 for bad arguments, 1 for a failed run.  This module imports
+no torch: the commands (``cli.commands``) are imported when one runs, so that
+``--help`` and a usage error answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from gatherstore._config import ROUTES
+from gatherstore._config import ROUTES, parse_duration, parse_size
 from gatherstore._errors import first_line
 from gatherstore._version import version
-from gatherstore.calls import objects
-from gatherstore.cli import bench, check, demo
-from gatherstore.cli import results as results_cli
-from gatherstore.cli.bench.measure import parse_size
-from gatherstore.cli.bench.payloads import KINDS, available, defaults
-from gatherstore.job import topology
-from gatherstore.job.cleanup import collect, parse_duration
-from gatherstore.job.launch import joined_from_env
-from gatherstore.results import admin as result_sets
-from gatherstore.stores.base import hide_password
-from gatherstore.stores.registry import check_scheme, default_store, open_store
-from gatherstore.stores.tmpdir import default_tmpdir_base
+from gatherstore.cli import CommandFailed
+from gatherstore.cli.bench.kinds import KINDS
+from gatherstore.stores.registry import check_scheme
 
 __all__ = ["main"]
 
 if TYPE_CHECKING:
     _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
-
-_PROBE_BYTES = 1 << 20
-_VERSIONS = ("gatherstore", "torch", "numpy", "fsspec", "cloudpickle", "redis", "s3fs", "mmengine")
 
 
 # --- argument types ------------------------------------------------------------------------
@@ -99,165 +85,18 @@ def _names(text: str) -> list[str]:
 
 
 def _payloads(text: str) -> list[str]:
+    """Payload kinds this machine can make (``cuda-records``: where CUDA is, which only
+    torch can tell, imported here: the bench imports it anyway)."""
     kinds = _names(text)
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"unknown payload {kind!r}; use {', '.join(KINDS)}")
+    from gatherstore.cli.bench.payloads import available
+
+    for kind in kinds:
         if kind not in available():
             raise ValueError(f"payload {kind!r} needs a CUDA device; this machine has none")
     return kinds
-
-
-# --- demo ------------------------------------------------------------------------------------
-def _demo(args: argparse.Namespace) -> int:
-    cfg = demo.DemoConfig(args.nproc, args.size, args.store, args.stream, compare=args.compare)
-    demo.run(cfg)
-    return 0
-
-
-# --- bench -----------------------------------------------------------------------------------
-def _bench(args: argparse.Namespace) -> int:
-    if args.scale:
-        from gatherstore.cli.bench import scale
-
-        return scale.main(args.scale)
-    if args.latency:
-        from gatherstore.cli.bench import latency
-
-        return latency.main(args.latency)
-    if args.soak:
-        from gatherstore.cli.bench import soak
-
-        return soak.main(args.soak, redis=args.redis)
-    if args.result_sets:
-        from gatherstore.cli.bench import resultsets
-
-        (_, add), (_, items) = (args.result_sets * 2)[:2]
-        return resultsets.main(add, items, args.repeats)
-    if args.share_local and not args.hosts:
-        raise ValueError("--share-local goes with --hosts 2")
-    if args.hosts:
-        from gatherstore.cli.bench import hostbench
-
-        return hostbench.main(share_local=args.share_local, repeats=args.repeats)
-    if args.s3_latency and not args.parts:
-        raise ValueError("--s3-latency goes with --parts W")
-    if args.parts:
-        from gatherstore.cli.bench import parts
-
-        return parts.main(
-            args.parts,
-            args.part_size,
-            args.repeats,
-            redis=args.redis,
-            s3=args.s3,
-            s3_latency=args.s3_latency,
-        )
-    plan = bench.Plan(
-        args.sizes, args.world, args.payloads, args.repeats, args.timeout, args.map_images
-    )
-    if args.quick:  # the preset's sizes; --cases still chooses
-        plan, args.ceiling_size = bench.QUICK, bench.QUICK_CEILING
-        args.cases = args.cases or bench.QUICK_CASES
-    failed = bench.run(
-        plan,
-        patterns=args.cases,
-        redis=args.redis,
-        s3=args.s3,
-        services=args.services,
-        ceiling_bytes=args.ceiling_size,
-        json_path=args.json,
-        plot_path=args.plot,
-        progress=sys.stderr.isatty(),
-    )
-    if args.quick:
-        print(f"bench: {bench.FULL_RUN}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-# --- gc ------------------------------------------------------------------------------------
-def _gc(args: argparse.Namespace) -> int:
-    if args.store in ROUTES:
-        raise ValueError(f"gc needs a store URL, not the route {args.store!r}")
-    with open_store(args.store) as store:
-        removed, failed = collect(store, args.older_than, dry_run=args.dry_run)
-        sets, sets_failed = (
-            result_sets.collect(store, args.older_than, dry_run=args.dry_run)
-            if args.result_sets
-            else ([], [])
-        )
-    verb = "would remove" if args.dry_run else "removed"
-    now = time.time()
-    for item in removed:
-        quiet = _age(now - item.seen)
-        print(f"{verb} {item.where} (job {item.job}, last {item.source} {quiet} ago)")
-    for found in sets:
-        print(f"{verb} result set {found.name!r} (last run {_age(now - found.seen)} ago)")
-    for where in [item.where for item in failed] + [f"result set {f.name!r}" for f in sets_failed]:
-        print(f"could not remove {where}; check its permissions", file=sys.stderr)
-    print(f"{verb} {len(removed)} job area(s) from {store}")
-    if args.result_sets:
-        print(f"{verb} {len(sets)} result set(s) from {store}")
-    return 1 if failed or sets_failed else 0
-
-
-def _age(seconds: float) -> str:
-    """A duration for people: ``42 s``, ``12 min``, ``3.5 h``, ``2.0 d``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} d"
-
-
-# --- describe ------------------------------------------------------------------------------
-def _versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in _VERSIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def _store_problem(spec: object) -> str | None:
-    """Why the default store cannot be opened (its scheme, syntax, options or package), or
-    None; nothing is connected to."""
-    if not isinstance(spec, str) or spec in ROUTES:
-        return None
-    try:
-        open_store(spec).close()
-    except (ValueError, TypeError, ImportError) as exc:
-        return f"the default store GATHERSTORE_STORE={hide_password(spec)} is unusable: {exc}"
-    return None
-
-
-def _check(args: argparse.Namespace) -> int:
-    return check.run(args.store, args.nproc, args.timeout)
-
-
-def _describe(args: argparse.Namespace) -> int:
-    with joined_from_env(None):
-        info = topology.describe()
-        ranks = objects.gather_object(topology.describe(), store="collective")
-    if ranks is None:
-        return 0
-    spec = default_store()
-    problem = _store_problem(spec)
-    if problem:
-        print(f"gatherstore describe: warning: {problem}", file=sys.stderr)
-        info["warnings"] = [problem]
-    info.update(
-        default_store=hide_password(str(spec)),
-        auto_threshold=objects.AUTO_THRESHOLD,
-        tmpdir_base=default_tmpdir_base(),
-        versions=_versions(),
-    )
-    if len(ranks) > 1:
-        info["ranks"] = ranks
-    print(json.dumps(info, indent=2, default=str))
-    return 0
 
 
 # --- the parser ----------------------------------------------------------------------------
@@ -273,14 +112,20 @@ def _parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_check(sub, store)
     _add_gc(sub, store)
-    results_cli.add_parser(sub, store)
+    _add_results(sub, store)
     _add_describe(sub)
     return parser
 
 
 def _add_demo(sub: _Subparsers, store: Callable[[str], str]) -> None:
     """Add the ``demo`` command (``store`` checks a URL)."""
-    p = sub.add_parser("demo", help="gather a sharded evaluation's predictions on rank 0")
+    p = sub.add_parser(
+        "demo",
+        help="gather a sharded evaluation's predictions on rank 0",
+        description="Start local processes that each hold a shard of an object detector's "
+        "predictions, gather them all on rank 0 in dataset order, verify every one, and "
+        "print the time and the peak memory of each rank.",
+    )
     p.add_argument("--nproc", type=_argtype(_positive_int), default=4, help="processes (4)")
     p.add_argument("--size", type=_argtype(parse_size), default=64 << 20, help="total (64MB)")
     p.add_argument("--store", type=store, default="tmpdir", help="store URL (tmpdir)")
@@ -290,15 +135,21 @@ def _add_demo(sub: _Subparsers, store: Callable[[str], str]) -> None:
         action="store_true",
         help="also run torch.distributed.all_gather_object on the same predictions",
     )
-    p.set_defaults(handler=_demo)
 
 
 def _add_bench(sub: _Subparsers) -> None:
     """Add the ``bench`` command: the measured runs' options, then the other modes'."""
-    p = sub.add_parser("bench", help="gatherstore's stores against the usual tools")
+    p = sub.add_parser(
+        "bench",
+        help="gatherstore's stores against the usual tools",
+        description="Gather the same payloads through each of gatherstore's stores and "
+        "through torch.distributed and mmengine, in fresh local processes, and report time, "
+        "throughput and peak memory against this machine's ceilings.  --quick gives a first "
+        "look in under 30 s; --scale, --latency, --soak, --result-sets, --hosts and --parts "
+        "run another benchmark instead.",
+    )
     _add_bench_measure(p)
     _add_bench_modes(p)
-    p.set_defaults(handler=_bench)
 
 
 def _add_bench_measure(p: argparse.ArgumentParser) -> None:
@@ -327,7 +178,6 @@ def _add_bench_measure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--payloads",
         type=_argtype(_payloads),
-        default=defaults(),
         help=f"payload kinds ({','.join(KINDS)}; cuda-records where CUDA is; coco on request)",
     )
     p.add_argument("--redis", help="redis:// URL ($GATHERSTORE_TEST_REDIS_URL)")
@@ -410,17 +260,26 @@ def _add_bench_modes(p: argparse.ArgumentParser) -> None:
 
 def _add_check(sub: _Subparsers, store: Callable[[str], str]) -> None:
     """Add the ``check`` command (``store`` checks a URL)."""
-    p = sub.add_parser("check", help="check that a store works for every rank")
+    p = sub.add_parser(
+        "check",
+        help="check that a store works for every rank",
+        description="Check that a store works for a job, and say so in a few lines: "
+        "reachable, a job area created and removed, a 1 MiB put/get/delete, permissions, "
+        "and with several ranks (--nproc, or under torchrun) that every rank sees it.",
+    )
     p.add_argument("--store", type=store, required=True, help="store URL")
     p.add_argument("--nproc", type=_argtype(_positive_int), default=1, help="local processes")
     p.add_argument("--timeout", type=_argtype(_seconds), default=60.0, help="per step (60 s)")
-    p.set_defaults(handler=_check)
 
 
 def _add_gc(sub: _Subparsers, store: Callable[[str], str]) -> None:
     """Add the ``gc`` command (``store`` checks a URL)."""
     p = sub.add_parser(
-        "gc", help="remove the job areas of jobs that are gone (no heartbeat, no live process)"
+        "gc",
+        help="remove the job areas of jobs that are gone (no heartbeat, no live process)",
+        description="Remove the job areas that jobs left in a store when they were killed: "
+        "only those silent for --older-than whose process is gone.  With --result-sets, "
+        "also result sets that no job writes.",
     )
     p.add_argument("--store", type=store, required=True, help="store URL")
     p.add_argument(
@@ -435,19 +294,42 @@ def _add_gc(sub: _Subparsers, store: Callable[[str], str]) -> None:
         action="store_true",
         help="also remove result sets no job writes, silent for --older-than (never otherwise)",
     )
-    p.set_defaults(handler=_gc)
+
+
+def _add_results(sub: _Subparsers, store: Callable[[str], str]) -> None:
+    """Add the ``results`` command (``store`` checks a URL)."""
+    p = sub.add_parser(
+        "results",
+        help="list, show, export or discard the result sets of a store",
+        description="List the result sets a persistent store holds, show one (--name), "
+        "write its values to a file (--export) or remove it (--discard).  A set that does "
+        "not exist is never created: naming one fails, and says which sets the store holds.",
+    )
+    p.add_argument("--store", type=store, required=True, help="store URL")
+    p.add_argument("--name", help="one set: show it, or export or discard it")
+    p.add_argument(
+        "--export", metavar="PATH", help="with --name: write it to PATH (.parquet, .arrow, .jsonl)"
+    )
+    p.add_argument("--discard", action="store_true", help="with --name: remove it from the store")
 
 
 def _add_describe(sub: _Subparsers) -> None:
     """Add the ``describe`` command."""
-    p = sub.add_parser("describe", help="topology and configuration as JSON")
-    p.set_defaults(handler=_describe)
+    sub.add_parser(
+        "describe",
+        help="topology and configuration as JSON",
+        description="Print as JSON where this process stands (rank, world size, node, "
+        "backend, device, launcher), the default store and whether it can be opened, the "
+        "temp directory base and the versions of the packages gatherstore uses; under "
+        "torchrun, rank 0 prints every rank's place.",
+    )
 
 
 def _one_line(exc: BaseException) -> str:
-    """The first line of an error, as a failed check says it, else as first_line does."""
-    if isinstance(exc, check.CheckFailed):
-        return (str(exc).strip().splitlines() or ["the check failed"])[0]
+    """The first line of an error: a command's own failure as it says it, else as
+    first_line does (with the exception's name)."""
+    if isinstance(exc, CommandFailed):
+        return (str(exc).strip().splitlines() or ["the command failed"])[0]
     return first_line(exc)
 
 
@@ -455,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gatherstore`` command; the exit status."""
     args = _parser().parse_args(argv)
     try:
-        return int(args.handler(args))
+        from gatherstore.cli import commands  # here: the parser imports no torch
+
+        return commands.run(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the boundary: one line a user can act on

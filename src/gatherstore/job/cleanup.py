@@ -30,23 +30,9 @@ from gatherstore.job import heartbeat
 from gatherstore.job.session import MARKER
 from gatherstore.stores.base import JobArea, Store, job_directory
 
-__all__ = ["Leftover", "collect", "find", "parse_duration"]
+__all__ = ["Leftover", "collect", "find"]
 
 _JOB_ID = re.compile(r"[0-9a-f]{16}")
-
-_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds of a duration such as ``30s``, ``15m``, ``1h``, ``2d`` or ``1.5h``.
-
-    Raises:
-        ValueError: ``text`` is not a non-negative number followed by s, m, h, d or w.
-    """
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw])\s*", text.lower())
-    if match is None:
-        raise ValueError(f"{text!r} is not a duration; use e.g. 30s, 15m, 1h or 2d")
-    return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gatherstore._errors import GatherTimeout, seconds
+from gatherstore._errors import GatherTimeout, ranks_named, seconds
 
 __all__ = [
     "HOST_GRACE",
@@ -234,8 +234,8 @@ def wait_for_readers(store: Any, unread: str, timeout: float) -> bool:
 
 def late_error(what: str, late: list[int], timeout: float) -> GatherTimeout:
     return GatherTimeout(
-        f"{what}: ranks {late} did not arrive within {seconds(timeout)} s; they are still busy, "
-        "stuck, or have stopped (raise the timeout if they legitimately work longer)",
+        f"{what}: {ranks_named(late)} did not arrive within {seconds(timeout)} s: still busy, "
+        "stuck, or stopped (raise the timeout if the work legitimately takes longer)",
         ranks=late,
         timeout=timeout,
     )

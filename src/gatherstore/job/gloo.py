@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from gatherstore._config import DEFAULT_TIMEOUT
-from gatherstore._errors import GatherError, GatherTimeout, RemoteRankError, seconds
+from gatherstore._errors import GatherError, GatherTimeout, RemoteRankError, ranks_named, seconds
 from gatherstore._time import Deadline
 from gatherstore.job import control
 from gatherstore.job import state as job
@@ -172,4 +172,4 @@ def transfer(start: Start, *, what: str, deadline: Deadline) -> None:
     if failed and not error:
         raise RemoteRankError(failed[0], reports[failed[0]].decode(), ranks=failed, context=what)
     if error:
-        raise GatherError(f"{what}: {error} (failing ranks: {failed}); {_HOW_ON}")
+        raise GatherError(f"{what}: {error} (failing: {ranks_named(failed)}); {_HOW_ON}")

@@ -31,6 +31,7 @@ from gatherstore._errors import (
     GatherTimeout,
     RemoteRankError,
     StoreNotSharedError,
+    ranks_named,
     seconds,
 )
 from gatherstore._time import Deadline
@@ -119,8 +120,8 @@ def session_for(store: Store, timeout: float) -> JobSession:
             _end(session)
         why = "; ".join(f"rank {r}: {flags[r].decode(errors='replace')}" for r in blind[:3])
         raise StoreNotSharedError(
-            f"store {store} is not visible from ranks {blind}: they cannot see the job "
-            f"area {reply['locator']!r} that rank 0 created ({why}). Use a store every rank "
+            f"store {store} is not visible from {ranks_named(blind)}, which cannot see the "
+            f"job area {reply['locator']!r} that rank 0 created ({why}). Use a store every rank "
             "shares: tmpdir only on one machine; across machines file:///<shared dir>, "
             "redis:// or s3:// (memory:// lives inside one process)",
             ranks=blind,

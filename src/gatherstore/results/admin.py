@@ -16,7 +16,10 @@ from gatherstore.results import layout, lock
 from gatherstore.results.read import SetReader
 from gatherstore.stores.base import Store
 
-__all__ = ["Summary", "collect", "describe", "names"]
+__all__ = ["Summary", "collect", "describe", "names", "require"]
+
+#: Names of sets an error about a missing one shows, at most.
+_SHOWN = 10
 
 
 def names(store: Store) -> list[str]:
@@ -24,6 +27,32 @@ def names(store: Store) -> list[str]:
     top = f"{layout.ROOT}/"
     tail = f"/{layout.META}"
     return sorted(k[len(top) : -len(tail)] for k in store.list(top) if k.endswith(tail))
+
+
+def require(store: Store, name: str) -> None:
+    """Check that ``store`` holds the set ``name``, before reading or removing it: a set is
+    created only by a job that writes it, never by looking at it.
+
+    Raises:
+        ValueError: ``name`` is not a set's name, or ``store`` holds no such set (the
+            message names the sets it holds).
+        StoreUnavailableError: the store failed.
+    """
+    layout.check_name(name)
+    if not store.exists(f"{layout.prefix(name)}/{layout.META}"):
+        raise _missing(store, name)
+
+
+def _missing(store: Store, name: str) -> ValueError:
+    """The error for a set that ``store`` does not hold, naming those it holds."""
+    held = names(store)
+    shown = ", ".join(repr(n) for n in held[:_SHOWN])
+    if len(held) > _SHOWN:
+        shown += f" and {len(held) - _SHOWN} more"
+    return ValueError(
+        f"store {store} holds no result set {name!r} (it holds {shown or 'none'}): "
+        "check the set's name and the store"
+    )
 
 
 @dataclass(frozen=True)
@@ -60,14 +89,14 @@ def describe(store: Store, name: str, key: bytes | None) -> dict[str, Any]:
     chunks' indexes, checked with ``key``).
 
     Raises:
-        ValueError: no such set.
+        ValueError: not a set's name, or no such set (the message names those there are).
         IntegrityError: another key, or damage.
         StoreUnavailableError: the store failed.
     """
-    scoped = store.scoped(layout.prefix(name))
+    scoped = store.scoped(layout.prefix(layout.check_name(name)))
     meta = layout.open_meta(scoped, key, create=False)
     if meta is None:
-        raise ValueError(f"store {store} holds no result set {name!r}")
+        raise _missing(store, name)
     found = summary(store, name)
     reader = SetReader(scoped, key, meta.uid, f"result set {name!r}")
     infos = reader.infos(reader.names()[0])

@@ -35,7 +35,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from gatherstore import codec
-from gatherstore._errors import GatherError, GatherTimeout, IntegrityError, RemoteRankError
+from gatherstore._errors import (
+    GatherError,
+    GatherTimeout,
+    IntegrityError,
+    RemoteRankError,
+    ranks_named,
+)
 from gatherstore.codec import Assembly, Chunks, Unchunkable
 from gatherstore.job import control
 from gatherstore.routes import handover
@@ -310,8 +316,8 @@ class _Inbox:
             if not events:
                 missing = [r for r in self.due if r not in self.done]
                 raise GatherTimeout(
-                    f"{self.ctx.what}: the parts of ranks {missing} were not all handed over "
-                    "within the call's timeout",
+                    f"{self.ctx.what}: the parts of {ranks_named(missing)} were not all handed "
+                    "over within the call's timeout",
                     ranks=missing,
                     timeout=self.ctx.deadline.timeout,
                 )

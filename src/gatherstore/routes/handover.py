@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from gatherstore import _config as config
 from gatherstore import codec
-from gatherstore._errors import GatherError, GatherTimeout, IntegrityError
+from gatherstore._errors import GatherError, GatherTimeout, IntegrityError, ranks_named
 from gatherstore._time import Deadline
 from gatherstore.host import mappings
 from gatherstore.job import control, hooks
@@ -383,7 +383,7 @@ def take(call_id: str, ranks: Sequence[int], deadline: Deadline, what: str) -> d
             if handed is None:
                 missing = [r for r in ranks if r not in got]
                 raise GatherTimeout(
-                    f"{what}: the parts of ranks {missing} were never handed over",
+                    f"{what}: the parts of {ranks_named(missing)} were never handed over",
                     ranks=missing,
                     timeout=deadline.timeout,
                 )

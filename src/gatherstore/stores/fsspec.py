@@ -152,6 +152,11 @@ class FsspecStore(Store):
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
+    def _key(self, path: str) -> str:
+        """The key at a path the filesystem lists, ``_path`` undone.  A store at the top of
+        its filesystem (``memory://``) has the root ``""``, and its paths are ``/<key>``."""
+        return path[len(self.root) :].lstrip("/")
+
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``self.fs.<method>(...)``, cancelled at the deadline on asynchronous filesystems."""
         if time_left() is None or not getattr(self.fs, "async_impl", False):
@@ -335,8 +340,8 @@ class FsspecStore(Store):
         self.fs.invalidate_cache(top)
         if not self._call("exists", top):
             return []
-        start = len(self.root) + 1 if self.root else 0
-        return [p[start:] for p in self._call("find", top) if ".tmp-" not in p.rsplit("/", 1)[-1]]
+        paths = self._call("find", top)
+        return [self._key(p) for p in paths if ".tmp-" not in p.rsplit("/", 1)[-1]]
 
     def _delete(self, keys: Sequence[str]) -> None:
         """Delete ``keys`` in order; on S3 the first on its own, then the rest in batches of

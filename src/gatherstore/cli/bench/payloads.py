@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gatherstore.cli.bench.kinds import KINDS, ON_REQUEST
+
 __all__ = [
     "BOXES",
     "IMAGE_BYTES",
@@ -48,9 +50,6 @@ __all__ = [
 BOXES = 100
 #: Array bytes of one image: boxes float32 (100, 4), scores float32 (100,), labels int64 (100,).
 IMAGE_BYTES = BOXES * 4 * 4 + BOXES * 4 + BOXES * 8
-KINDS = ("detections", "keyed", "tensors", "records", "logits", "cuda-records", "coco")
-#: Kinds made only when asked for: millions of small dicts take a while to make and pickle.
-ON_REQUEST = ("coco",)
 _TENSORS = 4
 #: Bytes of one record's ``scores`` in ``records``.
 RECORD_BYTES = 4 << 20
