@@ -130,6 +130,29 @@ def test_remote_rank_error_on_every_rank(name: str, tmp_path: Path) -> None:
         assert _leftovers(tmp_path) == []
 
 
+def _deep_culprit() -> list[str]:
+    rank = gs.get_rank()
+    obj = {"results": [1, 2, {"mask": threading.Lock() if rank == 1 else 0}]}
+    said = []
+    for call in (gs.all_gather_object, gs.gather_object):
+        try:
+            call(obj, timeout=60)
+            said.append("no error")
+        except gs.RemoteRankError as exc:
+            said.append(f"{exc.rank}: {exc.remote_message}")
+        except TypeError as exc:  # the failing rank raises its own error
+            said.append(f"{rank}: TypeError: {exc}")
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_s_error_names_where_the_culprit_is() -> None:
+    for said in gs.launch(_deep_culprit, nproc_per_node=2, backend="gloo"):
+        for message in said:
+            assert message.startswith("1: TypeError: cannot pickle '_thread.lock' object — at ")
+            assert "obj['results'][2]['mask']: a <class '_thread.lock'>" in message
+
+
 def _late_rank(spec: str, signals: str) -> tuple[str, list[int]]:
     gs.barrier()  # start together, so that only rank 1 can be late
     deadline = time.monotonic() + 100

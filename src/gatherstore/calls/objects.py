@@ -69,11 +69,22 @@ def all_gather_object(
     gather is long, or as ``GATHERSTORE_PROGRESS=0/1`` says); see also the
     ``gatherstore`` logger.
 
+    In one process, without a process group, this is ``[obj]``, never pickled: a world
+    of one sends nothing, and only what travels is pickled (in a job too, ``dst`` never
+    pickles its own object in a ``gather_object``); accelerate's and mmengine's gathers
+    answer so too.  An object that cannot be pickled thus passes in one process and
+    fails under a launcher; two processes check it (``gs.launch(fn, nproc_per_node=2,
+    backend="gloo")``).
+
     Raises:
         ValueError: a bad argument (an unknown store scheme or malformed URL, a timeout
             that is not a positive, finite number of seconds, a ``dst`` outside the job),
             raised in one process as in many, before anything is sent.
-        RemoteRankError: another rank failed (e.g. its object cannot be pickled).
+        TypeError: this rank's object cannot be pickled (what pickle raises, e.g.
+            ``cannot pickle '_thread.lock' object``, its message saying where in ``obj``
+            the culprit is: ``— at obj['results'][2]['mask']: a <class '_thread.lock'>``).
+        RemoteRankError: another rank failed (e.g. its object cannot be pickled: its
+            message says where, as above).
         GatherTimeout: ranks that did not arrive in time (named).
         StoreNotSharedError / StoreUnavailableError / IntegrityError: store problems.
     """
@@ -101,6 +112,7 @@ def gather_object(
     [`all_gather_object`][gatherstore.all_gather_object].
 
     ``progress``: as in [`all_gather_object`][gatherstore.all_gather_object], shown on ``dst``.
+    In one process, ``[obj]``, never pickled (as there).
 
     Raises:
         InsufficientMemoryError: the parts would not fit in ``dst``'s available
@@ -132,6 +144,8 @@ def gather_iter(
     ``dst`` holds the part its consumer keeps plus at most ``read_ahead`` bytes of
     the parts after it (default: ``GATHERSTORE_READ_AHEAD``, 32 MiB, at most 1/8
     of the free memory); a part larger than that is read when it is asked for.
+    In one process, an iterator over ``[obj]``, never pickled (as in
+    [`all_gather_object`][gatherstore.all_gather_object]).
 
     Raises:
         ValueError: a negative ``read_ahead``, and the bad arguments of
@@ -195,7 +209,8 @@ def broadcast_object(
 ) -> Any:
     """``src``'s ``obj`` on every rank (``src`` gets its own object back).
 
-    Other ranks' ``obj`` is ignored.
+    Other ranks' ``obj`` is ignored.  In one process, ``obj`` itself, never pickled (as in
+    [`all_gather_object`][gatherstore.all_gather_object]).
 
     Raises:
         ValueError: a ``src`` outside the job, or a bad ``timeout`` or store URL.

@@ -18,6 +18,7 @@ from typing import Any
 
 from gatherstore._config import ROUTES
 from gatherstore._errors import (
+    GatherError,
     IntegrityError,
     StoreUnavailableError,
     counted,

@@ -6,7 +6,8 @@ else of it:
 - ``encode(obj) -> Frame``: one rank's object as a frame (pickle 5, out-of-band
   regions: record batches as columns, array and tensor storage spans, CUDA tensors
   through pinned staging); ``Frame.seal`` signs or checksums it for a place;
-  ``duplicate`` is a decoded copy.
+  ``duplicate`` is a decoded copy.  An object that cannot be pickled raises pickle's
+  error, its message naming where in the object the culprit is (``codec.culprit``).
 - ``Chunks.first(obj)``: a long list or dict as a run of chunks, each a frame, encoded
   while the earlier ones travel; ``Assembly`` rebuilds them in order on the receiver.
 - ``verify(data) -> Verified`` checks a part's digest (XXH3-128, or keyed BLAKE3) and

@@ -20,6 +20,9 @@ whole:
   whole part sends once and rebuilds as views of one buffer); views of one batch
   that only touch at a chunk's edge come back as views of each chunk's buffer;
 - the list (or dict) itself inside an item, or an item that plain pickle cannot write.
+
+An item whose pickling raises another error fails the run, its message naming where in
+the list (or dict) it is (see ``gatherstore.codec.culprit``), as sent whole.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from gatherstore import _config as config
+from gatherstore.codec import culprit, records, sizing, storage
 from gatherstore.codec import frames as serialize
-from gatherstore.codec import records, sizing, storage
 
 __all__ = ["CHUNK", "CHUNK_SECONDS", "MIN_PART", "MIN_SECONDS", "Assembly", "Chunks", "Unchunkable"]
 
@@ -151,6 +154,9 @@ class Chunks:
             pickler.dump(packed.value)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise Unchunkable(str(exc)) from exc
+        except Exception as exc:  # sent whole it would fail as well: say where in the object
+            culprit.locate(exc, self.items)
+            raise
         pickled = serialize.Pickled(
             stream.getvalue(), list(self._buffers), pickler.columns, pickler.spans, 0
         )

@@ -14,13 +14,12 @@ require grad are detached.  cloudpickle is used only when plain pickle fails.
 
 The digest (see :mod:`gatherstore.codec.digest`) is an XXH3-128 checksum, or a keyed
 BLAKE3 hash (a MAC, 3-4x faster than HMAC-SHA256 with SHA extensions) when a
-signing key is given; it also
-covers the part's *binding* (associated data naming its job, call and rank,
-never stored), so a part replayed from another call or planted under another
-rank's key fails the check.  It is checked before anything is unpickled, and a
-part from another format version, truncated or altered, raises
-:class:`~gatherstore.IntegrityError`.  Verify a buffer no other process can
-change: what is verified must be what is unpickled.
+signing key is given; it also covers the part's *binding* (associated data naming
+its job, call and rank, never stored), so a part replayed from another call or
+planted under another rank's key fails the check.  It is checked before anything is
+unpickled, and a part from another format version, truncated or altered, raises
+:class:`~gatherstore.IntegrityError`.  Verify a buffer no other process can change:
+what is verified must be what is unpickled.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ import numpy as np
 import torch
 
 from gatherstore._errors import GatherError, IntegrityError
+from gatherstore.codec import culprit, records, sizing, storage, watch
 from gatherstore.codec import digest as _digest
-from gatherstore.codec import records, sizing, storage, watch
 from gatherstore.codec.columns import Column
 from gatherstore.host.writes import write_all
 
@@ -366,9 +365,10 @@ def encode(obj: Any) -> Frame:
     are on the host once this returns.
 
     Raises:
-        Exception: whatever pickling raises when neither pickle nor cloudpickle can.
+        Exception: whatever pickling raises when neither pickle nor cloudpickle can, its
+            message naming where in ``obj`` the culprit is (see ``gatherstore.codec.culprit``).
     """
-    return framed(_pickle(obj), sizing.rebuilt_size(obj, _OUT_OF_BAND_MIN))
+    return framed(culprit.named(_pickle, obj), sizing.rebuilt_size(obj, _OUT_OF_BAND_MIN))
 
 
 def framed(pickled: Pickled, rebuilt: int) -> Frame:
