@@ -54,3 +54,50 @@ def test_close_and_discard_are_the_verbs_that_end(tmp_path: Path) -> None:
     assert list(reader.items()) == [("x", 1), ("y", 2)]
     reader.discard()
     assert not hasattr(rs, "drain") and not hasattr(rs, "end")
+
+
+_READER = """
+import sys
+import gatherstore as gs
+rs = gs.ResultSet(sys.argv[1], store=sys.argv[2], mode="r")
+print(list(rs.items()))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_opens_a_set_a_job_writes_and_sees_what_was_flushed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    name = f"read-{uuid.uuid4().hex[:8]}"
+    with gs.ResultSet(name, store=_url(tmp_path)) as rs:
+        rs.add(1, "flushed")
+        rs.flush()
+        rs.add(2, "buffered")  # not flushed: a reader does not see it yet
+        out = subprocess.run(
+            [sys.executable, "-c", _READER, name, _url(tmp_path)],
+            capture_output=True, text=True, timeout=50, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "[(1, 'flushed')]"
+        reader = gs.ResultSet(name, store=_url(tmp_path), mode="r")
+        assert "open to read" in repr(reader)
+        with pytest.raises(ValueError, match="open to read"):
+            reader.add(3, "no")
+        with pytest.raises(ValueError, match="open to read"):
+            reader.pending(range(3))
+        reader.close()  # nothing to end
+    assert list(gs.ResultSet(name, store=_url(tmp_path), mode="r").items()) == [
+        (1, "flushed"),
+        (2, "buffered"),
+    ]
+
+
+def test_reading_a_set_that_does_not_exist_creates_nothing(tmp_path: Path) -> None:
+    with gs.ResultSet("present", store=_url(tmp_path)) as rs:
+        rs.add(0, 0)
+    with pytest.raises(ValueError, match="'present'"):
+        gs.ResultSet("absent", store=_url(tmp_path), mode="r")
+    assert not any(p.name == "absent" for p in (tmp_path / "sets").rglob("*"))
+    with pytest.raises(ValueError, match="mode='a'"):
+        gs.ResultSet("present", store=_url(tmp_path), mode="a")

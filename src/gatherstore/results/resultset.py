@@ -27,7 +27,7 @@ from gatherstore._errors import (
 )
 from gatherstore._time import deadline
 from gatherstore.calls.entry import check, collective
-from gatherstore.results import job, layout, lifetime, lock, merge, order, signing, writer
+from gatherstore.results import admin, job, layout, lifetime, lock, merge, order, signing, writer
 from gatherstore.results.read import SetReader
 from gatherstore.routes.context import Context
 from gatherstore.stores.base import Store
@@ -61,6 +61,11 @@ class ResultSet:
     same for every job that opens the set.  ``timeout`` bounds each collective (default:
     ``GATHERSTORE_TIMEOUT``).
 
+    ``mode="r"`` opens the set to read on this process alone, without a collective and
+    while a job writes it: [`items`][gatherstore.ResultSet.items] and
+    [`export`][gatherstore.ResultSet.export] read what its writers flushed; a set that
+    does not exist is not created (``ValueError`` naming the sets the store holds).
+
     A set ends with [`close`][gatherstore.ResultSet.close] (a collective: this job's run
     ends, another job may open it at once) or [`discard`][gatherstore.ResultSet.discard]
     (removes it); ``with gs.ResultSet(...) as rs:`` closes it when the block ends, and
@@ -88,12 +93,19 @@ class ResultSet:
         key: bytes | str | None = None,
         flush_every: Any = None,
         timeout: Timeout = None,
+        mode: str = "w",
     ) -> None:
+        if mode not in ("w", "r"):
+            raise ValueError(f"mode={mode!r}: give 'w' (every rank writes) or 'r' (read here)")
         self._timeout = to_seconds(timeout)
         self._what = f"result set {name!r}"
         self._rank = job.rank()
         self._held: lock.Held | None = None
         self._closed = False
+        self._writer: writer.Writer | None = None
+        if mode == "r":
+            self._open_to_read(name, store, key)
+            return
         with collective(f"ResultSet({name!r})", timeout=self._timeout) as call:
             # what each rank reads of its arguments and settings, checked on every rank at once
             policy = call.agree(lambda: self._arguments(name, store, key, flush_every))
@@ -122,7 +134,8 @@ class ResultSet:
             self._end()
 
     def __repr__(self) -> str:
-        return f"<ResultSet {self.name!r} in {self._base}, run {self._run}>"
+        state = f"run {self._run}" if self._writer is not None else "open to read"
+        return f"<ResultSet {self.name!r} in {self._base}, {state}>"
 
     # --- opening ----------------------------------------------------------------------------
     def _arguments(self, name: str, store: Any, key: Any, flush_every: Any) -> writer.FlushEvery:
@@ -131,6 +144,31 @@ class ResultSet:
         self._base = job.open_persistent(store)
         self._store = self._base.scoped(layout.prefix(self.name))
         return writer.flush_policy(flush_every)
+
+    def _open_to_read(self, name: str, store: Any, key: Any) -> None:
+        """``mode="r"``: this process alone, no collective, no writer's lock; what the
+        writers flushed is what it reads, while they go on."""
+        self.name = layout.check_name(name)
+        self._key = signing.resolve(key)
+        self._base = job.open_persistent(store)
+        admin.require(self._base, self.name)  # reading never creates
+        self._store = self._base.scoped(layout.prefix(self.name))
+        meta = layout.open_meta(self._store, self._key, create=False)
+        assert meta is not None
+        self._uid, self._run = meta.uid, 0
+
+    def _writing(self, verb: str) -> writer.Writer:
+        """The set's writer, for ``verb``.
+
+        Raises:
+            ValueError: the set is open to read (``mode="r"``).
+        """
+        if self._writer is None:
+            raise ValueError(
+                f"{self._what} is open to read (mode='r'): {verb} needs it open to write, "
+                "on every rank of the job (mode='w', the default)"
+            )
+        return self._writer
 
     def _open_on_root(self) -> bytes:
         meta = layout.open_meta(self._store, self._key, create=True)
@@ -167,7 +205,7 @@ class ResultSet:
                 StoreUnavailableError; raised once, the values stay buffered and a
                 later flush writes them) or dropped values that cannot be pickled.
         """
-        self._writer.add(key, value)
+        self._writing("add").add(key, value)
 
     def flush(self, *, timeout: Timeout = None) -> None:
         """Return once every value this rank added is durable in the store.
@@ -176,7 +214,7 @@ class ResultSet:
             GatherError: a write failed (e.g. StoreUnavailableError), or the set is closed.
             GatherTimeout: the values were not written within ``timeout``.
         """
-        self._writer.flush(self._seconds(timeout))
+        self._writing("flush").flush(self._seconds(timeout))
 
     def _write_chunk(self, items: list[tuple[order.Key, Any]]) -> int:
         """Write one chunk and its index (in the writer's thread); its bytes."""
@@ -205,6 +243,7 @@ class ResultSet:
                 [`flush`][gatherstore.ResultSet.flush]).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
+        self._writing("pending")
         with collective(f"{self._what}.pending", timeout=self._seconds(timeout)) as call:
             wanted = call.agree(lambda: self._flushed(order.sort_keys(keys), call))
             assert wanted is not None
@@ -223,7 +262,7 @@ class ResultSet:
         return [k for k, stored in zip(wanted, done.tolist(), strict=True) if not stored]
 
     def _flushed(self, out: Any, call: Context) -> Any:
-        self._writer.flush(call.deadline.left())
+        self._writing("pending").flush(call.deadline.left())
         return out
 
     def _stored_mask(self, wanted: order.Keys) -> bytes:
@@ -251,8 +290,9 @@ class ResultSet:
         """
         what = f"{self._what}.gather"
         check(what, timeout=timeout, rank=("dst", dst))
+        written = self._writing("gather")
         with collective(what, timeout=self._seconds(timeout)) as call:
-            call.agree(lambda: self._writer.flush(call.deadline.left()))
+            call.agree(lambda: written.flush(call.deadline.left()))
             planned: dict[str, Any] = {}
             plan = json.loads(call.from_root(lambda: self._plan(planned), root=dst))
             if plan["short"]:
@@ -287,6 +327,7 @@ class ResultSet:
             StoreUnavailableError: the store failed (on every rank).
             RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
         """
+        self._writing("discard")
         with collective(f"{self._what}.discard", timeout=self._seconds(timeout)) as call:
             self._stop(drop=True)
             call.agree(lambda: None)
@@ -307,10 +348,12 @@ class ResultSet:
                 [`flush`][gatherstore.ResultSet.flush]).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
-        if self._closed:
+        if self._closed or self._writer is None:  # a reader has nothing to end
+            self._closed = True
             return
+        written = self._writer
         with collective(f"{self._what}.close", timeout=self._seconds(timeout)) as call:
-            call.agree(lambda: self._writer.flush(call.deadline.left()))
+            call.agree(lambda: written.flush(call.deadline.left()))
             self._stop()
             call.agree(self._release, root=0)
 
@@ -321,7 +364,8 @@ class ResultSet:
 
     def _stop(self, *, drop: bool = False) -> None:
         self._closed = True
-        self._writer.close(drop=drop)
+        if self._writer is not None:
+            self._writer.close(drop=drop)
         lifetime.closed(self)
 
     # --- reading on one rank ----------------------------------------------------------------
@@ -341,7 +385,8 @@ class ResultSet:
             ValueError: a negative ``read_ahead``.
         """
         config.read_ahead(read_ahead, 0)  # a bad value fails here
-        self._writer.flush(self._timeout)
+        if self._writer is not None:
+            self._writer.flush(self._timeout)
         reader = self._reader()
         infos = reader.infos(reader.names()[0])
         return merge.merged(infos, reader, merge.budget(read_ahead, infos))
@@ -381,7 +426,8 @@ class ResultSet:
 
     def _drain(self) -> None:
         """Write what is buffered, errors logged: for a process that stops."""
-        self._writer.drain(min(self._timeout, lifetime.STOP_FLUSH))
+        if self._writer is not None:
+            self._writer.drain(min(self._timeout, lifetime.STOP_FLUSH))
 
     def _end(self) -> None:
         """End this rank's run here, without a collective: write what is buffered

@@ -115,6 +115,7 @@ def _add_costs(url: str, images: int) -> dict[str, float]:
     added = time.perf_counter() - began
     rs.discard()
     rs = gs.ResultSet("bench/costs", store=url)
+    assert rs._writer is not None  # open to write
     per_chunk = max(1, rs._writer.policy.nbytes // rs._write_chunk([(0, values[0])]))
     chunks: list[list[tuple[int | str, Any]]] = [
         list(enumerate(values[i : i + per_chunk], i)) for i in range(0, images, per_chunk)
