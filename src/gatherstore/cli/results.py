@@ -2,8 +2,9 @@
 
 A signed set is read with its key from ``GATHERSTORE_RESULTS_KEY_FILE`` or
 ``GATHERSTORE_RESULTS_KEY`` (never from the command line, which other users of
-the machine can see).  Exporting or discarding a set opens it as a writer, as a
-job does: refused while a job writes it.  A set that does not exist is never
+the machine can see).  Exporting a set opens it to read (``mode="r"``): it runs
+while a job writes the set, and exports what was flushed.  Discarding opens it as a
+writer, as a job does: refused while a job writes it.  A set that does not exist is never
 created: showing, exporting or discarding one fails alike, naming the sets the
 store holds.
 """
@@ -53,15 +54,15 @@ def _list(store: Store) -> int:
 
 
 def _export_or_discard(args: argparse.Namespace) -> int:
-    """Open the set ``args.name`` as a job does (refused while one writes it), and export
-    or discard it."""
+    """Export the set ``args.name`` (opened to read), or discard it (opened as a job does:
+    refused while one writes it)."""
     import gatherstore as gs
 
-    with gs.ResultSet(args.name, store=args.store) as rs:
-        if args.discard:
+    if args.discard:
+        with gs.ResultSet(args.name, store=args.store) as rs:
             rs.discard()
-            print(f"discarded result set {args.name!r} from {args.store}")
-            return 0
-        count = rs.export(args.export)
+        print(f"discarded result set {args.name!r} from {args.store}")
+        return 0
+    count = gs.ResultSet(args.name, store=args.store, mode="r").export(args.export)
     print(f"wrote {count} values of result set {args.name!r} to {args.export}")
     return 0
