@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from gatherstore.cli import commands
 from gatherstore.cli import main as _cli
 from gatherstore.cli.bench import parts
 from gatherstore.cli.bench.delay import DelayProxy
@@ -79,7 +80,7 @@ def test_s3_latency_is_given_in_milliseconds_with_parts() -> None:
     args = _cli._parser().parse_args(["bench", "--parts", "9", "--s3-latency", "20"])
     assert args.parts == 9 and args.s3_latency == pytest.approx(0.02)
     with pytest.raises(ValueError, match="--s3-latency goes with --parts W"):
-        _cli._bench(_cli._parser().parse_args(["bench", "--s3-latency", "20ms"]))
+        commands._bench(_cli._parser().parse_args(["bench", "--s3-latency", "20ms"]))
 
 
 @pytest.mark.timeout(300)

@@ -466,7 +466,7 @@ BAD_SPECS = [
     ("tmpdir://relative", ValueError, "tmpdir:///shared/dir"),
     ("s3://", ValueError, "s3://bucket/prefix"),
     ("nosuchscheme://x", ValueError, "register_store"),
-    ("oss://bucket/prefix", ImportError, "Install ossfs"),
+    ("oss://bucket/prefix", ImportError, "needs ossfs, which is not installed: pip install ossfs"),
 ]
 
 

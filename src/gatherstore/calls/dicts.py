@@ -125,7 +125,9 @@ def _reduce_dict(
         dtype = _common_dtype(views, keys, mean)
         return views, torch.cat([t.reshape(-1).to(dtype) for t, _ in values.values()])
 
-    views, flat = run(what, body, serial, timeout=timeout, bounded=False, sweep=False)
+    views, flat = run(
+        what, body, serial, timeout=timeout, bounded=False, sweep=False, route="process group"
+    )
     if not keys:
         return {}
     if flat is None:  # off ``dst``

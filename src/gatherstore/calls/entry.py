@@ -122,13 +122,16 @@ def collective(
     sweep: bool = True,
     progress: bool | None = None,
     group: Any = None,
+    route: str = "control plane",
 ) -> Iterator[Context]:
     """One collective on this rank, as a ``Context`` with one deadline, also in a process
     without a process group (a world of one).
 
     ``bounded``: the process group's ops end by the deadline (a tensor collective
     without a timeout waits for them as long as the process group does).  ``sweep``: a
-    failed exchange sweeps the job's areas when rank 0 is gone (calls that use stores).  The call's
+    failed exchange sweeps the job's areas when rank 0 is gone (calls that use stores).
+    ``route``: how the call moves its data, as its log line says (an object call names its
+    route once it is agreed).  The call's
     DEBUG line is logged when the block ends, unless a route still reads its parts
     (it logs it when the reading ends).
     """
@@ -146,6 +149,7 @@ def collective(
             bounded=bounded or timeout is not None,
             sweep=sweep,
         )
+        ctx.route = route
         try:
             yield ctx
         finally:
@@ -163,6 +167,7 @@ def run(
     sweep: bool = True,
     progress: bool | None = None,
     group: Any = None,
+    route: str = "control plane",
 ) -> T:
     """``body(ctx)`` of a collective (see ``collective``) on a job of several processes;
     ``serial()``, what a world of one returns, in a process without a process group."""
@@ -170,6 +175,12 @@ def run(
         _not_alone(what)
         return serial()
     with collective(
-        what, timeout=timeout, bounded=bounded, sweep=sweep, progress=progress, group=group
+        what,
+        timeout=timeout,
+        bounded=bounded,
+        sweep=sweep,
+        progress=progress,
+        group=group,
+        route=route,
     ) as ctx:
         return body(ctx)

@@ -46,6 +46,8 @@ _OPS = {
     "product": dist.ReduceOp.PRODUCT,
 }
 _warned: set[tuple[int, int]] = set()
+#: The route a tensor collective's log line names.
+_GROUP = "process group"
 
 
 def reduce_op_of(op: str) -> Any:
@@ -97,7 +99,7 @@ def barrier(timeout: Timeout = None) -> None:
             else:
                 dist.barrier()
 
-    run("barrier", body, lambda: None, timeout=timeout, bounded=False, sweep=False)
+    run("barrier", body, lambda: None, timeout=timeout, bounded=False, sweep=False, route=_GROUP)
 
 
 def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = None) -> Any:
@@ -143,7 +145,15 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
 
     if not isinstance(x, torch.Tensor) and not topology.is_distributed():
         return float(x) if mean else x
-    out = run("all_reduce", body, lambda: tensor, timeout=timeout, bounded=False, sweep=False)
+    out = run(
+        "all_reduce",
+        body,
+        lambda: tensor,
+        timeout=timeout,
+        bounded=False,
+        sweep=False,
+        route=_GROUP,
+    )
     if isinstance(x, torch.Tensor):
         return out
     return as_number(out.item(), as_int=isinstance(x, int) and not mean)
@@ -182,7 +192,15 @@ def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> t
         metas = [json.loads(m) for m in ctx.send(_meta(tensor))]
         return _gathered(ctx, tensor, metas)
 
-    return run("all_gather_tensor", body, tensor.clone, timeout=timeout, bounded=False, sweep=False)
+    return run(
+        "all_gather_tensor",
+        body,
+        tensor.clone,
+        timeout=timeout,
+        bounded=False,
+        sweep=False,
+        route=_GROUP,
+    )
 
 
 def _gathered(ctx: Context, tensor: torch.Tensor, metas: list[Any]) -> torch.Tensor:
@@ -245,7 +263,9 @@ def broadcast_tensor(
         ctx.run_op(functools.partial(dist.broadcast, buf, src=src, async_op=True))
         return buf.to(t.device if t is not None else dev)
 
-    return run("broadcast_tensor", body, serial, timeout=timeout, bounded=False, sweep=False)
+    return run(
+        "broadcast_tensor", body, serial, timeout=timeout, bounded=False, sweep=False, route=_GROUP
+    )
 
 
 def shared_random_seed() -> int:
