@@ -58,6 +58,7 @@ if _TYPE_CHECKING:
         gpu_mem_usage,
         is_distributed,
         is_main_process,
+        local_group,
     )
     from gatherstore.results.collect import collect_results
     from gatherstore.results.resultset import ResultSet
@@ -102,6 +103,7 @@ __all__ = [
     "is_distributed",
     "is_main_process",
     "launch",
+    "local_group",
     "one_rank_only",
     "open_store",
     "rank_zero_only",

@@ -54,6 +54,7 @@ __all__ = [
     "heartbeat_interval",
     "parse_duration",
     "parse_size",
+    "program_level",
     "progress",
     "read_ahead",
     "results_key",
@@ -371,10 +372,10 @@ def check_environment() -> None:
     for name in sorted(os.environ):
         if name.startswith("GATHERSTORE_") and name not in _warned and not _known(name):
             _warned.add(name)
-            warnings.warn(_unknown(name), UserWarning, stacklevel=_outside())
+            warnings.warn(_unknown(name), UserWarning, stacklevel=program_level())
 
 
-def _outside() -> int:
+def program_level() -> int:
     """The ``stacklevel`` of a warning made here that points at the program's own call:
     the first frame outside gatherstore (and the ``with`` machinery it calls through)."""
     level, frame = 1, sys._getframe(1)

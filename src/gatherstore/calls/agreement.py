@@ -135,7 +135,7 @@ class Agreement:
         )
         assert found is not None
         parts = None if raw is None else [_part_of(s) for s in raw]
-        route = settle(self.spec, found, what=ctx.what, nodes=topology.get_nnodes(), parts=parts)
+        route = settle(self.spec, found, what=ctx.what, nodes=topology.group_nodes(), parts=parts)
         if route is None:
             return None
         ctx.route, ctx.total = str(route), found.total
@@ -194,7 +194,7 @@ class Agreement:
         handed over), ``obj`` is a list worth sending in chunks, and ``"auto"`` would not
         send them across machines."""
         ctx = self.ctx
-        if chunk and not (self.spec == "auto" and topology.get_nnodes() > 1):
+        if chunk and not (self.spec == "auto" and topology.group_nodes() > 1):
             ctx.chunks = Chunks.first(obj)
         ctx.frame = ctx.chunks.head if ctx.chunks else codec.encode(obj)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gatherstore._config import Timeout
 from gatherstore._errors import MismatchError
-from gatherstore.calls.entry import check, run
+from gatherstore.calls.entry import check, group_rank, run
 from gatherstore.calls.tensors import as_number, comm_device, reduce_op_of
 from gatherstore.routes.context import Context
 
@@ -58,42 +58,54 @@ def _agree(values: dict[str, tuple[torch.Tensor, str]], ctx: Context) -> list[di
 
 
 def all_reduce_dict(
-    d: Mapping[str, Any], op: str = "mean", *, timeout: Timeout = None
+    d: Mapping[str, Any], op: str = "mean", *, group: Any = None, timeout: Timeout = None
 ) -> dict[str, Any]:
     """Reduce every value of ``d`` in one flattened collective, keys sorted.
 
     Values are tensors or numbers; each comes back in its own type and shape
     (numbers as in [`all_reduce`][gatherstore.all_reduce]; integer tensors as floating
-    point under "mean"), in a new dict with sorted keys.  ``timeout``: as in
-    [`all_reduce`][gatherstore.all_reduce].
+    point under "mean"), in a new dict with sorted keys.  ``group`` (None: the default
+    group) and ``timeout``: as in [`all_reduce`][gatherstore.all_reduce]; a rank outside
+    the group gets ``d`` back, in a new dict.
 
     Raises:
         ValueError: unknown ``op`` or a bad ``timeout``.
         MismatchError: ranks' keys or shapes differ (names them, on every rank).
         GatherTimeout / ProcessGroupError: as in [`all_reduce`][gatherstore.all_reduce].
     """
-    return _reduce_dict(d, op, dst=None, timeout=timeout)
+    return _reduce_dict(d, op, None, timeout, group)
 
 
 def reduce_dict(
-    d: Mapping[str, Any], average: bool = True, dst: int = 0, *, timeout: Timeout = None
+    d: Mapping[str, Any],
+    average: bool = True,
+    dst: int | None = None,
+    *,
+    group: Any = None,
+    group_dst: int | None = None,
+    timeout: Timeout = None,
 ) -> dict[str, Any]:
     """Reduce ``d`` onto ``dst`` (mean or sum); other ranks get ``d`` back unchanged.
 
-    ``timeout``: as in [`all_reduce`][gatherstore.all_reduce].
+    ``dst`` is a global rank, ``group_dst`` a rank within ``group`` (give one or the
+    other; neither: the group's first rank, rank 0 of the default group).  ``timeout``:
+    as in [`all_reduce`][gatherstore.all_reduce].
 
     Raises:
         MismatchError / GatherTimeout / ProcessGroupError: as
             [`all_reduce_dict`][gatherstore.all_reduce_dict].
     """
-    return _reduce_dict(d, "mean" if average else "sum", dst=dst, timeout=timeout)
+    check("reduce_dict", group=group)
+    root = group_rank("reduce_dict", group, ("dst", dst), ("group_dst", group_dst))
+    return _reduce_dict(d, "mean" if average else "sum", root, timeout, group)
 
 
 def _reduce_dict(
-    d: Mapping[str, Any], op: str, dst: int | None, timeout: Timeout
+    d: Mapping[str, Any], op: str, dst: int | None, timeout: Timeout, group: Any
 ) -> dict[str, Any]:
+    """``d`` reduced onto ``dst`` (a rank of ``group``; None: onto every rank)."""
     what = "all_reduce_dict" if dst is None else "reduce_dict"
-    check(what, timeout=timeout)
+    check(what, timeout=timeout, group=group)
     reduce_op = reduce_op_of(op)
     mean = op.lower() == "mean"
     keys = sorted(d)
@@ -108,10 +120,10 @@ def _reduce_dict(
             [t.reshape(-1).to(dev, _common_dtype(views, keys, mean)) for t, _ in values.values()]
         )
         if dst is None:
-            start = functools.partial(dist.all_reduce, flat, op=reduce_op, async_op=True)
+            start = functools.partial(dist.all_reduce, flat, op=reduce_op, group=group)
         else:
-            start = functools.partial(dist.reduce, flat, dst=dst, op=reduce_op, async_op=True)
-        ctx.run_op(start)
+            start = functools.partial(dist.reduce, flat, op=reduce_op, group=group, group_dst=dst)
+        ctx.run_op(functools.partial(start, async_op=True))
         if dst is not None and ctx.rank != dst:
             return views, None
         if mean:
@@ -126,7 +138,15 @@ def _reduce_dict(
         return views, torch.cat([t.reshape(-1).to(dtype) for t, _ in values.values()])
 
     views, flat = run(
-        what, body, serial, timeout=timeout, bounded=False, sweep=False, route="process group"
+        what,
+        body,
+        serial,
+        timeout=timeout,
+        bounded=False,
+        sweep=False,
+        route="process group",
+        group=group,
+        apart=lambda: ([], None),
     )
     if not keys:
         return {}

@@ -18,7 +18,7 @@ from typing import Any
 
 from gatherstore._config import AUTO_THRESHOLD, Timeout
 from gatherstore.calls.agreement import Agreement, Shape
-from gatherstore.calls.entry import check, run
+from gatherstore.calls.entry import check, group_rank, run
 from gatherstore.routes.context import Context
 from gatherstore.stores.base import Store
 
@@ -55,11 +55,17 @@ def own_copies(enabled: bool = True) -> Iterator[None]:
 def all_gather_object(
     obj: Any,
     *,
+    group: Any = None,
     store: str | Store | None = None,
     timeout: Timeout = None,
     progress: bool | None = None,
 ) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank.
+
+    ``group``: the process group to gather over (None: the default group), however it
+    was made (``new_group``, ``new_subgroups``, ``split_group``, a ``DeviceMesh``
+    dimension): the list then holds its members' objects in group-rank order.  On a rank
+    outside the group this returns None at once, as torch does (see "Process groups").
 
     This rank's own entry is ``obj`` itself, not a copy (unlike
     ``torch.distributed.all_gather_object``): a caller that reuses ``obj``'s memory
@@ -88,25 +94,33 @@ def all_gather_object(
         GatherTimeout: ranks that did not arrive in time (named).
         StoreNotSharedError / StoreUnavailableError / IntegrityError: store problems.
     """
-    check("all_gather_object", timeout=timeout, store=store, progress=progress)
+    check("all_gather_object", timeout=timeout, store=store, progress=progress, group=group)
 
     def body(ctx: Context) -> list[Any]:
         shape = Shape(range(ctx.world), copy_own=_own_copies.get(), inline=True)
         plan = Agreement(ctx, store).agree(lambda: obj, shape)
         return plan.route.all_gather(ctx, plan)
 
-    return run("all_gather_object", body, lambda: [obj], timeout=timeout, progress=progress)
+    return run(
+        "all_gather_object", body, lambda: [obj], timeout=timeout, progress=progress, group=group
+    )
 
 
 def gather_object(
     obj: Any,
-    dst: int = 0,
+    dst: int | None = None,
     *,
+    group: Any = None,
+    group_dst: int | None = None,
     store: str | Store | None = None,
     timeout: Timeout = None,
     progress: bool | None = None,
 ) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on ``dst``; None on the other ranks.
+
+    As in torch, ``dst`` is a global rank and ``group_dst`` a rank within ``group``
+    (give one or the other; neither: the group's first rank, rank 0 of the default
+    group); the list is in group-rank order.
 
     ``dst``'s own entry is ``obj`` itself, as in
     [`all_gather_object`][gatherstore.all_gather_object].
@@ -119,15 +133,19 @@ def gather_object(
             memory (raised on every rank before any data moves).
         GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
-    check("gather_object", timeout=timeout, store=store, rank=("dst", dst), progress=progress)
-    parts = gather_prepared(lambda: obj, dst, store, timeout, "gather_object", progress=progress)
+    what = "gather_object"
+    check(what, timeout=timeout, store=store, progress=progress, group=group)
+    root = group_rank(what, group, ("dst", dst), ("group_dst", group_dst))
+    parts = gather_prepared(lambda: obj, root, store, timeout, what, progress=progress, group=group)
     return None if parts is None else list(parts)
 
 
 def gather_iter(
     obj: Any,
-    dst: int = 0,
+    dst: int | None = None,
     *,
+    group: Any = None,
+    group_dst: int | None = None,
     store: str | Store | None = None,
     timeout: Timeout = None,
     progress: bool | None = None,
@@ -145,30 +163,26 @@ def gather_iter(
     the parts after it (default: ``GATHERSTORE_READ_AHEAD``, 32 MiB, at most 1/8
     of the free memory); a part larger than that is read when it is asked for.
     In one process, an iterator over ``[obj]``, never pickled (as in
-    [`all_gather_object`][gatherstore.all_gather_object]).
+    [`all_gather_object`][gatherstore.all_gather_object]).  ``group``, ``dst`` and
+    ``group_dst``: as in [`gather_object`][gatherstore.gather_object].
 
     Raises:
         ValueError: a negative ``read_ahead``, and the bad arguments of
             [`all_gather_object`][gatherstore.all_gather_object].
         GatherError: the errors of [`gather_object`][gatherstore.gather_object].
     """
-    check(
-        "gather_iter",
-        timeout=timeout,
-        store=store,
-        rank=("dst", dst),
-        progress=progress,
-        read_ahead=read_ahead,
-    )
+    what = "gather_iter"
+    check(what, timeout=timeout, store=store, progress=progress, read_ahead=read_ahead, group=group)
     parts = gather_prepared(
         lambda: obj,
-        dst,
+        group_rank(what, group, ("dst", dst), ("group_dst", group_dst)),
         store,
         timeout,
-        "gather_iter",
+        what,
         lazy=True,
         progress=progress,
         read_ahead=read_ahead,
+        group=group,
     )
     return iter(()) if parts is None else parts
 
@@ -182,10 +196,12 @@ def gather_prepared(
     lazy: bool = False,
     progress: bool | None = None,
     read_ahead: int | None = None,
+    group: Any = None,
 ) -> Iterator[Any] | None:
-    """The gather behind the public calls (their arguments checked): ``prepare()`` builds
-    each rank's object, and its exceptions are reported to every rank instead of raised
-    alone; serially, the one object ``prepare()`` builds."""
+    """The gather behind the public calls (their arguments checked, ``dst`` a rank of
+    ``group``): ``prepare()`` builds each rank's object, and its exceptions are reported
+    to every rank instead of raised alone; serially, the one object ``prepare()`` builds;
+    None on a rank outside ``group``."""
 
     def body(ctx: Context) -> Iterator[Any] | None:
         agreement = Agreement(ctx, store, root=dst, read_ahead=read_ahead, iterated=lazy)
@@ -201,15 +217,26 @@ def gather_prepared(
         plan = agreement.agree(prepare, shape)
         return plan.route.gather(ctx, plan, dst, lazy=lazy)
 
-    return run(what, body, lambda: iter([prepare()]), timeout=timeout, progress=progress)
+    return run(
+        what, body, lambda: iter([prepare()]), timeout=timeout, progress=progress, group=group
+    )
 
 
 def broadcast_object(
-    obj: Any = None, src: int = 0, *, store: str | Store | None = None, timeout: Timeout = None
+    obj: Any = None,
+    src: int | None = None,
+    *,
+    group: Any = None,
+    group_src: int | None = None,
+    store: str | Store | None = None,
+    timeout: Timeout = None,
 ) -> Any:
     """``src``'s ``obj`` on every rank (``src`` gets its own object back).
 
-    Other ranks' ``obj`` is ignored.  In one process, ``obj`` itself, never pickled (as in
+    Other ranks' ``obj`` is ignored.  ``src`` is a global rank, ``group_src`` a rank within
+    ``group`` (give one or the other; neither: the group's first rank).  On a rank outside
+    ``group``, ``obj`` comes back at once, untouched, as torch leaves its list.  In one
+    process, ``obj`` itself, never pickled (as in
     [`all_gather_object`][gatherstore.all_gather_object]).
 
     Raises:
@@ -218,12 +245,14 @@ def broadcast_object(
             available memory (raised on every rank before any data moves).
         GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
     """
-    check("broadcast_object", timeout=timeout, store=store, rank=("src", src))
+    what = "broadcast_object"
+    check(what, timeout=timeout, store=store, group=group)
+    root = group_rank(what, group, ("src", src), ("group_src", group_src))
 
     def body(ctx: Context) -> Any:
-        receivers = [r for r in range(ctx.world) if r != src]
-        shape = Shape(receivers, send=ctx.rank == src, full=())
-        plan = Agreement(ctx, store, root=src).agree(lambda: obj, shape)
-        return plan.route.broadcast(ctx, plan, src)
+        receivers = [r for r in range(ctx.world) if r != root]
+        shape = Shape(receivers, send=ctx.rank == root, full=())
+        plan = Agreement(ctx, store, root=root).agree(lambda: obj, shape)
+        return plan.route.broadcast(ctx, plan, root)
 
-    return run("broadcast_object", body, lambda: obj, timeout=timeout)
+    return run(what, body, lambda: obj, timeout=timeout, group=group, apart=lambda: obj)

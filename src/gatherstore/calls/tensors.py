@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from gatherstore._config import Timeout
 from gatherstore._errors import MismatchError
-from gatherstore.calls.entry import check, run
+from gatherstore.calls.entry import check, group_rank, run
 from gatherstore.job import topology
 from gatherstore.routes.context import Context, process_group
 
@@ -76,7 +76,7 @@ def comm_device() -> torch.device:
     return dev
 
 
-def barrier(timeout: Timeout = None) -> None:
+def barrier(timeout: Timeout = None, *, group: Any = None) -> None:
     """Wait until every rank arrives.
 
     Without a timeout this is the process group's barrier (``device_ids`` passed
@@ -87,7 +87,7 @@ def barrier(timeout: Timeout = None) -> None:
     Raises:
         GatherTimeout: with a timeout, naming the ranks that did not arrive.
     """
-    check("barrier", timeout=timeout)
+    check("barrier", timeout=timeout, group=group)
 
     def body(ctx: Context) -> None:
         if timeout is not None:
@@ -95,14 +95,16 @@ def barrier(timeout: Timeout = None) -> None:
             return
         with process_group("barrier"):
             if comm_device().type == "cuda":
-                dist.barrier(device_ids=[comm_device().index or 0])
+                dist.barrier(group=group, device_ids=[comm_device().index or 0])
             else:
-                dist.barrier()
+                dist.barrier(group=group)
 
-    run("barrier", body, lambda: None, timeout=timeout, bounded=False, sweep=False, route=_GROUP)
+    run("barrier", body, lambda: None, **_on(group, timeout))
 
 
-def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = None) -> Any:
+def all_reduce(
+    x: torch.Tensor | Number, op: str = "sum", *, group: Any = None, timeout: Timeout = None
+) -> Any:
     """Reduce ``x`` over all ranks; every rank gets the result.
 
     ``op`` is "sum", "mean", "max", "min" or "product".  A tensor comes back as
@@ -121,7 +123,7 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
         ProcessGroupError: the process group failed (or, with a timeout, the op did
             not finish in time).
     """
-    check("all_reduce", timeout=timeout)
+    check("all_reduce", timeout=timeout, group=group)
     reduce_op = reduce_op_of(op)
     mean = op.lower() == "mean"
     if isinstance(x, torch.Tensor):
@@ -137,7 +139,8 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
         if timeout is not None:
             ctx.arrive()
         moved = tensor.to(comm_device())
-        ctx.run_op(functools.partial(dist.all_reduce, moved, op=reduce_op, async_op=True))
+        reduce = functools.partial(dist.all_reduce, moved, op=reduce_op, group=group)
+        ctx.run_op(functools.partial(reduce, async_op=True))
         reduced = moved.to(tensor.device)
         if mean:
             reduced /= ctx.world
@@ -145,15 +148,7 @@ def all_reduce(x: torch.Tensor | Number, op: str = "sum", *, timeout: Timeout = 
 
     if not isinstance(x, torch.Tensor) and not topology.is_distributed():
         return float(x) if mean else x
-    out = run(
-        "all_reduce",
-        body,
-        lambda: tensor,
-        timeout=timeout,
-        bounded=False,
-        sweep=False,
-        route=_GROUP,
-    )
+    out = run("all_reduce", body, lambda: tensor, apart=lambda: tensor, **_on(group, timeout))
     if isinstance(x, torch.Tensor):
         return out
     return as_number(out.item(), as_int=isinstance(x, int) and not mean)
@@ -168,7 +163,9 @@ def _meta(t: torch.Tensor) -> bytes:
     return json.dumps([str(t.dtype), list(t.shape)]).encode()
 
 
-def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> torch.Tensor:
+def all_gather_tensor(
+    t: torch.Tensor | Number, *, group: Any = None, timeout: Timeout = None
+) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0; first dims may differ.
 
     A number or 0-d tensor counts as one element.  No padding is left in the
@@ -183,7 +180,7 @@ def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> t
         GatherTimeout: ranks that did not arrive within ``timeout``, named.
         ProcessGroupError: the process group failed, or the op did not finish in time.
     """
-    check("all_gather_tensor", timeout=timeout)
+    check("all_gather_tensor", timeout=timeout, group=group)
     tensor = torch.as_tensor(t)
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
@@ -192,15 +189,7 @@ def all_gather_tensor(t: torch.Tensor | Number, *, timeout: Timeout = None) -> t
         metas = [json.loads(m) for m in ctx.send(_meta(tensor))]
         return _gathered(ctx, tensor, metas)
 
-    return run(
-        "all_gather_tensor",
-        body,
-        tensor.clone,
-        timeout=timeout,
-        bounded=False,
-        sweep=False,
-        route=_GROUP,
-    )
+    return run("all_gather_tensor", body, tensor.clone, apart=tensor.clone, **_on(group, timeout))
 
 
 def _gathered(ctx: Context, tensor: torch.Tensor, metas: list[Any]) -> torch.Tensor:
@@ -225,12 +214,17 @@ def _gathered(ctx: Context, tensor: torch.Tensor, metas: list[Any]) -> torch.Ten
     padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=dev)
     padded[: tensor.shape[0]] = tensor
     slots = [torch.empty_like(padded) for _ in sizes]
-    ctx.run_op(functools.partial(dist.all_gather, slots, padded, async_op=True))
+    ctx.run_op(functools.partial(dist.all_gather, slots, padded, group=ctx.group, async_op=True))
     return torch.cat([s[:n] for s, n in zip(slots, sizes, strict=True)]).to(tensor.device)
 
 
 def broadcast_tensor(
-    t: torch.Tensor | None, src: int = 0, *, timeout: Timeout = None
+    t: torch.Tensor | None,
+    src: int | None = None,
+    *,
+    group: Any = None,
+    group_src: int | None = None,
+    timeout: Timeout = None,
 ) -> torch.Tensor:
     """``src``'s tensor on every rank; other ranks may pass None (shape travels too).
 
@@ -241,7 +235,8 @@ def broadcast_tensor(
         GatherTimeout / ProcessGroupError: as in
             [`all_gather_tensor`][gatherstore.all_gather_tensor].
     """
-    check("broadcast_tensor", timeout=timeout)
+    check("broadcast_tensor", timeout=timeout, group=group)
+    root = group_rank("broadcast_tensor", group, ("src", src), ("group_src", group_src))
 
     def serial() -> torch.Tensor:
         if t is None:
@@ -249,32 +244,43 @@ def broadcast_tensor(
         return t
 
     def body(ctx: Context) -> torch.Tensor:
-        payload = _meta(t) if ctx.rank == src and t is not None else b""
+        payload = _meta(t) if ctx.rank == root and t is not None else b""
         metas = ctx.send(payload)
-        if not metas[src]:
-            raise ValueError(f"broadcast_tensor: source rank {src} passed None; give it a tensor")
-        dtype_name, shape = json.loads(metas[src])
+        if not metas[root]:
+            raise ValueError(f"broadcast_tensor: source rank {root} passed None; give it a tensor")
+        dtype_name, shape = json.loads(metas[root])
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
         dev = comm_device()
-        if ctx.rank == src and t is not None:
+        if ctx.rank == root and t is not None:
             buf = t.detach().to(dev).contiguous()
         else:
             buf = torch.empty(shape, dtype=dtype, device=dev)
-        ctx.run_op(functools.partial(dist.broadcast, buf, src=src, async_op=True))
+        send = functools.partial(dist.broadcast, buf, group=group, group_src=root)
+        ctx.run_op(functools.partial(send, async_op=True))
         return buf.to(t.device if t is not None else dev)
 
-    return run(
-        "broadcast_tensor", body, serial, timeout=timeout, bounded=False, sweep=False, route=_GROUP
-    )
+    return run("broadcast_tensor", body, serial, apart=lambda: t, **_on(group, timeout))
 
 
-def shared_random_seed() -> int:
-    """A random integer in [0, 2**31), the same on every rank: rank 0's.
+def _on(group: Any, timeout: Timeout) -> dict[str, Any]:
+    """The entry's arguments of a tensor collective on ``group``: the process group's
+    own op, bounded only with a ``timeout``; no store to sweep."""
+    return {"timeout": timeout, "bounded": False, "sweep": False, "route": _GROUP, "group": group}
+
+
+def shared_random_seed(*, group: Any = None) -> int:
+    """A random integer in [0, 2**31), the same on every rank: rank 0's (of ``group``,
+    None: the default group; a rank outside it gets one of its own).
 
     Raises:
         GatherTimeout: ranks that did not arrive within ``GATHERSTORE_TIMEOUT``, named.
         MismatchError: ranks were in different gatherstore calls.
         RemoteRankError: the job's rendezvous store went away (its host ended).
     """
+    check("shared_random_seed", group=group)
     seed = random.SystemRandom().randrange(2**31)
-    return run("seed", lambda ctx: int(ctx.send(str(seed).encode())[0]), lambda: seed, sweep=False)
+
+    def body(ctx: Context) -> int:
+        return int(ctx.send(str(seed).encode())[0])
+
+    return run("seed", body, lambda: seed, sweep=False, group=group, apart=lambda: seed)

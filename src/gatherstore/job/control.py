@@ -49,9 +49,11 @@ from gatherstore.job.state import GroupState
 
 __all__ = [
     "bounded",
+    "call_id",
     "exchange",
     "exchange_summary",
     "hosts",
+    "hosts_store",
     "is_initialized",
     "launcher_hosts_store",
     "outlive_readers",
@@ -121,21 +123,24 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _current() -> GroupState:
-    """The job's state, with its control store set up (see ``gatherstore.job.state``)."""
-    state = job.group_state()
+def _current(group: Any = None) -> GroupState:
+    """The current group's state (see ``gatherstore.job.state``), with its control store
+    set up: the default group's keys under ``gatherstore/``, another group's under a
+    prefix of its own, so that groups never read each other's keys."""
+    state = job.group_state(group)
     if state.control_store is None:
         base = dist.distributed_c10d._get_default_store()
-        store = dist.PrefixStore("gatherstore", base)  # type: ignore[attr-defined]
+        prefix = "gatherstore" if state.is_default else f"gatherstore/group/{state.name}"
+        store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
         # where this rank runs, for the layout (see hosts()): published at its first use
         # of the control plane, outside the exchanges' steps
-        store.set(f"{_HOSTS}{dist.get_rank()}", socket.gethostname())
+        store.set(f"{_HOSTS}{state.rank}", socket.gethostname())
         state.control_store, state.step = store, 0
     return state
 
 
-def hosts(timeout: float) -> list[str]:
-    """Every rank's hostname, in rank order.
+def hosts(timeout: float, group: Any = None) -> list[str]:
+    """Every rank's hostname, in rank order, in ``group`` (None: the current group).
 
     Each rank publishes its own at its first use of the control plane (init, or its
     first gatherstore collective), outside the exchanges' numbered steps: a rank
@@ -145,8 +150,8 @@ def hosts(timeout: float) -> list[str]:
     Raises:
         GatherTimeout: some ranks did not publish within ``timeout`` s (named).
     """
-    store, world = _current().control_store, dist.get_world_size()
-    keys = [f"{_HOSTS}{r}" for r in range(world)]
+    state = _current(group)
+    store, keys = state.control_store, [f"{_HOSTS}{r}" for r in range(state.size)]
 
     def read() -> list[str]:
         try:
@@ -168,6 +173,13 @@ def step() -> int:
     return _current().step
 
 
+def call_id() -> str:
+    """A name of the current call, the same on every rank of its group and unique in the
+    job: its group's name and step (see ``step``)."""
+    state = _current()
+    return f"{state.name}:{state.step}" if state.name else str(state.step)
+
+
 def store() -> Any:
     """The job's rendezvous store, under gatherstore's own key prefix."""
     return _current().control_store
@@ -181,10 +193,9 @@ def bounded(run: Callable[[], Any], timeout: float, what: str) -> Any:
     Raises:
         GatherTimeout: the store's host did not answer in time.
     """
-    hosts = not launcher_hosts_store()
-    if hosts and dist.get_rank() == 0:
+    if hosts_store():
         return run()
-    return _bounded(run, timeout, what, hosts)
+    return _bounded(run, timeout, what, not launcher_hosts_store())
 
 
 def exchange(
@@ -225,12 +236,14 @@ def exchange_summary(
     and no summary.  Raises as ``exchange`` does; a ``GatherTimeout`` names the timeout
     ``named`` (the call's own, of which this wait is what is left), else ``timeout``.
     """
-    if not is_initialized() or dist.get_world_size() == 1:
+    if not is_initialized() or job.group_state().size == 1:
         return [payload], summary_of(summarize, [payload])
     state = _current()
     state.step += 1
     labelled = _label(what) + b"\0" + payload
-    rank, hosts = dist.get_rank(), not launcher_hosts_store()
+    # whether the group's rank 0 is the process that hosts the store, and must not
+    # leave before the others read (see gatherstore.job.exchange.exchange_on)
+    rank, hosts = state.rank, not launcher_hosts_store() and state.ranks[0] == 0
 
     def summarize_labelled(values: list[bytes]) -> bytes | None:
         labels, payloads = _split(values)
@@ -241,7 +254,7 @@ def exchange_summary(
             state.control_store,
             f"{state.step}/",
             rank,
-            dist.get_world_size(),
+            state.size,
             labelled,
             timeout=timeout,
             rank0_hosts=hosts,
@@ -250,8 +263,10 @@ def exchange_summary(
         )
 
     try:
-        # rank 0 hosting the store cannot wait on a frozen host: itself
-        outcome: Outcome = run() if rank == 0 and hosts else _bounded(run, timeout, what, hosts)
+        # the rank hosting the store cannot wait on a frozen host: itself
+        outcome: Outcome = (
+            run() if hosts_store() else _bounded(run, timeout, what, not launcher_hosts_store())
+        )
     except RuntimeError as exc:
         raise RemoteRankError(
             0,
@@ -346,6 +361,12 @@ def _let_waits_end() -> None:
 
 
 os.register_at_fork(after_in_child=_waiting.clear)  # the threads did not come along
+
+
+def hosts_store() -> bool:
+    """Whether this process hosts the job's rendezvous store (global rank 0, unless a
+    launcher's process does)."""
+    return not launcher_hosts_store() and dist.get_rank() == 0
 
 
 def launcher_hosts_store() -> bool:

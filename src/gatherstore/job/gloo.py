@@ -63,16 +63,22 @@ _HOW_ON = (
 
 
 def group() -> Any:
-    """A gloo group of gatherstore's own, created once per default group.
+    """A gloo group of gatherstore's own beside the current process group, made once per
+    group: for the default group, a group of every rank; for another, a gloo twin of its
+    members only, rendezvoused under the group's own keys (no other rank takes part, and
+    ranks are the group's ranks).
 
-    Creating it is itself a collective: every rank must reach it together
-    (``launch`` and ``init_from_env`` create it eagerly).
+    Creating it is itself a collective of the group's members: each must reach it
+    together (``launch`` and ``init_from_env`` create the default group's eagerly).
     """
     state = job.group_state()
     if state.gloo_group is None:
-        state.gloo_group = dist.new_group(
-            backend="gloo", timeout=_dt.timedelta(seconds=DEFAULT_TIMEOUT)
-        )
+        timeout = _dt.timedelta(seconds=DEFAULT_TIMEOUT)
+        if state.is_default:
+            state.gloo_group = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            rendezvous = dist.PrefixStore("gloo/", control.store())  # type: ignore[attr-defined]
+            state.gloo_group = dist.ProcessGroupGloo(rendezvous, state.rank, state.size, timeout)
     return state.gloo_group
 
 

@@ -37,6 +37,7 @@ from gatherstore._errors import (
 from gatherstore._time import Deadline
 from gatherstore.job import control, gloo, heartbeat, signals
 from gatherstore.job import published as publication
+from gatherstore.job import state as job
 from gatherstore.job.report import failure, raise_failures, status
 from gatherstore.job.state import JobStores
 from gatherstore.stores.base import Store
@@ -70,7 +71,8 @@ class JobSession:
     store: Store
     key: bytes | None = field(repr=False)  # the signing key: never in a repr or a log
     calls: int = 0
-    published: str = ""  # key of this area on the launcher's store (rank 0 only)
+    published: str = ""  # key of this area on the launcher's store (its creator only)
+    owner: bool = False  # whether this rank created the area (its group's rank 0)
 
     def next_call(self) -> str:
         """A key prefix unique to this (job, call); identical on every rank."""
@@ -92,12 +94,13 @@ def session_for(store: Store, timeout: float) -> JobSession:
         StoreNotSharedError: some ranks cannot see rank 0's marker.
         RemoteRankError: rank 0 could not prepare the store.
     """
-    sessions = STORES.for_group(dist.group.WORLD)  # keyed by store equality
-    cached = sessions.get(store)
+    group = job.group_state()
+    sessions = STORES.for_group(dist.group.WORLD)  # keyed by group and store equality
+    cached = sessions.get((group.name, store))
     if cached is not None:
         heartbeat.on_call(cached.locator)  # rank 0 shows gc the job is alive
         return cached
-    rank = dist.get_rank()
+    rank = group.rank
     limit = Deadline.start(timeout)
     answer, error = status(True), None
     if rank == 0:
@@ -110,9 +113,9 @@ def session_for(store: Store, timeout: float) -> JobSession:
             answer, error = failure(exc), exc
     reply = json.loads(control.exchange(answer, timeout=limit.left(), what="store setup")[0])
     raise_failures([reply], f"setting up store {store}", error)
-    job = store.join_job(reply["locator"])
-    session = JobSession(store, reply["locator"], job, None)
-    missed = "" if rank == 0 else _misses_marker(job, timeout)
+    job_store = store.join_job(reply["locator"])
+    session = JobSession(store, reply["locator"], job_store, None, owner=rank == 0)
+    missed = "" if rank == 0 else _misses_marker(job_store, timeout)
     flags = control.exchange(missed.encode(), timeout=limit.left(), what="store check")
     blind = [r for r, flag in enumerate(flags) if flag]
     if blind:
@@ -127,9 +130,9 @@ def session_for(store: Store, timeout: float) -> JobSession:
             ranks=blind,
             store=str(store),
         )
-    if job.sign_parts:
+    if job_store.sign_parts:
         session.key = _shared_key(limit)
-    sessions[store] = session
+    sessions[group.name, store] = session
     # a stopped job removes its areas (where the program has no handler); gs.launch and
     # init_from_env installed this already, here it covers groups the program created
     signals.install(abandon)
@@ -218,12 +221,12 @@ def last_timeout() -> float | None:
 
 
 def end_sessions() -> None:
-    """Remove every job area this rank 0 created (called by ``shutdown``)."""
+    """Remove every job area this rank created (its group's rank 0; called by ``shutdown``)."""
     sessions = STORES.forget_sessions()
-    if control.is_initialized() and dist.get_rank() == 0:
-        for session in sessions.values():
+    for session in sessions.values():
+        if session.owner:
             _end(session)
-        atexit.unregister(_end)
+    atexit.unregister(_end)
 
 
 def after_failure(exc: BaseException, *, late_counts: bool = True) -> None:
@@ -238,17 +241,18 @@ def after_failure(exc: BaseException, *, late_counts: bool = True) -> None:
     gone = isinstance(exc, RemoteRankError) and exc.rank == 0 and isinstance(cause, RuntimeError)
     late = late_counts and isinstance(exc, GatherTimeout) and 0 in exc.ranks
     if late or (gone and not isinstance(cause, GatherError)):
-        abandon()
+        abandon(job.group_state().name)
 
 
-def abandon() -> None:
-    """Remove every job area this job uses, from any rank, and forget them.
+def abandon(group: str | None = None) -> None:
+    """Remove every job area this job uses (or only those of the group named ``group``,
+    see ``GroupState.name``), from any rank, and forget them.
 
     For a job that is being stopped, or whose rank 0 (the areas' creator) is
     gone: whoever outlives the creator sweeps.  Safe to run on several ranks
     at once and from a thread.
     """
-    for session in list(STORES.forget_sessions().values()):
+    for session in list(STORES.forget_sessions(group).values()):
         # not the rendezvous store: its one client may be blocked in the main thread
         _end(session, unpublish=False)
     atexit.unregister(_end)

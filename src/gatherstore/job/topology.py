@@ -33,10 +33,12 @@ __all__ = [
     "get_node_rank",
     "get_rank",
     "get_world_size",
+    "group_nodes",
     "gpu_mem_usage",
     "is_distributed",
     "is_main_process",
     "launched_as",
+    "local_group",
 ]
 
 
@@ -90,14 +92,28 @@ def launched_as() -> tuple[int, str] | None:
     return None
 
 
-def get_world_size() -> int:
-    """Number of processes in the job (1 without a process group)."""
-    return dist.get_world_size() if is_distributed() else 1
+def get_world_size(group: Any = None) -> int:
+    """Number of processes in the job (1 without a process group), or in ``group``.
+
+    Args:
+        group: a process group (None: the default group).  As in torch, -1 on a rank
+            outside it.
+    """
+    if not is_distributed():
+        return 1
+    return dist.get_world_size() if group is None else dist.get_world_size(group)
 
 
-def get_rank() -> int:
-    """This process's global rank (0 without a process group)."""
-    return dist.get_rank() if is_distributed() else 0
+def get_rank(group: Any = None) -> int:
+    """This process's global rank (0 without a process group), or its rank in ``group``.
+
+    Args:
+        group: a process group (None: the default group).  As in torch, -1 on a rank
+            outside it.
+    """
+    if not is_distributed():
+        return 0
+    return dist.get_rank() if group is None else dist.get_rank(group)
 
 
 def is_main_process() -> bool:
@@ -209,7 +225,7 @@ def describe() -> dict[str, Any]:
 def _layout() -> _Layout:
     if not is_distributed():
         return _Layout(0, 1, 0, 1)
-    state = job.group_state()
+    state = job.group_state(dist.group.WORLD)
     if state.layout is None:
         state.layout = _from_env() or _from_hostnames()
     layout: _Layout = state.layout
@@ -245,12 +261,47 @@ def _from_env() -> _Layout | None:
 
 def _from_hostnames() -> _Layout:
     """Group ranks by hostname: nodes numbered in order of their lowest rank."""
-    hosts = control.hosts(DEFAULT_TIMEOUT)
+    hosts = control.hosts(DEFAULT_TIMEOUT, dist.group.WORLD)
     nodes = list(dict.fromkeys(hosts))
     rank = dist.get_rank()
     mine = hosts[rank]
     peers = [r for r, h in enumerate(hosts) if h == mine]
     return _Layout(peers.index(rank), len(peers), nodes.index(mine), len(nodes))
+
+
+def local_group() -> Any:
+    """The process group of the ranks on this machine (None without a process group).
+
+    Made once, on first use, from the ranks' hostnames: that first call is a collective
+    of the whole job (every rank makes its machine's group, as ``new_subgroups`` needs),
+    later calls return it at once.  Pass it as ``group=`` to gather within each machine,
+    as detectron2's ``create_local_process_group`` does.
+
+    Example:
+        >>> parts = gs.gather_object(preds, group=gs.local_group())  # doctest: +SKIP
+    """
+    if not is_distributed():
+        return None
+    state = job.group_state(dist.group.WORLD)
+    if state.local is None:
+        hosts = control.hosts(DEFAULT_TIMEOUT, dist.group.WORLD)
+        nodes = [[r for r, h in enumerate(hosts) if h == node] for node in dict.fromkeys(hosts)]
+        state.local, _ = dist.new_subgroups_by_enumeration(nodes)
+    return state.local
+
+
+def group_nodes() -> int:
+    """How many machines the current group (see ``gatherstore.job.state.using``) spans:
+    the job's node count for the default group; for another, its members' hostnames
+    counted once (they published them at their first use of the group)."""
+    if not is_distributed():
+        return 1
+    state = job.group_state()
+    if state.is_default:
+        return get_nnodes()
+    if not state.nodes:
+        state.nodes = len(set(control.hosts(DEFAULT_TIMEOUT)))
+    return state.nodes
 
 
 def settle() -> None:

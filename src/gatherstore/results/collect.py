@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gatherstore._config import Timeout
-from gatherstore.calls.entry import check
+from gatherstore.calls.entry import check, group_rank, outside
 from gatherstore.calls.objects import gather_prepared
 from gatherstore.results.sampling import Order, by_index, check_results, ordered
 from gatherstore.stores.base import Store
@@ -20,7 +20,9 @@ def collect_results(
     *,
     order: Order = "interleaved",
     indices: Sequence[int] | None = None,
-    dst: int = 0,
+    dst: int | None = None,
+    group: Any = None,
+    group_dst: int | None = None,
     store: str | Store | None = None,
     timeout: Timeout = None,
     progress: bool | None = None,
@@ -36,6 +38,11 @@ def collect_results(
     arrive on ``dst`` (None: when stderr is a terminal and the gather is long, or
     as ``GATHERSTORE_PROGRESS=0/1`` says).
 
+    ``group``: gather over that process group's members (None: the default group), the
+    shards in group-rank order; ``dst`` is a global rank and ``group_dst`` a rank within
+    the group (give one or the other; neither: its first rank).  A rank outside the group
+    gets None at once.
+
     With ``resume`` (a [`ResultSet`][gatherstore.ResultSet] name, in ``store``, which
     must outlive the job), the results are kept in that set under their dataset
     indices as well, and ``dst`` gets every index below ``size`` from this run or
@@ -47,17 +54,22 @@ def collect_results(
             dataset index no rank returned (with ``resume``: no run stored).
         GatherError: with ``resume``, the errors of [`ResultSet`][gatherstore.ResultSet].
     """
+    what = "collect_results"
+    check(what, timeout=timeout, store=store, progress=progress, group=group)
+    root = group_rank(what, group, ("dst", dst), ("group_dst", group_dst))
     if resume is not None:
         from gatherstore.results.collect_into import collect_into
 
-        return collect_into(resume, results, size, order, indices, dst, store, timeout)
+        if outside(what, group):
+            return None
+        into = (resume, results, size, order, indices, root, store, timeout)
+        return collect_into(*into, group=group)
 
     def payload() -> Any:
         check_results(results, indices, order)
         return (list(results), [int(i) for i in indices] if indices is not None else None)
 
-    check("collect_results", timeout=timeout, store=store, rank=("dst", dst), progress=progress)
-    gathered = gather_prepared(payload, dst, store, timeout, "collect_results", progress=progress)
+    gathered = gather_prepared(payload, root, store, timeout, what, progress=progress, group=group)
     if gathered is None:
         return None
     parts = list(gathered)

@@ -36,7 +36,7 @@ def finish(rs: ResultSet, size: int | None, dst: int, timeout: Timeout) -> list[
     """
     if size is not None:
         _no_gaps(rs.pending(range(size), timeout=timeout), size)
-    pairs = rs.gather(dst, timeout=timeout, keys=True)
+    pairs = rs.gather(group_dst=dst, timeout=timeout, keys=True)
     if pairs is None:
         return None
     found = {k: v for k, v in pairs if type(k) is int and k >= 0}
@@ -64,15 +64,18 @@ def collect_into(
     dst: int,
     store: str | Store | None,
     timeout: Timeout,
+    *,
+    group: Any = None,
 ) -> list[Any] | None:
-    """``collect_results(results, size, ..., resume=name)``: see the module's docstring.
+    """``collect_results(results, size, ..., resume=name)``: see the module's docstring
+    (``dst``: a rank of ``group``).
 
     Raises:
         ValueError: bad arguments (on every rank), or missing indices (see ``finish``).
         and the errors of ``ResultSet``.
     """
-    with ResultSet(name, store=store, timeout=timeout) as rs:
-        with collective("collect_results", timeout=timeout) as call:
+    with ResultSet(name, store=store, timeout=timeout, group=group) as rs:
+        with collective("collect_results", timeout=timeout, group=group) as call:
             mine = len(results) if isinstance(results, Sequence) else 0
             counts = [int(n) for n in call.send(str(mine).encode())]
 
@@ -105,7 +108,8 @@ def settle(
     """
     with rs:
         if report:
-            with collective(f"result set {rs.name!r} (collect)", timeout=timeout) as call:
+            what = f"result set {rs.name!r} (collect)"
+            with collective(what, timeout=timeout, group=rs.group) as call:
                 call.agree(lambda: _raise(failed))
         return finish(rs, size, dst, timeout)
 

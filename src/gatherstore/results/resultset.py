@@ -26,7 +26,7 @@ from gatherstore._errors import (
     StoreNotSharedError,
 )
 from gatherstore._time import deadline
-from gatherstore.calls.entry import check, collective
+from gatherstore.calls.entry import check, collective, group_rank, outside
 from gatherstore.results import admin, job, layout, lifetime, lock, merge, order, signing, writer
 from gatherstore.results.read import SetReader
 from gatherstore.routes.context import Context
@@ -61,6 +61,10 @@ class ResultSet:
     same for every job that opens the set.  ``timeout`` bounds each collective (default:
     ``GATHERSTORE_TIMEOUT``).
 
+    ``group``: a set belongs to one process group (None: the default group), whose
+    members open it, add to it and gather it together; ranks are the group's ranks.  A
+    rank outside the group cannot open it to write (``ValueError``).
+
     ``mode="r"`` opens the set to read on this process alone, without a collective and
     while a job writes it: [`items`][gatherstore.ResultSet.items] and
     [`export`][gatherstore.ResultSet.export] read what its writers flushed; a set that
@@ -94,19 +98,28 @@ class ResultSet:
         flush_every: Any = None,
         timeout: Timeout = None,
         mode: str = "w",
+        group: Any = None,
     ) -> None:
         if mode not in ("w", "r"):
             raise ValueError(f"mode={mode!r}: give 'w' (every rank writes) or 'r' (read here)")
         self._timeout = to_seconds(timeout)
         self._what = f"result set {name!r}"
-        self._rank = job.rank()
+        check(self._what, group=group)
+        if outside(self._what, group):
+            raise ValueError(
+                f"{self._what}: this rank (global rank {job.rank()}) is not in the group the "
+                "set is opened on: open it on the group's members only (or pass mode='r' to "
+                "read it)"
+            )
+        self._group = group if mode == "w" else None
+        self._rank = job.rank(self._group)
         self._held: lock.Held | None = None
         self._closed = False
         self._writer: writer.Writer | None = None
         if mode == "r":
             self._open_to_read(name, store, key)
             return
-        with collective(f"ResultSet({name!r})", timeout=self._timeout) as call:
+        with collective(f"ResultSet({name!r})", timeout=self._timeout, group=group) as call:
             # what each rank reads of its arguments and settings, checked on every rank at once
             policy = call.agree(lambda: self._arguments(name, store, key, flush_every))
             assert policy is not None
@@ -132,6 +145,11 @@ class ResultSet:
             self.close()
         elif not self._closed:
             self._end()
+
+    @property
+    def group(self) -> Any:
+        """The process group the set is open on (None: the default group)."""
+        return self._group
 
     def __repr__(self) -> str:
         state = f"run {self._run}" if self._writer is not None else "open to read"
@@ -173,7 +191,9 @@ class ResultSet:
     def _open_on_root(self) -> bytes:
         meta = layout.open_meta(self._store, self._key, create=True)
         assert meta is not None
-        self._held = lock.acquire(self._store, f"{self._what} in {self._base}", job.world_size())
+        self._held = lock.acquire(
+            self._store, f"{self._what} in {self._base}", job.world_size(self._group)
+        )
         return json.dumps({"uid": meta.uid, "run": self._held.run}).encode()
 
     def _check_meta(self) -> None:
@@ -244,7 +264,7 @@ class ResultSet:
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         self._writing("pending")
-        with collective(f"{self._what}.pending", timeout=self._seconds(timeout)) as call:
+        with collective(f"{self._what}.pending", **self._call(timeout)) as call:
             wanted = call.agree(lambda: self._flushed(order.sort_keys(keys), call))
             assert wanted is not None
             digests = call.send(order.digest(wanted).encode())
@@ -272,14 +292,20 @@ class ResultSet:
         return np.packbits(order.stored_mask(wanted, stored)).tobytes()
 
     def gather(
-        self, dst: int = 0, *, timeout: Timeout = None, keys: bool = False
+        self,
+        dst: int | None = None,
+        *,
+        group_dst: int | None = None,
+        timeout: Timeout = None,
+        keys: bool = False,
     ) -> list[Any] | None:
         """Every stored value, each key once, in key order, on ``dst``; None elsewhere
         (a collective).  Every rank's buffered values are written first.  With ``keys``,
-        (key, value) pairs.
+        (key, value) pairs.  ``dst`` is a global rank, ``group_dst`` a rank within the
+        set's group (give one or the other; neither: its first rank).
 
         Raises:
-            ValueError: ``dst`` is not a rank of the job.
+            ValueError: ``dst`` is not a rank of the set's group.
             InsufficientMemoryError: the values would not fit in ``dst``'s memory (raised on
                 every rank before any is read; use [`items`][gatherstore.ResultSet.items]
                 or [`export`][gatherstore.ResultSet.export]).
@@ -289,12 +315,13 @@ class ResultSet:
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         what = f"{self._what}.gather"
-        check(what, timeout=timeout, rank=("dst", dst))
+        check(what, timeout=timeout)
+        root = group_rank(what, self._group, ("dst", dst), ("group_dst", group_dst))
         written = self._writing("gather")
-        with collective(what, timeout=self._seconds(timeout)) as call:
+        with collective(what, **self._call(timeout)) as call:
             call.agree(lambda: written.flush(call.deadline.left()))
             planned: dict[str, Any] = {}
-            plan = json.loads(call.from_root(lambda: self._plan(planned), root=dst))
+            plan = json.loads(call.from_root(lambda: self._plan(planned), root=root))
             if plan["short"]:
                 raise InsufficientMemoryError(plan["short"])
             if "infos" not in planned:
@@ -328,7 +355,7 @@ class ResultSet:
             RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
         """
         self._writing("discard")
-        with collective(f"{self._what}.discard", timeout=self._seconds(timeout)) as call:
+        with collective(f"{self._what}.discard", **self._call(timeout)) as call:
             self._stop(drop=True)
             call.agree(lambda: None)
             call.agree(self._remove, root=0)
@@ -352,7 +379,7 @@ class ResultSet:
             self._closed = True
             return
         written = self._writer
-        with collective(f"{self._what}.close", timeout=self._seconds(timeout)) as call:
+        with collective(f"{self._what}.close", **self._call(timeout)) as call:
             call.agree(lambda: written.flush(call.deadline.left()))
             self._stop()
             call.agree(self._release, root=0)
@@ -420,6 +447,10 @@ class ResultSet:
     # --- helpers ---------------------------------------------------------------------------
     def _reader(self) -> SetReader:
         return SetReader(self._store, self._key, self._uid, self._what)
+
+    def _call(self, timeout: Timeout) -> dict[str, Any]:
+        """The arguments of one of the set's collectives: its timeout, the set's group."""
+        return {"timeout": self._seconds(timeout), "group": self._group}
 
     def _seconds(self, timeout: Timeout) -> float:
         return self._timeout if timeout is None else to_seconds(timeout)

@@ -44,8 +44,12 @@ class Context:
         progress: bool | None = None,
         bounded: bool = True,
         sweep: bool = True,
+        group: Any = None,
     ) -> None:
         self.what, self.rank, self.world = what, rank, world
+        #: The process group the call runs on (None: the default group); ``rank`` and
+        #: ``world`` are this rank's rank in it and its size.
+        self.group = group
         self.deadline, self.progress = deadline, progress
         #: Whether the process group's own ops end by the deadline (a tensor collective
         #: without a timeout waits for them as long as the process group does).

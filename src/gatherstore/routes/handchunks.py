@@ -447,7 +447,7 @@ class ChunkedRoute(handover.HandoverRoute):
         return f"{super().__str__()} in chunks"
 
     def gather(self, ctx: Context, plan: Plan, dst: int, *, lazy: bool) -> Iterator[Any] | None:
-        call_id = str(control.step())
+        call_id = control.call_id()
         if ctx.rank != dst:
 
             def send(frame: codec.Frame) -> bool:

@@ -46,8 +46,6 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from gatherstore import _config as config
 from gatherstore import codec
 from gatherstore._errors import GatherError, GatherTimeout, IntegrityError, ranks_named
@@ -87,9 +85,9 @@ _log = logging.getLogger("gatherstore")
 
 
 class _Listener:
-    """The socket on which this process takes the parts other ranks hand it, one per
-    process group (a new group gets a new socket: nothing sent to an earlier group's
-    reaches it)."""
+    """The socket on which this process takes the parts other ranks hand it: one per
+    process, published in each group it gathers in (a new default group gets a new
+    socket: nothing sent to an earlier one's reaches it)."""
 
     def __init__(self) -> None:
         self.name = f"\0gatherstore-{os.getpid()}-{secrets.token_hex(8)}".encode()
@@ -193,24 +191,22 @@ def token(timeout: float) -> str:
         return ""
     with _lock:
         state = job.group_state()
-        if _listener is not None and state.handover == _listener.name:
-            _listener.drop()
-            return _listener.token
-        if _listener is not None:  # an earlier group's
-            _listener.close()
+        if _listener is not None and state.is_default and state.handover != _listener.name:
+            _listener.close()  # a new default group: nothing sent to the earlier one's
             _listener = None
-        try:
-            listener = _Listener()
-        except OSError as exc:
-            _log.debug("gatherstore: parts are not handed over here: %s", exc)
-            return ""
-        key = f"{_KEY}{dist.get_rank()}"
-        try:
+        if _listener is not None:
+            _listener.drop()
+        else:
+            try:
+                _listener = _Listener()
+            except OSError as exc:
+                _log.debug("gatherstore: parts are not handed over here: %s", exc)
+                return ""
+        listener = _listener
+        if state.handover != listener.name:  # a group it is not published in yet
+            key = f"{_KEY}{state.rank}"
             control.bounded(lambda: control.store().set(key, listener.name), timeout, "handover")
-        except BaseException:
-            listener.close()
-            raise
-        state.handover, _listener = listener.name, listener
+            state.handover = listener.name
         return listener.token
 
 
@@ -276,7 +272,7 @@ def hand(
         GatherError: a reader's socket is gone (its process ended) or belongs to another
             user; the memfd could not be made (e.g. out of memory).
     """
-    head = json.dumps({"call": call_id, "rank": dist.get_rank()}).encode()
+    head = json.dumps({"call": call_id, "rank": job.group_state().rank}).encode()
     fd = sealed(frame, bind)
     try:
         for reader in readers:
@@ -294,7 +290,7 @@ def sealed(frame: codec.Frame, bind: bytes) -> int:
         GatherError: the memfd could not be made or filled (e.g. out of memory).
     """
     try:
-        fd = os.memfd_create(f"gatherstore-part-{dist.get_rank()}", _MEMFD)
+        fd = os.memfd_create(f"gatherstore-part-{os.getpid()}", _MEMFD)
     except OSError as exc:
         raise _unwritten(frame, exc) from exc
     try:
@@ -478,7 +474,7 @@ class HandoverRoute(Route):
     def _hand(self, ctx: Context, readers: Sequence[int]) -> str:
         """Hand this rank's part to ``readers``; confirm every rank's handover.  The call's
         id: the control plane's step, the same on every rank after the plan's exchange."""
-        call_id = str(control.step())
+        call_id = control.call_id()
 
         def send(frame: codec.Frame) -> bool:
             if not readers:

@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gatherstore import _config as config
 from gatherstore import codec
 from gatherstore._errors import GatherError, GatherTimeout, RemoteRankError, seconds
 from gatherstore._time import Deadline
 from gatherstore.job import control, gloo
+from gatherstore.job import state as job
 from gatherstore.routes.base import Plan, Route
 from gatherstore.routes.context import Context
 from gatherstore.routes.halt import RELEASE_GRACE, Halt
@@ -136,14 +136,14 @@ def send(
         GatherTimeout: ``dst`` did not take a chunk before ``deadline``.
         RemoteRankError: ``dst``'s connection closed.
     """
-    rank = dist.get_rank()
+    rank = job.group_state().rank
     for chunk in _chunks(segments, size):
         if not halt.claim(rank):
             return halt.reason(rank)
         # dst may be stopping for another rank's sake: it then takes this chunk, or (after
         # a timeout of its own) closes the connection and says why on the store
         late = f"did not take the part of rank {rank}"
-        post = functools.partial(dist.isend, chunk, dst, group=group)
+        post = functools.partial(group.send, [chunk], dst, 0)
         try:
             _wait(post, dst, deadline.later(RELEASE_GRACE), what, late)
         except GatherError:
@@ -169,7 +169,7 @@ def receive(
     part = bytearray(size)
     late = "did not stream its part of the call"
     for piece in _into(part):
-        post = functools.partial(dist.irecv, piece, rank, group=group)
+        post = functools.partial(group.recv, [piece], rank, 0)
         _wait(post, rank, deadline, what, late)
         taken[rank] += 1
     return part
@@ -194,7 +194,8 @@ def broadcast_chunked(
     pieces = _chunks(segments, size) if segments is not None else _into(part or bytearray())
     late = "did not stream its part of the call"
     for piece in pieces:
-        post = functools.partial(dist.broadcast, piece, src, group=group, async_op=True)
+        left = _dt.timedelta(seconds=max(deadline.left(), 0.001))
+        post = functools.partial(gloo.broadcast_op(piece, src), group, left)
         _wait(post, src, deadline, what, late)
     return part
 
@@ -340,7 +341,7 @@ def _release(
                 continue
             for _ in range(count - taken[rank]):
                 size = min(CHUNK, sizes[rank] - taken[rank] * CHUNK)
-                post = functools.partial(dist.irecv, scratch[:size], rank, group=group)
+                post = functools.partial(group.recv, [scratch[:size]], rank, 0)
                 late = "did not finish the chunk it had in flight"
                 _wait(post, rank, deadline, ctx.what, late)
                 taken[rank] += 1
