@@ -169,3 +169,22 @@ def counted(count: int, noun: str) -> str:
 def ranks_named(ranks: Sequence[int]) -> str:
     """``rank 3``, ``ranks [1, 2]``: the ranks a message names, singular for one."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
+def as_global_ranks(exc: GatherError, members: Sequence[int]) -> None:
+    """Make the ranks of ``exc``, an error of a call on a process group whose members are
+    the global ranks ``members`` (in group-rank order), global ranks: its ``rank`` and
+    ``ranks`` become global ranks, and its message, which counts ranks within the group,
+    says which global rank each is."""
+    inside = range(len(members))
+    named = [r for r in getattr(exc, "ranks", None) or [] if r in inside]
+    rank = getattr(exc, "rank", None)
+    if isinstance(rank, int) and rank in inside:
+        named.append(rank)
+        setattr(exc, "rank", members[rank])  # noqa: B010 (not every error has one)
+    if hasattr(exc, "ranks"):
+        setattr(exc, "ranks", [members[r] if r in inside else r for r in exc.ranks])  # noqa: B010
+    which = ", ".join(f"{r} is global rank {members[r]}" for r in sorted(set(named)))
+    note = f"ranks counted within the process group of global ranks {list(members)}"
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]} ({note}{': ' + which if which else ''})", *exc.args[1:])

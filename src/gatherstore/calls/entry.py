@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from gatherstore import _config as config
 from gatherstore._config import Timeout, to_seconds
-from gatherstore._errors import ProcessGroupError
+from gatherstore._errors import GatherError, ProcessGroupError, as_global_ranks
 from gatherstore._time import Deadline
 from gatherstore.job import control, topology
 from gatherstore.job import state as job
@@ -222,6 +222,10 @@ def collective(
         ctx.route = route
         try:
             yield ctx
+        except GatherError as exc:
+            if not state.is_default:
+                as_global_ranks(exc, state.ranks)
+            raise
         finally:
             if not ctx.reading:
                 ctx.finish()
