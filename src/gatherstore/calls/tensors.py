@@ -82,7 +82,8 @@ def barrier(timeout: Timeout = None, *, group: Any = None) -> None:
     Without a timeout this is the process group's barrier (``device_ids`` passed
     under NCCL).  With a timeout, ranks meet on gatherstore's gloo control group,
     which never trips the NCCL watchdog: the pattern for "rank 0 evaluates while
-    the others wait".
+    the others wait".  ``group``: the members of that process group wait for each other
+    (None: every rank); a rank outside it returns at once.
 
     Raises:
         GatherTimeout: with a timeout, naming the ranks that did not arrive.
@@ -113,7 +114,8 @@ def all_reduce(
     reduced in float64 (exact for integers up to 2**53), so ranks may mix ints
     and floats; an int comes back as an int when the result is whole and
     ``op`` is not "mean".  ``timeout`` (seconds or a timedelta) bounds the call:
-    see [`all_gather_tensor`][gatherstore.all_gather_tensor].
+    see [`all_gather_tensor`][gatherstore.all_gather_tensor].  ``group``: reduce over that
+    process group's members (None: every rank); a rank outside it gets ``x`` back.
 
     Raises:
         ValueError: unknown ``op`` or a bad ``timeout``.
@@ -172,7 +174,9 @@ def all_gather_tensor(
     result, which lives on the input's device.  Without ``timeout`` the op waits as
     long as the process group does; with one (seconds or a timedelta) the whole call
     ends within it: ranks that do not arrive are named on every rank, and an op a
-    rank leaves unfinished ends the wait in time.
+    rank leaves unfinished ends the wait in time.  ``group``: concatenate the tensors of
+    that process group's members, in group-rank order (None: every rank); a rank outside
+    it gets a copy of its own tensor.
 
     Raises:
         ValueError: a bad ``timeout``.
@@ -228,7 +232,10 @@ def broadcast_tensor(
 ) -> torch.Tensor:
     """``src``'s tensor on every rank; other ranks may pass None (shape travels too).
 
-    ``timeout``: as in [`all_gather_tensor`][gatherstore.all_gather_tensor].
+    ``src`` is a global rank, ``group_src`` a rank within ``group`` (give one or the
+    other; neither: the group's first rank, rank 0 of the default group); a rank outside
+    ``group`` gets ``t`` back.  ``timeout``: as in
+    [`all_gather_tensor`][gatherstore.all_gather_tensor].
 
     Raises:
         ValueError: the source rank passed None, or a bad ``timeout``.
