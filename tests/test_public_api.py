@@ -18,6 +18,7 @@ PUBLIC = {
     "get_rank",
     "get_local_rank",
     "get_local_size",
+    "local_group",
     "get_node_rank",
     "get_nnodes",
     "is_main_process",

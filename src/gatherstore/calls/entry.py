@@ -208,11 +208,11 @@ def collective(
     config.check_environment()
     if not topology.is_distributed():
         _not_alone(what)
-    with control.calls_in_turn(), job.using(group) as state:
+    with control.calls_in_turn(), _members(group) as state:
         ctx = Context(
             what,
-            rank=state.rank,
-            world=state.size,
+            rank=state.rank if state else 0,
+            world=state.size if state else 1,
             group=group,
             deadline=Deadline.start(to_seconds(timeout)),
             progress=progress,
@@ -223,12 +223,22 @@ def collective(
         try:
             yield ctx
         except GatherError as exc:
-            if not state.is_default:
+            if state and not state.is_default:
                 as_global_ranks(exc, state.ranks)
             raise
         finally:
             if not ctx.reading:
                 ctx.finish()
+
+
+@contextlib.contextmanager
+def _members(group: Any) -> Iterator[job.GroupState | None]:
+    """``group``'s state, current while the call runs; None in a world of one (no group)."""
+    if not topology.is_distributed():
+        yield None
+        return
+    with job.using(group) as state:
+        yield state
 
 
 def run(
