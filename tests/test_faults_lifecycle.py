@@ -244,12 +244,12 @@ def slow_reader_rank(out: str, rank: int) -> None:
 
 def killed_sender_rank(out: str, rank: int) -> None:
     """A streamed gather to rank 0 in which rank 2 dies (SIGKILL) as it sends its part."""
-    import torch.distributed as dist
+    from gatherstore.routes import stream
 
     gs.init_from_env(backend="gloo")
     Path(out, f"ready-{rank}").write_text(str(os.getpid()))
-    if rank == 2:
-        dist.isend = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2:  # dies as it draws its first chunk to send
+        stream._chunks = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         gathered = gs.gather_object(bytes(4 << 20), store="stream", timeout=10)
