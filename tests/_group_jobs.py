@@ -78,6 +78,8 @@ def meshes_and_outsiders(url: str) -> dict[str, Any]:
     out["dp"] = gs.gather_object(rank, group=mesh.get_group("dp"), store=url, timeout=60)
     out["tp"] = gs.all_gather_object(rank, group=mesh.get_group("tp"), store=url, timeout=60)
     out["local"] = gs.all_gather_object(rank, group=gs.local_group(), timeout=60)
+    subgroup, _ = dist.new_subgroups(group_size=2)
+    out["subgroups"] = gs.all_gather_object(rank, group=subgroup, store=url, timeout=60)
     mine, other, _ = pairs()
     folder = Path(url.removeprefix("file://"))
     before = sorted(os.listdir(folder))

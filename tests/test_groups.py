@@ -134,6 +134,7 @@ def test_device_mesh_dimensions_outsiders_and_refused_arguments(tmp_path: Path) 
         assert out["dp"] == (dp_group if dp == 0 else None)
         assert out["tp"] == [dp, dp + 2]
         assert out["local"] == [0, 1, 2, 3]  # one machine
+        assert out["subgroups"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert out["outside"] == (None, None, [], "mine", None, 5, -1, -1)
         assert out["untouched"]
         both, not_member, src_outside, not_group = out["errors"]
