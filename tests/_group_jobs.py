@@ -108,3 +108,37 @@ def meshes_and_outsiders(url: str) -> dict[str, Any]:
             out["errors"].append(f"{type(exc).__name__}: {exc}")
     out["after"] = gs.all_gather_object(rank, group=mine, store=url, timeout=60)
     return out
+
+
+def chunked_on_two_groups() -> tuple[bool, str]:
+    """Each group of 2 gathers a list of records to its first rank, handed over in chunks
+    (``GATHERSTORE_PART_CHUNK`` small), both groups at once; (right, the log)."""
+    import io
+    import logging
+
+    import numpy as np
+
+    rank = gs.get_rank()
+    mine, _, _ = pairs()
+    first = rank - rank % 2
+
+    def records(r: int) -> list[dict[str, Any]]:
+        return [{"id": i, "x": np.full(256, r * 10_000 + i, np.float32)} for i in range(1500)]
+
+    stream = io.StringIO()
+    logger = logging.getLogger("gatherstore")
+    logger.addHandler(logging.StreamHandler(stream))
+    logger.setLevel(logging.DEBUG)
+    got = gs.gather_object(records(rank), group=mine, store="tmpdir", timeout=60)
+    right = (
+        got is None
+        if rank != first
+        else all(
+            all(
+                a["id"] == b["id"] and np.array_equal(a["x"], b["x"])
+                for a, b in zip(g, records(r), strict=True)
+            )
+            for g, r in zip(got, (first, first + 1), strict=True)
+        )
+    )
+    return right, stream.getvalue()

@@ -227,3 +227,16 @@ def test_a_member_that_dies_is_named_to_its_group_and_the_other_goes_on(tmp_path
     for rank in (2, 3):
         assert outcomes[rank]["gathers"] == [[i, i] for i in range(5)]
     assert list(base.iterdir()) == []  # each group's area removed by its survivors
+
+
+@pytest.mark.timeout(180)
+def test_two_groups_hand_parts_over_in_chunks_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threads that hand a part's chunks over work in the call's group."""
+    monkeypatch.setenv("GATHERSTORE_PART_CHUNK", str(64 << 10))
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    monkeypatch.delenv("GATHERSTORE_HANDOVER", raising=False)
+    results = gs.launch(
+        _group_jobs.chunked_on_two_groups, nproc_per_node=4, backend="gloo", timeout=120
+    )
+    assert [right for right, _ in results] == [True] * 4
+    assert all("(handed over) in chunks" in log for _, log in results), results[0][1]

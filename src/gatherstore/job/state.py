@@ -20,8 +20,9 @@ long as it must live.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -35,6 +36,7 @@ __all__ = [
     "JobStores",
     "forget_groups",
     "group_state",
+    "inherited",
     "is_member",
     "using",
 ]
@@ -126,6 +128,13 @@ def using(group: Any) -> Iterator[GroupState]:
         yield group_state()
     finally:
         _current.reset(token)
+
+
+def inherited() -> Callable[[], None]:
+    """An ``initializer`` for the worker threads of a call (``ThreadPoolExecutor``): they
+    see the current group of the thread that makes them (a new thread starts with none)."""
+    group = _current.get()
+    return functools.partial(_current.set, group)  # type: ignore[return-value]
 
 
 def forget_groups() -> None:

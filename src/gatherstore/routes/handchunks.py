@@ -44,6 +44,7 @@ from gatherstore._errors import (
 )
 from gatherstore.codec import Assembly, Chunks, Unchunkable
 from gatherstore.job import control
+from gatherstore.job import state as job
 from gatherstore.routes import handover
 from gatherstore.routes.base import Plan, confirmed, send_confirmed
 from gatherstore.routes.context import Context
@@ -244,7 +245,9 @@ def _send(ctx: Context, chunks: Chunks, dst: int, call_id: str) -> None:
     sender = _Sender(ctx, call_id, dst)
     queued: list[Future[None]] = []
     indices, sealers = itertools.count(), _sealers(ctx.world)
-    with ThreadPoolExecutor(sealers, "gatherstore-chunks") as threads:
+    # its threads hand chunks over to the call's group (see gatherstore.job.state.inherited)
+    pool = ThreadPoolExecutor(sealers, "gatherstore-chunks", initializer=job.inherited())
+    with pool as threads:
 
         def take() -> None:
             """The oldest chunk's outcome; taken off once it is done, so that a failure
