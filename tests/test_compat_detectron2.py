@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from compat_groups import TAIL, pair_of, torch_objects_refused
 from compat_same import (
     differences,
+    kept_steps,
     module_signature_differences,
     outcome,
     recorder,
     reused_buffer,
+    steps_of,
 )
-from compat_groups import TAIL, pair_of, torch_objects_refused
 from compat_standins import CountingStore, standin_packages  # noqa: F401 (a fixture)
 
 import gatherstore as gs
@@ -128,7 +130,7 @@ def on_subgroups() -> dict[str, Any]:
             "gather local": ours.gather(rank, dst=pair_of(rank)[0], group=local),
             "all_gather tail": ours.all_gather(rank, tail),
             "gather tail": ours.gather(rank * 10, dst=3, group=tail),
-            "reused buffer": [[(o["step"], o["scores"].tolist()) for o in step] for step in kept],
+            "reused buffer": kept_steps(kept),
         }
     return {**out, "called": called}
 
@@ -146,7 +148,7 @@ def test_gathers_on_any_group_go_through_gatherstore_in_four_ranks() -> None:
             "gather local": pair if rank == pair[0] else [],
             "all_gather tail": TAIL if rank in TAIL else [],
             "gather tail": [10, 20, 30] if rank == 3 else [],
-            "reused buffer": [[(s, [10 * s + r] * 2) for r in pair] for s in range(3)],
+            "reused buffer": steps_of(pair),
             "called": [],
         }, rank
 

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 from compat_groups import TAIL, pair_of, subgroups, torch_objects_refused
-from compat_same import differences, outcome, recorder, reused_buffer, signature_differences
+from compat_same import (
+    differences,
+    kept_steps,
+    outcome,
+    recorder,
+    reused_buffer,
+    signature_differences,
+    steps_of,
+)
 
 import gatherstore as gs
 from gatherstore.compat import mmengine as compat
@@ -183,11 +191,6 @@ def test_three_gloo_ranks_match_mmengine(tmp_path: Path) -> None:
 # --- any process group: through gatherstore, never torch's object collectives ------------
 
 
-def kept_steps(kept: list[Any]) -> list[Any]:
-    """What :func:`reused_buffer` kept, as plain values (None where a step returned None)."""
-    return [None if s is None else [(o["step"], o["scores"].tolist()) for o in s] for s in kept]
-
-
 def on_subgroups() -> dict[str, Any]:
     """In 4 ranks, torch's object collectives refused: the object functions on two pairs
     (ranks 0-1 and 2-3) and on the group of ranks 1-3."""
@@ -221,7 +224,7 @@ def test_object_functions_on_any_group_go_through_gatherstore_in_four_ranks() ->
     for rank, out in enumerate(results):
         pair = pair_of(rank)
         first, last = pair
-        steps = [[(s, [10 * s + r] * 2) for r in pair] for s in range(3)]
+        steps = steps_of(pair)
         # dst and src are global ranks; a rank outside a group gets what mmengine returns
         # there ([], None, its own list) and -1 as its rank and size
         assert out == {
