@@ -3,7 +3,7 @@
 Same names, signatures, return values and serial answers as mmengine's;
 object functions (``all_gather_object``, ``gather_object``,
 ``broadcast_object_list``, ``collect_results*``) go through gatherstore's
-routes and stores, tensor functions through torch.distributed.
+routes and stores on any process group, tensor functions through torch.distributed.
 """
 
 from __future__ import annotations
