@@ -137,6 +137,17 @@ def reused_buffer(gather: Callable[[Any], Any], rank: int, steps: int = 3) -> li
     return kept
 
 
+def kept_steps(kept: list[Any]) -> list[Any]:
+    """What :func:`reused_buffer` kept, as plain values: (step, scores) per rank of each
+    step (None where a step returned None)."""
+    return [None if s is None else [(o["step"], o["scores"].tolist()) for o in s] for s in kept]
+
+
+def steps_of(ranks: list[int], steps: int = 3) -> list[Any]:
+    """:func:`kept_steps` of a gather of ``ranks``' buffers, each kept at its step's values."""
+    return [[(s, [10 * s + r] * 2) for r in ranks] for s in range(steps)]
+
+
 class Unsendable:
     """An object that can be copied (libraries copy states before they sync) but not
     pickled: a gather fails on the rank that holds one."""

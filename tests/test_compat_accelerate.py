@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from compat_groups import torch_objects_refused
 from compat_same import failure, outcome, reused_buffer, same, same_outcome
 
 import gatherstore as gs
@@ -54,25 +55,26 @@ def script(gather: Any) -> list[tuple[str, Any]]:
 
 
 def compare() -> tuple[list[str], dict[str, Any]]:
-    """accelerate's gather_object, then patched, then the compat function: every difference,
-    and accelerate's answers."""
+    """accelerate's gather_object, then patched, then the compat function (torch's object
+    collectives refused): every difference, and accelerate's answers."""
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
     PartialState(cpu=True)
     original = script(gather_object)
-    with compat.patch():
-        from accelerate.utils import gather_object as patched
+    with torch_objects_refused() as called:
+        with compat.patch():
+            from accelerate.utils import gather_object as patched
 
-        through_patch = script(patched)
-    direct = script(compat.gather_object)
+            through_patch = script(patched)
+        direct = script(compat.gather_object)
     problems = [
         problem
         for ours in (through_patch, direct)
         for (label, a), (_, b) in zip(original, ours, strict=True)
         for problem in same_outcome(a, b, label)
     ]
-    return problems, dict(original)
+    return problems + [f"torch.distributed.{name} called" for name in called], dict(original)
 
 
 @pytest.mark.timeout(180)

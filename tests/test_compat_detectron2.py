@@ -1,6 +1,7 @@
 """gatherstore.compat.detectron2 side by side with a stand-in of today's detectron2.utils.comm
 (tests/standins): signatures, serial and 3-rank answers, the per-machine local process group,
-and patch() reaching every call site of detectron2's evaluation and data code."""
+gathers on it and on other groups through gatherstore, and patch() reaching every call site
+of detectron2's evaluation and data code."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from compat_groups import TAIL, pair_of, torch_objects_refused
 from compat_same import (
     differences,
+    kept_steps,
     module_signature_differences,
     outcome,
     recorder,
     reused_buffer,
+    steps_of,
 )
 from compat_standins import CountingStore, standin_packages  # noqa: F401 (a fixture)
 
@@ -107,6 +111,46 @@ def test_a_finished_jobs_local_group_is_not_used_by_the_next() -> None:
         gs.launch(local_group_across_jobs, nproc_per_node=1, backend="gloo", timeout=60)
     with pytest.raises(AssertionError, match="create_local_process_group"):
         ours.get_local_process_group()
+
+
+# --- any process group: through gatherstore, never torch's object collectives ------------
+
+
+def on_subgroups() -> dict[str, Any]:
+    """In 4 ranks, torch's object collectives refused: the gathers on the local groups
+    (2 ranks per machine: ranks 0-1 and 2-3) and on the group of ranks 1-3."""
+    rank = ours.get_rank()
+    ours.create_local_process_group(2)
+    local, tail = ours.get_local_process_group(), dist.new_group(TAIL)
+    with torch_objects_refused() as called:
+        kept = reused_buffer(lambda o: ours.all_gather(o, local), rank)
+        out = {
+            "local rank and size": (ours.get_local_rank(), ours.get_local_size()),
+            "all_gather local": ours.all_gather({"rank": rank}, local),
+            "gather local": ours.gather(rank, dst=pair_of(rank)[0], group=local),
+            "all_gather tail": ours.all_gather(rank, tail),
+            "gather tail": ours.gather(rank * 10, dst=3, group=tail),
+            "reused buffer": kept_steps(kept),
+        }
+    return {**out, "called": called}
+
+
+@pytest.mark.timeout(180)
+def test_gathers_on_any_group_go_through_gatherstore_in_four_ranks() -> None:
+    results = gs.launch(on_subgroups, nproc_per_node=4, backend="gloo", timeout=60)
+    for rank, out in enumerate(results):
+        pair = pair_of(rank)
+        # dst is a global rank, as torch's gather_object takes it; outside a group, [] as
+        # detectron2 returns there
+        assert out == {
+            "local rank and size": (rank % 2, 2),
+            "all_gather local": [{"rank": r} for r in pair],
+            "gather local": pair if rank == pair[0] else [],
+            "all_gather tail": TAIL if rank in TAIL else [],
+            "gather tail": [10, 20, 30] if rank == 3 else [],
+            "reused buffer": steps_of(pair),
+            "called": [],
+        }, rank
 
 
 # --- patch(): every call site, through the store ------------------------------------------

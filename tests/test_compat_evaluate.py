@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from compat_groups import torch_objects_refused
 from compat_same import same
 
 import gatherstore as gs
@@ -134,7 +135,8 @@ def side_by_side(tmp: str) -> dict[str, Any]:
     for patched in (False, True):
         if patched:
             gs.set_default_store(f"file://{tmp}/store")
-        with compat.patch() if patched else contextlib.nullcontext():
+        patching = compat.patch() if patched else contextlib.nullcontext()
+        with patching, torch_objects_refused() as out["torch objects", patched]:
             for case in CASES:
                 metric, calls = feed(rank, case)
                 cache = root / f"{case}-{patched}"
@@ -183,6 +185,8 @@ def test_patched_compute_equals_evaluate_in_three_ranks(tmp_path: Path) -> None:
         assert not any(left[case, True] for case in CASES)
         assert left["early"] == []
         assert out["store"] == ["gatherstore"]  # the rows went through the file store
+        # nor through torch's object collectives (evaluate's own does not use them either)
+        assert out["torch objects", True] == out["torch objects", False] == []
 
 
 def where_the_original_fails(tmp: str) -> dict[str, Any]:

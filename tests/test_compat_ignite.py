@@ -1,5 +1,6 @@
 """gatherstore.compat.ignite side by side with the real ignite.distributed: serially and in
-3 gloo ranks (values, types, dtypes, devices, errors, signatures), plus patch()."""
+3 gloo ranks (values, types, dtypes, devices, errors, signatures), all_gather on other process
+groups through gatherstore, plus patch()."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from compat_same import differences, recorder, reused_buffer, signature_differences
+from compat_groups import TAIL, pair_of, subgroups, torch_objects_refused
+from compat_same import (
+    differences,
+    kept_steps,
+    recorder,
+    reused_buffer,
+    signature_differences,
+    steps_of,
+)
 
 import gatherstore as gs
 from gatherstore.compat import ignite as compat
@@ -168,6 +177,42 @@ def test_three_gloo_ranks_match_ignite() -> None:
     assert results == [[], [], []]
     for result in gs.launch(ranks_unicode, nproc_per_node=3, backend="gloo"):
         assert result == [["", "é", "éé"], "ü€"]
+
+
+def on_subgroups() -> dict[str, Any]:
+    """In 4 ranks, torch's object collectives refused: all_gather on two pairs (ranks 0-1
+    and 2-3, process groups) and on ranks 1-3 (a list of ranks, made into a group)."""
+    rank = gs.get_rank()
+    pair = subgroups()[0]
+    with torch_objects_refused() as called:
+        kept = reused_buffer(lambda o: compat.all_gather(o, group=pair), rank)
+        out = {
+            "objects": compat.all_gather({"rank": rank}, group=pair),
+            "strings": compat.all_gather("é" * rank, group=pair),
+            "tensor": compat.all_gather(torch.tensor([rank, -rank]), group=pair).tolist(),
+            "numbers": compat.all_gather(rank / 2, group=pair),
+            "objects tail": compat.all_gather({"rank": rank}, group=TAIL),
+            "strings tail": compat.all_gather(f"r{rank}", group=TAIL),
+            "reused buffer": kept_steps(kept),
+        }
+    return {**out, "called": called}
+
+
+@pytest.mark.timeout(180)
+def test_all_gather_on_any_group_goes_through_gatherstore_in_four_ranks() -> None:
+    for rank, out in enumerate(gs.launch(on_subgroups, nproc_per_node=4, backend="gloo")):
+        pair = pair_of(rank)
+        # rank 0 is outside ranks 1-3: its own value back (a string in a list), as ignite says
+        assert out == {
+            "objects": [{"rank": r} for r in pair],
+            "strings": ["é" * r for r in pair],
+            "tensor": [v for r in pair for v in (r, -r)],
+            "numbers": [r / 2 for r in pair],
+            "objects tail": [{"rank": r} for r in TAIL] if rank in TAIL else {"rank": 0},
+            "strings tail": [f"r{r}" for r in TAIL] if rank in TAIL else ["r0"],
+            "reused buffer": steps_of(pair),
+            "called": [],
+        }, rank
 
 
 def auto_helpers() -> dict[str, Any]:

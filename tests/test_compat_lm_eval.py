@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from compat_groups import torch_objects_refused
 from compat_same import failure, outcome, reused_buffer, same, same_outcome
 
 import gatherstore as gs
@@ -137,7 +138,8 @@ def cases(rank: int) -> dict[str, Any]:
 
 
 def direct_gathers() -> dict[str, Any]:
-    """lm.gather_object(obj, dst) for dst 0 and 2, unpatched then patched."""
+    """lm.gather_object(obj, dst) for dst 0 and 2, unpatched then patched (torch's object
+    collectives refused)."""
     rank = gs.get_rank()
 
     def script(lm: Any) -> list[tuple[str, Any]]:
@@ -156,7 +158,7 @@ def direct_gathers() -> dict[str, Any]:
 
     original = script(Dummy())
     inherited = Quiet().gather_object({"rank": rank})
-    with compat.patch():
+    with compat.patch(), torch_objects_refused() as called:
 
         class Late(Dummy):  # defined while patched: its override is replaced too
             def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
@@ -172,7 +174,7 @@ def direct_gathers() -> dict[str, Any]:
         for p in same_outcome(a, b, label)
     ]
     return {
-        "problems": problems,
+        "problems": problems + [f"torch.distributed.{name} called" for name in called],
         "answers": dict(original),
         "inherited": (inherited, inherited_patched),
     }

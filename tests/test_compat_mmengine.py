@@ -1,5 +1,6 @@
 """gatherstore.compat.mmengine side by side with the real mmengine.dist: serially, in 3 gloo
-ranks, and under an unchanged mmengine Evaluator (patched and unpatched)."""
+ranks, and under an unchanged mmengine Evaluator (patched and unpatched); its object functions
+on other process groups, through gatherstore."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from compat_same import differences, outcome, recorder, reused_buffer, signature_differences
+from compat_groups import TAIL, pair_of, subgroups, torch_objects_refused
+from compat_same import (
+    differences,
+    kept_steps,
+    outcome,
+    recorder,
+    reused_buffer,
+    signature_differences,
+    steps_of,
+)
 
 import gatherstore as gs
 from gatherstore.compat import mmengine as compat
@@ -176,6 +186,59 @@ def test_three_gloo_ranks_match_mmengine(tmp_path: Path) -> None:
         assert local["before"] == (rank, 3) and local["mm_raises"]
         assert local["after"] == local["mm_after"] == (rank, 3)
         assert local["default_group"]
+
+
+# --- any process group: through gatherstore, never torch's object collectives ------------
+
+
+def on_subgroups() -> dict[str, Any]:
+    """In 4 ranks, torch's object collectives refused: the object functions on two pairs
+    (ranks 0-1 and 2-3) and on the group of ranks 1-3."""
+    rank = compat.get_rank()
+    pair, tail = subgroups()
+    first, last = pair_of(rank)
+    pair_list = [rank, {"k": rank}] if rank == last else [None, None]
+    tail_list = ["from 2"] if rank == 2 else [rank]
+    with torch_objects_refused() as called:
+        compat.broadcast_object_list(pair_list, last, pair)
+        compat.broadcast_object_list(tail_list, 2, tail)
+        everyone = reused_buffer(lambda o: compat.all_gather_object(o, pair), rank)
+        on_first = reused_buffer(lambda o: compat.gather_object(o, first, pair), rank)
+        out = {
+            "dist info": (compat.get_dist_info(pair), compat.get_dist_info(tail)),
+            "all_gather_object": compat.all_gather_object({"rank": rank}, pair),
+            "gather_object": compat.gather_object(rank, first, pair),
+            "all_gather_object tail": compat.all_gather_object(rank, tail),
+            "gather_object tail": compat.gather_object(rank * 10, 3, tail),
+            "broadcast_object_list": pair_list,
+            "broadcast_object_list tail": tail_list,
+            "barrier": compat.barrier(pair),
+            "reused buffer": (kept_steps(everyone), kept_steps(on_first)),
+        }
+    return {**out, "called": called}
+
+
+@pytest.mark.timeout(180)
+def test_object_functions_on_any_group_go_through_gatherstore_in_four_ranks() -> None:
+    results = gs.launch(on_subgroups, nproc_per_node=4, backend="gloo", timeout=60)
+    for rank, out in enumerate(results):
+        pair = pair_of(rank)
+        first, last = pair
+        steps = steps_of(pair)
+        # dst and src are global ranks; a rank outside a group gets what mmengine returns
+        # there ([], None, its own list) and -1 as its rank and size
+        assert out == {
+            "dist info": ((rank % 2, 2), (rank - 1, 3) if rank in TAIL else (-1, -1)),
+            "all_gather_object": [{"rank": r} for r in pair],
+            "gather_object": pair if rank == first else None,
+            "all_gather_object tail": TAIL if rank in TAIL else [],
+            "gather_object tail": [10, 20, 30] if rank == 3 else None,
+            "broadcast_object_list": [last, {"k": last}],
+            "broadcast_object_list tail": ["from 2"] if rank in TAIL else [0],
+            "barrier": None,
+            "reused buffer": (steps, steps if rank == first else [None] * 3),
+            "called": [],
+        }, rank
 
 
 # --- end to end: an unchanged mmengine Evaluator ------------------------------------------

@@ -1,7 +1,8 @@
 """gatherstore.compat.torchmetrics side by side with torchmetrics' own sync in 3 gloo ranks:
 synced states and compute() equal where torchmetrics works, a single-process metric's answer
 where it hangs or crashes (uneven list states, a rank without data), one gather per sync,
-compute_on=0, and a failing rank that makes every rank raise.
+compute_on=0, and a failing rank that makes every rank raise; in 4 ranks, metrics whose
+process_group is another group sync through gatherstore.
 
 torchmetrics is imported only inside the ranks, after ``tests/standins`` (a torchvision
 stand-in, see its docstring) is put on sys.path, so that MeanAveragePrecision loads."""
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from compat_groups import TAIL, pair_of, subgroups, torch_objects_refused
 from compat_same import Unsendable, outcome, reused_buffer, same
 from compat_standins import ROOT
 
@@ -500,3 +502,57 @@ def test_patch_without_torchmetrics_says_how_to_install(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "torchmetrics", None)
     with pytest.raises(ImportError, match="pip install torchmetrics"):
         compat.patch()
+
+
+# --- any process group: through gatherstore, never torch's object collectives ------------
+
+
+def ranks_on_subgroups() -> dict[str, Any]:
+    """In 4 ranks, torch's object collectives refused: CatMetric and SumMetric whose
+    process_group is a pair (ranks 0-1 or 2-3) or ranks 1-3, synced under patch() and
+    patch(compute_on=1) (rank 1 of the group), and dist_sync_fn on a pair."""
+    from torchmetrics.aggregation import CatMetric, SumMetric
+
+    rank = gs.get_rank()
+    groups = dict(zip(("pair", "tail"), subgroups(), strict=True))
+
+    def synced(group: Any) -> Any:
+        cat, total = CatMetric(process_group=group), SumMetric(process_group=group)
+        cat.update(torch.arange(rank + 1.0))  # uneven: rank + 1 values
+        total.update(torch.tensor(float(rank)))
+        with counted() as calls:
+            values = (cat.compute().tolist(), total.compute().item())
+        return values, calls.counts
+
+    out: dict[str, Any] = {}
+    with torch_objects_refused() as called:
+        parts = compat.dist_sync_fn(torch.arange(rank + 1), groups["pair"])
+        out["dist_sync_fn"] = [t.tolist() for t in parts]
+        for compute_on in (None, 1):
+            with compat.patch(compute_on=compute_on):
+                for name, group in groups.items():
+                    if name == "pair" or rank in TAIL:
+                        out[f"{name} {compute_on}"] = synced(group)
+    return {**out, "called": called}
+
+
+def cat_of(ranks: list[int]) -> list[float]:
+    """CatMetric's value when ``ranks`` each added ``arange(rank + 1)``."""
+    return [float(v) for r in ranks for v in range(r + 1)]
+
+
+@pytest.mark.timeout(300)
+def test_metrics_on_any_group_sync_through_gatherstore_in_four_ranks() -> None:
+    results = gs.launch(ranks_on_subgroups, nproc_per_node=4, backend="gloo", timeout=120)
+    # two metrics each: one gather on every rank, or one to rank 1 and one broadcast of
+    # its result
+    every_rank = {"gs.all_gather_object": 2}
+    on_rank_1 = {"gs.gather_object": 2, "gs.broadcast_object": 2}
+    for rank, out in enumerate(results):
+        expected: dict[str, Any] = {"dist_sync_fn": [list(range(r + 1)) for r in pair_of(rank)]}
+        for name, ranks in (("pair", pair_of(rank)), ("tail", TAIL)):
+            if name == "pair" or rank in TAIL:
+                value = (cat_of(ranks), float(sum(ranks)))
+                expected[f"{name} None"] = (value, every_rank)
+                expected[f"{name} 1"] = (value, on_rank_1)
+        assert out == {**expected, "called": []}, rank

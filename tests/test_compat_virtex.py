@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from compat_groups import torch_objects_refused
 from compat_same import differences, module_signature_differences, outcome, recorder, same_outcome
 from compat_standins import standins
 
@@ -42,7 +43,11 @@ def script(d: Any) -> list[tuple[str, Any]]:
 
 
 def compare(original: Any) -> list[str]:
-    return differences(script(original), script(virtex))
+    """Every difference, and every call of torch's object collectives by the compat module."""
+    answers = script(original)
+    with torch_objects_refused() as called:
+        problems = differences(answers, script(virtex))
+    return problems + [f"torch.distributed.{name} called" for name in called]
 
 
 def test_signatures_match_virtex(standin: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from compat_groups import torch_objects_refused
 from compat_same import (
     differences,
     module_signature_differences,
@@ -97,7 +98,11 @@ def made_in(d: Any, rank: int, *args: Any) -> str:
 
 
 def compare(tmp: Path) -> list[str]:
-    return differences(script(v4(), tmp, "v4"), script(ours, tmp, "gs"))
+    """Every difference, and every call of torch's object collectives by the compat module."""
+    original = script(v4(), tmp, "v4")
+    with torch_objects_refused() as called:
+        problems = differences(original, script(ours, tmp, "gs"))
+    return problems + [f"torch.distributed.{name} called" for name in called]
 
 
 def test_signatures_match_vis4d() -> None:

@@ -1,11 +1,9 @@
-"""Helpers every compat module shares: process groups, subgroup fallbacks, user folders."""
+"""Helpers every compat module shares: gathers on any process group, user folders."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
-
-import torch.distributed as dist
 
 import gatherstore as gs
 from gatherstore.calls.objects import own_copies
@@ -15,9 +13,6 @@ __all__ = [
     "dir_store",
     "gather_all",
     "gather_to",
-    "group_rank",
-    "group_size",
-    "is_default_group",
     "own_copies",
 ]
 
@@ -27,53 +22,26 @@ NO_PROCESS_GROUP = (
 )
 
 
-def is_default_group(group: Any) -> bool:
-    """Whether ``group`` means every rank (None, ``group.WORLD`` or the default group)."""
-    if group is None or group is dist.group.WORLD:
-        return True
-    return bool(dist.is_initialized() and group == dist.distributed_c10d._get_default_group())
-
-
-def group_size(group: Any) -> int:
-    """Ranks in ``group`` (1 without a process group)."""
-    if not gs.is_distributed():
-        return 1
-    return gs.get_world_size() if is_default_group(group) else dist.get_world_size(group)
-
-
-def group_rank(group: Any) -> int:
-    """This process's rank in ``group`` (0 without a process group)."""
-    if not gs.is_distributed():
-        return 0
-    return gs.get_rank() if is_default_group(group) else dist.get_rank(group)
-
-
 def gather_all(data: Any, group: Any = None, *, copies: bool = True) -> list[Any]:
-    """Every rank's ``data`` in rank order, through the store for the default group.
+    """Every rank's ``data`` in group-rank order, through gatherstore on any process group
+    (None: the default one).
 
     This rank's entry is a copy of ``data``, as torch's ``all_gather_object`` returns
-    (``copies=False``: ``data`` itself, for a caller that puts its own object there).
-    gatherstore's routes span every rank; a subgroup takes torch.distributed's
-    object path on that group.
+    (``copies=False``: ``data`` itself, for a caller that puts its own object there).  On
+    a rank outside ``group``, ``[]``: the list torch leaves untouched there (sized by
+    ``get_world_size(group)``, -1), which the originals return.
     """
-    if is_default_group(group):
-        with own_copies(copies):
-            return gs.all_gather_object(data)
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, data, group=group)
-    return out
+    with own_copies(copies):
+        parts = gs.all_gather_object(data, group=group)
+    return [] if parts is None else parts
 
 
 def gather_to(data: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
-    """Every rank's ``data`` on global rank ``dst`` (None elsewhere); copies and subgroups as
-    in gather_all."""
-    if is_default_group(group):
-        with own_copies():
-            return gs.gather_object(data, dst)
-    mine = dist.get_rank() == dst
-    out: list[Any] | None = [None] * dist.get_world_size(group) if mine else None
-    dist.gather_object(data, out, dst=dst, group=group)
-    return out
+    """Every rank's ``data`` on global rank ``dst``, in group-rank order (None elsewhere and
+    outside ``group``); copies as in gather_all.  ``dst`` is a global rank, as torch's
+    ``gather_object`` takes it (the originals pass theirs on to it)."""
+    with own_copies():
+        return gs.gather_object(data, dst, group=group)
 
 
 def dir_store(path: str | os.PathLike[str]) -> str:

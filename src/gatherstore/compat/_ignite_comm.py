@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import gatherstore as gs
-from gatherstore.compat._common import gather_all, is_default_group
+from gatherstore.compat._common import gather_all
 from gatherstore.compat._ignite_model import (
     device,
     get_local_rank,
@@ -121,7 +121,7 @@ def all_gather(
 ) -> torch.Tensor | float | list[float] | list[str] | list[Any]:
     """Tensors concatenated along dim 0; numbers, strings and objects as rank-ordered lists.
 
-    Strings and objects go through gatherstore's store.  A rank outside
+    Strings and objects go through gatherstore's store, on any group.  A rank outside
     ``group`` gets its own value back (a string in a list).
 
     Raises:
@@ -135,14 +135,7 @@ def all_gather(
     if not isinstance(tensor, (torch.Tensor, Number)):
         return gather_all(tensor, pg)
     number = not isinstance(tensor, torch.Tensor)
-    value = _as_tensor(tensor)
-    if is_default_group(pg):
-        out = gs.all_gather_tensor(value)
-    else:
-        flat = value.reshape(1) if value.dim() == 0 else value
-        slots = [torch.zeros_like(flat) for _ in range(pg.size())]
-        dist.all_gather(slots, flat, group=pg)
-        out = torch.cat(slots)
+    out = gs.all_gather_tensor(_as_tensor(tensor), group=pg)
     return out.tolist() if number else out
 
 

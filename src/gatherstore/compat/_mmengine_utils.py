@@ -20,7 +20,6 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 import gatherstore as gs
-from gatherstore.compat._common import group_rank, group_size, is_default_group
 from gatherstore.job import slurm
 
 ProcessGroup = dist.ProcessGroup
@@ -46,13 +45,13 @@ def get_backend(group: ProcessGroup | None = None) -> str | None:
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
-    """Ranks in ``group`` (1 without a process group)."""
-    return group_size(group)
+    """Ranks in ``group`` (1 without a process group, -1 on a rank outside it)."""
+    return gs.get_world_size(group)
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
-    """This rank in ``group`` (0 without a process group)."""
-    return group_rank(group)
+    """This rank in ``group`` (0 without a process group, -1 on a rank outside it)."""
+    return gs.get_rank(group)
 
 
 def get_dist_info(group: ProcessGroup | None = None) -> tuple[int, int]:
@@ -119,12 +118,8 @@ def get_local_rank() -> int:
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Wait for every rank of ``group``; nothing without a process group."""
-    if not is_distributed():
-        return
-    if is_default_group(group):
-        gs.barrier()
-    else:
-        dist.barrier(group)
+    if is_distributed():
+        gs.barrier(group=group)
 
 
 def infer_launcher() -> str:

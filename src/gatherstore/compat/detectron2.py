@@ -2,10 +2,11 @@
 
 Same names, signatures and answers as detectron2's; ``all_gather``,
 ``gather`` and ``shared_random_seed`` go through gatherstore's routes and
-stores (never GPU memory), ``reduce_dict`` and ``synchronize`` through the
-process group.  The per-machine local process group is created as detectron2's
-``launch()`` creates it; before it exists, local rank and size are answered by
-host instead of failing.
+stores on any process group (never GPU memory), ``reduce_dict`` and
+``synchronize`` through the process group.  The per-machine local process group
+is created as detectron2's ``launch()`` creates it, and gathers on it go through
+gatherstore too; before it exists, local rank and size are answered by host
+instead of failing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import gatherstore as gs
-from gatherstore.compat._common import NO_PROCESS_GROUP, gather_all, gather_to, group_size
+from gatherstore.compat._common import NO_PROCESS_GROUP, gather_all, gather_to
 from gatherstore.compat._patching import Patch, patch_module
 
 __all__ = [
@@ -141,15 +142,18 @@ def synchronize() -> None:
 
 
 def all_gather(data: Any, group: Any = None) -> list[Any]:
-    """Every rank's picklable ``data``, in rank order, through gatherstore's store."""
-    if get_world_size() == 1 or group_size(group) == 1:
+    """Every rank's picklable ``data``, in group-rank order, through gatherstore's store, on
+    any process group (e.g. the local one); ``[]`` on a rank outside ``group``, as
+    detectron2 returns there."""
+    if get_world_size() == 1 or gs.get_world_size(group) == 1:
         return [data]
     return gather_all(data, group)
 
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> list[Any]:
-    """Every rank's ``data`` on ``dst``; an empty list on the other ranks."""
-    if get_world_size() == 1 or group_size(group) == 1:
+    """Every rank's ``data`` on global rank ``dst`` (as torch's ``gather_object``, which
+    detectron2 passes it to, takes it); an empty list on the other ranks."""
+    if get_world_size() == 1 or gs.get_world_size(group) == 1:
         return [data]
     return gather_to(data, dst, group) or []
 

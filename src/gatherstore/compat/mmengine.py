@@ -3,7 +3,7 @@
 Same names, signatures, return values and serial answers as mmengine's;
 object functions (``all_gather_object``, ``gather_object``,
 ``broadcast_object_list``, ``collect_results*``) go through gatherstore's
-routes and stores, tensor functions through torch.distributed.
+routes and stores on any process group, tensor functions through torch.distributed.
 """
 
 from __future__ import annotations
@@ -18,13 +18,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
 import gatherstore as gs
-from gatherstore.compat._common import (
-    dir_store,
-    gather_all,
-    gather_to,
-    is_default_group,
-    own_copies,
-)
+from gatherstore.compat._common import dir_store, gather_all, gather_to, own_copies
 from gatherstore.compat._mmengine_utils import (
     barrier,
     cast_data_device,
@@ -205,30 +199,33 @@ def all_reduce_params(
             tensor.copy_(synced)
 
 
-# --- objects: through gatherstore ------------------------------------------------------
+# --- objects: through gatherstore, on any process group --------------------------------
 def all_gather_object(data: Any, group: ProcessGroup | None = None) -> list[Any]:
-    """Every rank's ``data`` in rank order, gathered through gatherstore's store."""
+    """Every rank's ``data`` in group-rank order, gathered through gatherstore's store
+    (``[]`` on a rank outside ``group``, as mmengine returns there)."""
     if get_world_size(group) == 1:
         return [data]
     return gather_all(data, group)
 
 
 def gather_object(data: Any, dst: int = 0, group: ProcessGroup | None = None) -> list[Any] | None:
-    """Every rank's ``data`` on ``dst`` (None elsewhere), through gatherstore's store."""
+    """Every rank's ``data`` on ``dst`` (None elsewhere), through gatherstore's store.
+
+    ``dst`` is a global rank: mmengine passes it on to torch's ``gather_object``, which
+    takes it so (on a group whose ranks are not the job's first ones, mmengine's own
+    fails, as it also compares ``dst`` with the rank in the group).
+    """
     if get_world_size(group) == 1:
         return [data]
     return gather_to(data, dst, group)
 
 
 def broadcast_object_list(data: list[Any], src: int = 0, group: ProcessGroup | None = None) -> None:
-    """Replace every rank's list contents with ``src``'s, through gatherstore."""
+    """Replace every rank's list contents with global rank ``src``'s, through gatherstore
+    (a rank outside ``group`` keeps its list, as in mmengine)."""
     assert isinstance(data, list), f"data must be a list, not {type(data).__name__}"
-    if get_world_size(group) == 1:
-        return
-    if is_default_group(group):
-        data[:] = gs.broadcast_object(data if get_rank() == src else None, src)
-    else:
-        dist.broadcast_object_list(data, src, group)
+    if get_world_size(group) > 1:
+        data[:] = gs.broadcast_object(data if gs.get_rank() == src else None, src, group=group)
 
 
 def collect_results(

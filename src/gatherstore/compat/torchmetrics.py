@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 import gatherstore as gs
-from gatherstore.compat._common import gather_all, group_rank, is_default_group
+from gatherstore.compat._common import gather_all
 from gatherstore.compat._patching import Patch, _import, patch_methods
 from gatherstore.compat._raising import Raising
 
@@ -54,7 +54,7 @@ def dist_sync_fn(tensor: Tensor, group: Any = None) -> list[Tensor]:
         RemoteRankError / GatherTimeout: as ``gs.all_gather_object``.
     """
     parts = gather_all(tensor.detach(), group, copies=False)
-    me = group_rank(group)
+    me = gs.get_rank(group)
     return [tensor if r == me else p.to(tensor.device) for r, p in enumerate(parts)]
 
 
@@ -184,8 +184,8 @@ def _sync_dist_replacing(keep: frozenset[str]) -> Callable[..., Any]:
         if parts is None:
             own, sent = _prepared(self, type(self)._sync_dist is _sync_dist, keep)
             parts = gather_all(sent, group, copies=False)
-            parts[group_rank(group)] = own
-        _merge(self, parts, group_rank(group))
+            parts[gs.get_rank(group)] = own
+        _merge(self, parts, gs.get_rank(group))
         return None
 
     return _sync_dist
@@ -198,25 +198,26 @@ def _gather_tuple_list(list_to_gather: list[Any], process_group: Any = None) -> 
 
 
 def _syncs_here(metric: Any) -> bool:
-    """Whether compute() would sync through this module on every rank of the job."""
+    """Whether compute() would sync through this module on every rank of its process group."""
     return bool(
         metric._computed is None
         and metric._to_sync
         and metric._should_unsync  # False inside forward(): dist_sync_on_step syncs every rank
         and metric.dist_sync_fn in _defaults()
-        and is_default_group(metric.process_group)
         and type(metric)._sync_dist in _state["ours"]
         and metric.distributed_available_fn()
     )
 
 
 def _compute_on(metric: Any, wrapped: Callable[..., Any], root: int, args: Any, kwargs: Any) -> Any:
-    """Gather the states on ``root`` only; it runs torchmetrics' compute, every rank gets
-    its result (tensors that were on an accelerator move to this rank's metric device)."""
+    """Gather the states on ``root`` (a rank of the metric's process group) only; it runs
+    torchmetrics' compute, every rank of the group gets its result (tensors that were on an
+    accelerator move to this rank's metric device)."""
+    group = metric.process_group
     own, sent = _prepared(metric, True, frozenset())
-    parts = gs.gather_object(sent, root)
+    parts = gs.gather_object(sent, group=group, group_dst=root)
     if parts is None:
-        value, on_device = gs.broadcast_object(None, root)
+        value, on_device = gs.broadcast_object(None, group=group, group_src=root)
         flags = iter(on_device)
         value = _tensors_map(value, lambda t: t.to(metric.device) if next(flags) else t)
     else:
@@ -233,7 +234,7 @@ def _compute_on(metric: Any, wrapped: Callable[..., Any], root: int, args: Any, 
             outcome = Raising(exc)
         finally:
             _gathered.pop(id(metric), None)
-        gs.broadcast_object(outcome, root)
+        gs.broadcast_object(outcome, group=group, group_src=root)
     if metric.compute_with_cache:
         metric._computed = value
     return value
@@ -284,9 +285,11 @@ def patch(compute_on: int | None = None) -> Patch:
     Replaces ``Metric._sync_dist`` and ``MeanAveragePrecision._sync_dist`` and
     ``_gather_tuple_list`` (on the classes, so metrics made before the patch
     sync this way too).  ``compute_on=None``: every rank gets the synced states
-    and computes, as torchmetrics does.  ``compute_on=r``: only rank ``r``
-    receives the states and computes; every rank gets its result (also replaces
-    ``Metric._wrap_compute``, and rewraps the compute of live metrics).
+    and computes, as torchmetrics does.  ``compute_on=r``: only rank ``r`` (of each
+    metric's ``process_group``: the global rank for the default group) receives the
+    states and computes; every rank of the group gets its result (also replaces
+    ``Metric._wrap_compute``, and rewraps the compute of live metrics).  A
+    ``process_group`` of any kind syncs through gatherstore.
     ``unsync()``, ``sync_on_compute=False``, ``dist_sync_on_step`` and a
     ``dist_sync_fn`` of your own keep torchmetrics' meaning.  Calling it again
     with the same ``compute_on`` returns the active handle.
