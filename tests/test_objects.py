@@ -273,7 +273,7 @@ def test_peak_memory_of_a_4_by_100mb_gather() -> None:
     dst, others = results[0], results[1:]
     print("4 x 100 MB gather_iter, peak RSS growth (MB):", results)
     assert dst["checksum"] != 0
-    assert dst["growth"] < 2.5 * dst["part"], dst
+    assert dst["growth"] < 1.5 * dst["part"], dst  # one part at a time, not the one before
     for out in others:
         assert out["growth"] < 1.5 * out["part"], out
 

@@ -530,16 +530,23 @@ def _decoding(
             if rank == ctx.rank and own:
                 yield plan.own
             elif rank in fds:
-                view = mapped(fds.pop(rank), plan.sizes[rank], rank, ctx.what)
-                where = f"{ctx.what}, handed over"
-                verified = codec.verify(view, bind=binding(call_id, rank), rank=rank, where=where)
-                value = codec.load(verified)
-                progress.update(plan.sizes[rank])
-                yield value
+                # no local keeps the part yielded: once its consumer drops it, it is
+                # unmapped before the next one is mapped (nothing is read ahead here)
+                yield _loaded(ctx, call_id, rank, fds.pop(rank), plan.sizes[rank], progress)
     finally:
         _close_left(fds)
         progress.close()
         ctx.finish()
+
+
+def _loaded(ctx: Context, call_id: str, rank: int, fd: int, size: int, progress: Progress) -> Any:
+    """``rank``'s part in ``fd``: mapped (see ``mapped``), verified and decoded, then
+    counted in ``progress``."""
+    view = mapped(fd, size, rank, ctx.what)
+    where = f"{ctx.what}, handed over"
+    value = codec.load(codec.verify(view, bind=binding(call_id, rank), rank=rank, where=where))
+    progress.update(size)
+    return value
 
 
 def _close_left(fds: dict[int, int]) -> None:
