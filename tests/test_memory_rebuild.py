@@ -4,6 +4,7 @@ an error, not a kernel OOM kill (real memory cgroups, real processes)."""
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,8 @@ def test_small_records_that_would_not_fit_rebuilt_fail_on_every_rank_before_movi
 def test_a_rebuild_far_past_its_estimate_stops_before_the_kernel_kills() -> None:
     lines, oom = _run_in_cgroup("inflating")
     assert lines[0].startswith("InsufficientMemoryError"), lines
-    assert "rebuilding the part of rank 1" in lines[0], lines[0]
+    # rank 1's part, or rank 2's where a loaded machine sends the parts in chunks (a first
+    # chunk slow to encode), which are rebuilt as they come
+    assert re.search(r"rebuilding the part of rank [12]\b", lines[0]), lines[0]
     assert lines[1:] == ["no error", "no error"], lines
     assert "oom_kill 0" in oom, oom
