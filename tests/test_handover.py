@@ -111,6 +111,25 @@ def test_turned_off_the_parts_are_files(monkeypatch: Any) -> None:
     assert all("route tmpdir, " in line for line in lines), lines
 
 
+def _two_groups_at_once() -> tuple[list[int], str]:
+    """All-gather on this rank's group of 2 while the other group does on its own."""
+    group, _ = torch.distributed.new_subgroups(2)
+    part = np.full(1 << 17, gs.get_rank(), dtype=np.int64)
+    got, log = _logged(lambda: gs.all_gather_object(part, group=group, store="tmpdir", timeout=30))
+    return [int(p[0]) for p in got], log
+
+
+@pytest.mark.timeout(120)
+def test_two_groups_hand_parts_over_at_once_each_to_its_own(monkeypatch: Any) -> None:
+    """Each group's ranks publish their sockets under the group's own keys (the exchange
+    thread that writes them runs in the call's group): no part goes to the other group."""
+    monkeypatch.delenv("GATHERSTORE_TMPDIR", raising=False)
+    monkeypatch.delenv("GATHERSTORE_HANDOVER", raising=False)
+    ranks = gs.launch(_two_groups_at_once, nproc_per_node=4, backend="gloo", timeout=60)
+    assert [got for got, _ in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all("route tmpdir (handed over)" in log for _, log in ranks)
+
+
 def _open_parts() -> int:
     """How many handed-over parts this process holds open."""
     links = []

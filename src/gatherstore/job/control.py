@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import datetime as _dt
 import functools
 import os
@@ -326,7 +327,11 @@ def _bounded(run: Callable[[], Any], timeout: float, what: str, rank0_hosts: boo
             ended.set()
             _waiting.discard(ended)
 
-    thread = threading.Thread(target=target, name="gatherstore-exchange", daemon=True)
+    # in the caller's context: ``run`` asks for the current group's state (its keys)
+    context = contextvars.copy_context()
+    thread = threading.Thread(
+        target=context.run, args=(target,), name="gatherstore-exchange", daemon=True
+    )
     _waiting.add(ended)
     thread.start()
     thread.join(timeout + HOST_GRACE)
