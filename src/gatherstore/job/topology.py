@@ -286,7 +286,7 @@ def local_group() -> Any:
     if state.local is None:
         hosts = control.hosts(DEFAULT_TIMEOUT, dist.group.WORLD)
         nodes = [[r for r, h in enumerate(hosts) if h == node] for node in dict.fromkeys(hosts)]
-        state.local, _ = dist.new_subgroups_by_enumeration(nodes)
+        state.local, _ = dist.new_subgroups_by_enumeration(nodes)  # type: ignore[no-untyped-call]
     return state.local
 
 
