@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,18 @@ import torch
 from _jobs import hiredis_in_use
 
 import gatherstore as gs
+from gatherstore.cli import commands
 from gatherstore.cli import main as _cli
-from gatherstore.cli.bench import baselines, clients, floors, latency, payloads, report, runner
+from gatherstore.cli.bench import (
+    baselines,
+    clients,
+    floors,
+    groups,
+    latency,
+    payloads,
+    report,
+    runner,
+)
 from gatherstore.cli.bench.cases import BASELINE, Case, select
 from gatherstore.cli.bench.measure import PeakMemory
 from gatherstore.testing.plugin import S3Endpoint
@@ -489,3 +500,46 @@ def test_bench_result_sets_at_tiny_sizes(tmp_path: Path) -> None:
         assert figure in text, text
     assert text.count("goal:") == 5, text
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(300)
+def test_bench_group_size_compares_a_group_with_torch_and_a_default_group() -> None:
+    """``--group-size 2 --world 4``: both groups gather at once, next to torch's gather on
+    the same groups, then the same parts on a default group of 2; both comparisons."""
+    result = run_bench("--group-size", "2", "--world", "4", "--sizes", "256KB", timeout=290)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("W = 4 gloo processes in 2 groups of 2"), lines
+    assert "256KB a group (128.0 KiB per rank)" in lines[0]
+    rows = [line.split(" | ") for line in lines[3:8]]
+    assert [row[0].lstrip("| ") for row in rows] == [
+        groups.AT_ONCE,
+        groups.TORCH,
+        groups.ALONE,
+        groups.DEFAULT.replace("group of N", "group of 2"),
+        groups.TORCH_DEFAULT.replace("group of N", "group of 2"),
+    ]
+    assert all(float(row[1]) > 0 and row[2].endswith("iB") for row in rows), rows
+    assert [row[3].rstrip(" |") == "-" for row in rows] == [False, True, False, False, True]
+    ratios = [line.split(": ")[0] for line in lines[8:]]
+    assert ratios == [
+        "gs / torch on the same groups, every group at once",
+        "group / default group of 2, one group at a time",
+        "group / default group of 2, every group at once",
+        "peak RSS, group / default group of 2",
+    ]
+    assert all(line.endswith("x") for line in lines[8:]), lines
+
+
+@pytest.mark.parametrize(
+    ("world", "size", "fix"),
+    [
+        ("2,4", "2", "give --world a multiple of 2 above it, e.g. --world 4"),
+        ("6", "4", "give --world a multiple of 4 above it, e.g. --world 8"),
+        ("4", "1", "a group needs at least 2 ranks"),
+    ],
+)
+def test_bench_group_size_that_does_not_split_the_world(world: str, size: str, fix: str) -> None:
+    argv = ["bench", "--world", world, "--group-size", size]
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        commands.run(_cli._parser().parse_args(argv))
