@@ -93,7 +93,8 @@ def _gather(call: Callable[[Any], list[Any] | None], size: int) -> Timed:
 
 
 def _in_turn(gather: Timed, index: int, groups: int) -> Timed:
-    """``gather`` by one group at a time, the others waiting: this rank's own time."""
+    """``gather`` by one group at a time, the others waiting (also once their turn is
+    over: nothing of theirs runs beside a gather): this rank's own time."""
 
     def timed(obj: Any) -> float:
         seconds = 0.0
@@ -101,6 +102,7 @@ def _in_turn(gather: Timed, index: int, groups: int) -> Timed:
             dist.barrier()
             if turn == index:
                 seconds = gather(obj)
+        dist.barrier()
         return seconds
 
     return timed
