@@ -8,20 +8,23 @@ that alternates round by round:
 
 - gatherstore's ``all_gather_object(obj, group=g)``, every group at once;
 - torch's ``all_gather_object`` on the same groups, every group at once;
-- gatherstore's again, one group at a time (the others wait at a barrier), so that as
-  many processes work as in a job of N.
+- gatherstore's and torch's again, one group at a time (the others wait at a
+  barrier), so that as many processes work as in a job of N.
 
 Then, in a second phase, a job of N processes (its default group) gathers the same
 parts with gatherstore's and torch's ``all_gather_object``, in turn: that is the
 gather a group's is compared with.  A barrier precedes each call, a call's time is its
 slowest rank's, times are medians over the rounds; peak RSS growth is the largest of
-any rank in any round (``PeakMemory``).
+any rank in any round (``PeakMemory``).  Between the phases a shared machine's load may
+change: each phase's gatherstore time is also given against torch's of the same phase,
+whose calls took turns with it.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import statistics
 import sys
 import time
@@ -36,12 +39,23 @@ from gatherstore.cli.bench import baselines, payloads
 from gatherstore.cli.bench.measure import PeakMemory, format_bytes
 from gatherstore.job.launch import launch
 
-__all__ = ["ALONE", "AT_ONCE", "DEFAULT", "TORCH", "check", "main", "measure"]
+__all__ = [
+    "ALONE",
+    "AT_ONCE",
+    "DEFAULT",
+    "TORCH",
+    "TORCH_ALONE",
+    "TORCH_DEFAULT",
+    "check",
+    "main",
+    "measure",
+]
 
 #: The calls measured: on the groups of the W-process job, and on the default group of N.
 AT_ONCE = "gs.all_gather_object(group=g), every group at once"
 TORCH = "torch.all_gather_object(group=g), every group at once"
 ALONE = "gs.all_gather_object(group=g), one group at a time"
+TORCH_ALONE = "torch.all_gather_object(group=g), one group at a time"
 DEFAULT = "gs.all_gather_object, default group of N"
 TORCH_DEFAULT = "torch.all_gather_object, default group of N"
 _WARMUP_BYTES = 1 << 16
@@ -142,10 +156,12 @@ def _split_rank(kind: str, nbytes: int, group_size: int, rounds: int, timeout: f
     group, _ = dist.new_subgroups(group_size)  # type: ignore[no-untyped-call]
     index, groups = dist.get_rank() // group_size, dist.get_world_size() // group_size
     gs = _gather(lambda o: objects.all_gather_object(o, group=group, timeout=timeout), group_size)
+    torch = _gather(lambda o: baselines.torch_all_gather_object(o, group), group_size)
     calls = {
         AT_ONCE: gs,
-        TORCH: _gather(lambda o: baselines.torch_all_gather_object(o, group), group_size),
+        TORCH: torch,
         ALONE: _in_turn(gs, index, groups),
+        TORCH_ALONE: _in_turn(torch, index, groups),
     }
     rank = dist.get_rank(group)
     obj = payloads.make(kind, nbytes, rank, group_size)
@@ -204,8 +220,15 @@ def measure(
     return {**_summarise(split), **_summarise(alone)}
 
 
+def _ratio(found: dict[str, dict[str, Any]], top: str, bottom: str, figure: str) -> float:
+    """``top``'s ``figure`` over ``bottom``'s (nan where ``bottom``'s is 0)."""
+    below = found[bottom][figure]
+    return found[top][figure] / below if below else math.nan
+
+
 def _report(found: dict[str, dict[str, Any]], group_size: int, out: TextIO) -> None:
-    """The table of every call, then the two comparisons the groups are held to."""
+    """The table of every call, then the comparisons the groups are held to: with torch
+    on the same groups, and with a default group of the same size."""
     out.write("| call | time s | peak RSS growth per rank | gatherstore's route |\n")
     out.write("| --- | ---: | ---: | --- |\n")
     for name, figures in found.items():
@@ -213,21 +236,24 @@ def _report(found: dict[str, dict[str, Any]], group_size: int, out: TextIO) -> N
         label = name.replace("group of N", f"group of {group_size}")
         peak = format_bytes(figures["peak"])
         out.write(f"| {label} | {figures['seconds']:.3f} | {peak} | {routes} |\n")
-    ratios = [
+    default = f"default group of {group_size}"
+    alone = _ratio(found, ALONE, DEFAULT, "seconds")
+    phases = _ratio(found, ALONE, TORCH_ALONE, "seconds") / _ratio(
+        found, DEFAULT, TORCH_DEFAULT, "seconds"
+    )
+    lines = [
         ("gs / torch on the same groups, every group at once", AT_ONCE, TORCH, "seconds"),
-        (f"group / default group of {group_size}, one group at a time", ALONE, DEFAULT, "seconds"),
-        (
-            f"group / default group of {group_size}, every group at once",
-            AT_ONCE,
-            DEFAULT,
-            "seconds",
-        ),
-        (f"peak RSS, group / default group of {group_size}", AT_ONCE, DEFAULT, "peak"),
+        ("gs / torch on the same groups, one group at a time", ALONE, TORCH_ALONE, "seconds"),
+        (f"gs / torch on a {default}", DEFAULT, TORCH_DEFAULT, "seconds"),
+        (f"group / {default}, every group at once", AT_ONCE, DEFAULT, "seconds"),
+        (f"peak RSS, group / {default}", AT_ONCE, DEFAULT, "peak"),
     ]
-    for label, top, bottom, figure in ratios:
-        below = found[bottom][figure]
-        ratio = f"{found[top][figure] / below:.2f}x" if below else "-"
-        out.write(f"{label}: {ratio}\n")
+    for label, top, bottom, figure in lines:
+        out.write(f"{label}: {_ratio(found, top, bottom, figure):.2f}x\n")
+    out.write(
+        f"group / {default}, one group at a time: {alone:.2f}x "
+        f"(each against torch in its phase: {phases:.2f}x)\n"
+    )
 
 
 def main(
