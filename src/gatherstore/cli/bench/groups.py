@@ -3,7 +3,7 @@
 With ``--world W``, one job of W processes (``gs.launch``) splits into W/N groups of N
 consecutive ranks (``dist.new_subgroups``), each rank holding its group-rank's share
 of ``size`` (the total a group gathers, as ``--sizes`` is the total a gather moves in
-the default bench).  Every round, its ranks take turns at three calls, in an order
+the default bench).  Every round, its ranks take turns at four calls, in an order
 that alternates round by round:
 
 - gatherstore's ``all_gather_object(obj, group=g)``, every group at once;
@@ -11,13 +11,13 @@ that alternates round by round:
 - gatherstore's and torch's again, one group at a time (the others wait at a
   barrier), so that as many processes work as in a job of N.
 
-Then, in a second phase, a job of N processes (its default group) gathers the same
+The other phase is a job of N processes (its default group), which gathers the same
 parts with gatherstore's and torch's ``all_gather_object``, in turn: that is the
-gather a group's is compared with.  A barrier precedes each call, a call's time is its
-slowest rank's, times are medians over the rounds; peak RSS growth is the largest of
-any rank in any round (``PeakMemory``).  Between the phases a shared machine's load may
-change: each phase's gatherstore time is also given against torch's of the same phase,
-whose calls took turns with it.
+gather a group's is compared with.  The two phases take turns, ``PHASES`` times each,
+the rounds shared between them, so that a shared machine's changing load falls on
+both alike.  A barrier precedes each call, a call's time is its slowest rank's, times
+are medians over every round; peak RSS growth is the largest of any rank in any round
+(``PeakMemory``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from gatherstore.job.launch import launch
 
 __all__ = [
     "ALONE",
+    "PHASES",
     "AT_ONCE",
     "DEFAULT",
     "TORCH",
@@ -58,6 +59,8 @@ ALONE = "gs.all_gather_object(group=g), one group at a time"
 TORCH_ALONE = "torch.all_gather_object(group=g), one group at a time"
 DEFAULT = "gs.all_gather_object, default group of N"
 TORCH_DEFAULT = "torch.all_gather_object, default group of N"
+#: How many times each phase (the job split into groups, the job of N) runs.
+PHASES = 3
 _WARMUP_BYTES = 1 << 16
 #: A call on this rank: the seconds of its own gather (the payload bound in).
 Timed = Callable[[Any], float]
@@ -180,16 +183,23 @@ def _default_rank(kind: str, nbytes: int, rounds: int, timeout: float) -> Any:
     return _rounds(calls, obj, payloads.make(kind, _WARMUP_BYTES, rank, world), rounds)
 
 
-def _summarise(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per call: the median over rounds of the slowest rank's seconds, the largest peak
-    RSS growth of any rank, and gatherstore's routes."""
+def _slowest(ranks: list[dict[str, Any]], name: str) -> list[float]:
+    """The slowest rank's seconds of each round of the call ``name`` in one job."""
+    rounds = len(ranks[0][name]["times"])
+    return [max(r[name]["times"][i] for r in ranks) for i in range(rounds)]
+
+
+def _summarise(jobs: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per call of ``jobs`` (the ranks' returns of each launch of one phase): the median
+    over every round of the slowest rank's seconds, the largest peak RSS growth of any
+    rank, and gatherstore's routes."""
     out = {}
-    for name, first in ranks[0].items():
-        slowest = [max(r[name]["times"][i] for r in ranks) for i in range(len(first["times"]))]
+    for name in jobs[0][0]:
+        ranks = [r[name] for job in jobs for r in job]
         out[name] = {
-            "seconds": statistics.median(slowest),
-            "peak": max(max(r[name]["peaks"]) for r in ranks),
-            "routes": sorted({route for r in ranks for route in r[name]["routes"]}),
+            "seconds": statistics.median(t for job in jobs for t in _slowest(job, name)),
+            "peak": max(max(r["peaks"]) for r in ranks),
+            "routes": sorted({route for r in ranks for route in r["routes"]}),
         }
     return out
 
@@ -197,26 +207,36 @@ def _summarise(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def measure(
     world: int, group_size: int, kind: str, nbytes: int, rounds: int, timeout: float
 ) -> dict[str, dict[str, Any]]:
-    """Both phases: the job of ``world`` split into groups, then the job of ``group_size``;
-    each call's ``seconds``, ``peak`` and ``routes``.
+    """Both phases, taking turns (the job of ``world`` split into groups, then the job of
+    ``group_size``) over ``rounds`` in all; each call's ``seconds``, ``peak`` and
+    ``routes``.
 
     Raises:
         RemoteRankError: a rank failed (e.g. a wrong result).
     """
-    split = launch(
-        _split_rank,
-        nproc_per_node=world,
-        backend="gloo",
-        args=(kind, nbytes, group_size, rounds, timeout),
-        timeout=timeout,
-    )
-    alone = launch(
-        _default_rank,
-        nproc_per_node=group_size,
-        backend="gloo",
-        args=(kind, nbytes, rounds, timeout),
-        timeout=timeout,
-    )
+    turns = min(PHASES, rounds)
+    split: list[list[Any]] = []
+    alone: list[list[Any]] = []
+    for turn in range(turns):
+        share = rounds // turns + (turn < rounds % turns)
+        split.append(
+            launch(
+                _split_rank,
+                nproc_per_node=world,
+                backend="gloo",
+                args=(kind, nbytes, group_size, share, timeout),
+                timeout=timeout,
+            )
+        )
+        alone.append(
+            launch(
+                _default_rank,
+                nproc_per_node=group_size,
+                backend="gloo",
+                args=(kind, nbytes, share, timeout),
+                timeout=timeout,
+            )
+        )
     return {**_summarise(split), **_summarise(alone)}
 
 
@@ -237,23 +257,16 @@ def _report(found: dict[str, dict[str, Any]], group_size: int, out: TextIO) -> N
         peak = format_bytes(figures["peak"])
         out.write(f"| {label} | {figures['seconds']:.3f} | {peak} | {routes} |\n")
     default = f"default group of {group_size}"
-    alone = _ratio(found, ALONE, DEFAULT, "seconds")
-    phases = _ratio(found, ALONE, TORCH_ALONE, "seconds") / _ratio(
-        found, DEFAULT, TORCH_DEFAULT, "seconds"
-    )
     lines = [
         ("gs / torch on the same groups, every group at once", AT_ONCE, TORCH, "seconds"),
         ("gs / torch on the same groups, one group at a time", ALONE, TORCH_ALONE, "seconds"),
         (f"gs / torch on a {default}", DEFAULT, TORCH_DEFAULT, "seconds"),
+        (f"group / {default}, one group at a time", ALONE, DEFAULT, "seconds"),
         (f"group / {default}, every group at once", AT_ONCE, DEFAULT, "seconds"),
         (f"peak RSS, group / {default}", AT_ONCE, DEFAULT, "peak"),
     ]
     for label, top, bottom, figure in lines:
         out.write(f"{label}: {_ratio(found, top, bottom, figure):.2f}x\n")
-    out.write(
-        f"group / {default}, one group at a time: {alone:.2f}x "
-        f"(each against torch in its phase: {phases:.2f}x)\n"
-    )
 
 
 def main(
@@ -276,9 +289,10 @@ def main(
             for kind in kinds:
                 out.write(
                     f"W = {world} gloo processes in {world // group_size} groups of "
-                    f"{group_size} (dist.new_subgroups), then a job of {group_size}; {kind}, "
-                    f"{label} a group ({format_bytes(nbytes / group_size)} per rank); "
-                    f"median of {rounds} rounds, the slowest rank's time per call\n"
+                    f"{group_size} (dist.new_subgroups), taking turns with a job of "
+                    f"{group_size} ({min(PHASES, rounds)} launches each); {kind}, {label} a "
+                    f"group ({format_bytes(nbytes / group_size)} per rank); median of "
+                    f"{rounds} rounds, the slowest rank's time per call\n"
                 )
                 found = measure(world, group_size, kind, nbytes, rounds, timeout)
                 _report(found, group_size, out)
