@@ -41,9 +41,9 @@ from gatherstore.job.launch import launch
 
 __all__ = [
     "ALONE",
-    "PHASES",
     "AT_ONCE",
     "DEFAULT",
+    "PHASES",
     "TORCH",
     "TORCH_ALONE",
     "TORCH_DEFAULT",
@@ -159,12 +159,12 @@ def _split_rank(kind: str, nbytes: int, group_size: int, rounds: int, timeout: f
     group, _ = dist.new_subgroups(group_size)  # type: ignore[no-untyped-call]
     index, groups = dist.get_rank() // group_size, dist.get_world_size() // group_size
     gs = _gather(lambda o: objects.all_gather_object(o, group=group, timeout=timeout), group_size)
-    torch = _gather(lambda o: baselines.torch_all_gather_object(o, group), group_size)
+    theirs = _gather(lambda o: baselines.torch_all_gather_object(o, group), group_size)
     calls = {
         AT_ONCE: gs,
-        TORCH: torch,
+        TORCH: theirs,
         ALONE: _in_turn(gs, index, groups),
-        TORCH_ALONE: _in_turn(torch, index, groups),
+        TORCH_ALONE: _in_turn(theirs, index, groups),
     }
     rank = dist.get_rank(group)
     obj = payloads.make(kind, nbytes, rank, group_size)
