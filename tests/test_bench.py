@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,18 @@ import torch
 from _jobs import hiredis_in_use
 
 import gatherstore as gs
+from gatherstore.cli import commands
 from gatherstore.cli import main as _cli
-from gatherstore.cli.bench import baselines, clients, floors, latency, payloads, report, runner
+from gatherstore.cli.bench import (
+    baselines,
+    clients,
+    floors,
+    groups,
+    latency,
+    payloads,
+    report,
+    runner,
+)
 from gatherstore.cli.bench.cases import BASELINE, Case, select
 from gatherstore.cli.bench.measure import PeakMemory
 from gatherstore.testing.plugin import S3Endpoint
@@ -489,3 +500,50 @@ def test_bench_result_sets_at_tiny_sizes(tmp_path: Path) -> None:
         assert figure in text, text
     assert text.count("goal:") == 5, text
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(300)
+def test_bench_group_size_compares_a_group_with_torch_and_a_default_group() -> None:
+    """``--group-size 2 --world 4``: both groups gather at once and in turn, next to torch's
+    gather on the same groups, and the same parts on a default group of 2 (the two jobs
+    take turns, twice each); both comparisons."""
+    args = ("--group-size", "2", "--world", "4", "--sizes", "256KB", "--repeats", "2")
+    result = run_bench(*args, timeout=290)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("W = 4 gloo processes in 2 groups of 2"), lines
+    assert "taking turns with a job of 2 (2 launches each)" in lines[0]
+    assert "256KB a group (128.0 KiB per rank)" in lines[0]
+    rows = [line.split(" | ") for line in lines[3:9]]
+    calls = [groups.AT_ONCE, groups.TORCH, groups.ALONE, groups.TORCH_ALONE]
+    calls += [groups.DEFAULT, groups.TORCH_DEFAULT]
+    assert [row[0].lstrip("| ") for row in rows] == [
+        c.replace("group of N", "group of 2") for c in calls
+    ]
+    assert all(float(row[1]) > 0 and row[2].endswith("iB") for row in rows), rows
+    gatherstore = [row[3].rstrip(" |") != "-" for row in rows]
+    assert gatherstore == [True, False, True, False, True, False], rows
+    ratios = [line.split(": ")[0] for line in lines[9:]]
+    assert ratios == [
+        "gs / torch on the same groups, every group at once",
+        "gs / torch on the same groups, one group at a time",
+        "gs / torch on a default group of 2",
+        "group / default group of 2, one group at a time",
+        "group / default group of 2, every group at once",
+        "peak RSS, group / default group of 2",
+    ]
+    assert all(line.endswith("x") for line in lines[9:]), lines
+
+
+@pytest.mark.parametrize(
+    ("world", "size", "fix"),
+    [
+        ("2,4", "2", "give --world a multiple of 2 above it, e.g. --world 4"),
+        ("6", "4", "give --world a multiple of 4 above it, e.g. --world 8"),
+        ("4", "1", "a group needs at least 2 ranks"),
+    ],
+)
+def test_bench_group_size_that_does_not_split_the_world(world: str, size: str, fix: str) -> None:
+    argv = ["bench", "--world", world, "--group-size", size]
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        commands.run(_cli._parser().parse_args(argv))

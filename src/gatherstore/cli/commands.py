@@ -70,6 +70,13 @@ def _bench(args: argparse.Namespace) -> int:
         from gatherstore.cli.bench import hostbench
 
         return hostbench.main(share_local=args.share_local, repeats=args.repeats)
+    if args.group_size:
+        from gatherstore.cli.bench import groups
+
+        kinds = args.payloads or ["detections"]
+        return groups.main(
+            args.world, args.group_size, args.sizes, kinds, args.repeats, args.timeout
+        )
     if args.s3_latency and not args.parts:
         raise ValueError("--s3-latency goes with --parts W")
     if args.parts:

@@ -145,8 +145,8 @@ def _add_bench(sub: _Subparsers) -> None:
         description="Gather the same payloads through each of gatherstore's stores and "
         "through torch.distributed and mmengine, in fresh local processes, and report time, "
         "throughput and peak memory against this machine's ceilings.  --quick gives a first "
-        "look in under 30 s; --scale, --latency, --soak, --result-sets, --hosts and --parts "
-        "run another benchmark instead.",
+        "look in under 30 s; --scale, --latency, --soak, --result-sets, --hosts, --group-size "
+        "and --parts run another benchmark instead.",
     )
     _add_bench_measure(p)
     _add_bench_modes(p)
@@ -240,6 +240,14 @@ def _add_bench_modes(p: argparse.ArgumentParser) -> None:
         "--share-local",
         action="store_true",
         help="with --hosts: host 1 reads the share from local disk (only host 2 mounts it)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=_argtype(_positive_int),
+        metavar="N",
+        help="instead: gs.all_gather_object on the --world W ranks split into groups of N, "
+        "against torch's on the same groups and gatherstore's on a default group of N "
+        "(--sizes: a group's total; --repeats: rounds)",
     )
     p.add_argument(
         "--parts",

@@ -31,10 +31,10 @@ _MAX_LEN = 512
 _SPACE = 32
 
 
-def torch_all_gather_object(obj: Any) -> list[Any]:
-    """``torch.distributed.all_gather_object`` on the default group."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def torch_all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """``torch.distributed.all_gather_object`` on ``group`` (None: the default group)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
