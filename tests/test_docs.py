@@ -262,6 +262,20 @@ def test_repository_paths_the_docs_name_exist() -> None:
     assert sorted(path for path in cited if not any(ROOT.glob(path))) == []
 
 
+def test_the_repository_has_one_address() -> None:
+    """pyproject.toml's Repository URL is the site's repo_url and what the install
+    commands of the getting-started page clone and pip-install."""
+    declared = re.search(
+        r'^Repository = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE
+    )
+    assert declared is not None
+    url = declared.group(1)
+    assert f"\nrepo_url: {url}\n" in (ROOT / "mkdocs.yml").read_text()
+    page = (DOCS / "getting-started.md").read_text()
+    assert f"git clone {url} " in page and f"@ git+{url}'" in page
+    assert sorted(set(re.findall(r"https://github\.com/[\w./-]*\w", page))) == [url]
+
+
 # --- settings ---------------------------------------------------------------------------------
 _VARIABLE = re.compile(r"\bGATHERSTORE_[A-Z0-9_]*[A-Z0-9]\b")
 
