@@ -4,8 +4,6 @@ Data travels as attributes (ranks, keys, store URL) so callers never parse
 messages.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 #: The public errors (re-exported by the package); ``first_line``, ``seconds``, ``counted``
@@ -24,17 +22,40 @@ __all__ = [
 
 
 class GatherError(Exception):
-    """Root of every error gatherstore raises."""
+    """Root of the errors of a call: what went wrong with a rank, the store, the data or
+    memory, never the arguments (those raise ``ValueError`` or ``TypeError``).
+
+    Raised as itself when a part arrived intact but cannot be rebuilt (the unpickler's
+    error is its ``__cause__``), when a chunk of a part is gone, when another job that
+    is alive writes a result set, and after a transfer over gatherstore's gloo group did
+    not finish.
+
+    Examples:
+        >>> try:
+        ...     merged = gs.gather_object(preds)
+        ... except gs.GatherError as exc:  # every subclass below
+        ...     log.error("evaluation lost: %s", exc)
+    """
 
 
 class GatherTimeout(GatherError, TimeoutError):
-    """Some ranks (or keys) did not deliver within the timeout.
+    """Some ranks (or store keys) did not deliver within the call's timeout.
 
     Attributes:
         ranks: the ranks that did not arrive, in ascending order.
         keys: the store keys still missing, when the wait was on a store.
-        timeout: the timeout in seconds.
+        timeout: the timeout in seconds, when the call had one.
+
+    Examples:
+        >>> try:
+        ...     gs.barrier(timeout=60)
+        ... except gs.GatherTimeout as exc:
+        ...     print("late or lost:", exc.ranks)
     """
+
+    ranks: list[int]
+    keys: list[str]
+    timeout: float | None
 
     def __init__(
         self,
@@ -52,18 +73,38 @@ class GatherTimeout(GatherError, TimeoutError):
 
 class ProcessGroupError(GatherError, RuntimeError):
     """The process group itself failed in a tensor collective (a rank died, stopped,
-    or called a different collective); replaces torch's raw RuntimeError."""
+    or called a different collective); replaces torch's raw ``RuntimeError``.
+
+    Examples:
+        >>> try:
+        ...     total = gs.all_reduce(loss)
+        ... except gs.ProcessGroupError:  # the job's group is broken: end the job
+        ...     raise SystemExit(1)
+    """
 
 
 class RemoteRankError(GatherError, RuntimeError):
-    """Another rank failed; every rank raises this so that nobody hangs.
+    """Another rank failed; every other rank raises this at once, so that nobody hangs.
+
+    ``gs.launch`` raises it too when a child raised or died.
 
     Attributes:
         rank: the (first) failing rank.
         remote_message: that rank's error message.
-        remote_traceback: that rank's traceback text, when known.
-        ranks: every failing rank.
+        remote_traceback: that rank's traceback text ("" when unknown).
+        ranks: every failing rank, in ascending order.
+
+    Examples:
+        >>> try:
+        ...     gs.launch(evaluate, nproc_per_node=4)
+        ... except gs.RemoteRankError as exc:
+        ...     print(exc.rank, exc.remote_traceback)  # where it started, and its traceback
     """
+
+    rank: int
+    remote_message: str
+    remote_traceback: str
+    ranks: list[int]
 
     def __init__(
         self,
@@ -88,12 +129,21 @@ class RemoteRankError(GatherError, RuntimeError):
 
 
 class StoreNotSharedError(GatherError, RuntimeError):
-    """The store is not visible from every rank (e.g. node-local /tmp, memory://).
+    """The store is not visible from every rank (e.g. node-local /tmp, ``memory://``).
 
     Attributes:
-        ranks: the ranks that cannot see rank 0's marker.
+        ranks: the ranks that cannot see rank 0's marker, in ascending order.
         store: the store URL (password hidden).
+
+    Examples:
+        >>> try:
+        ...     gs.all_gather_object(part, store="file:///tmp/gather")  # /tmp of each node
+        ... except gs.StoreNotSharedError as exc:
+        ...     print(exc.store, "is not shared with ranks", exc.ranks)
     """
+
+    ranks: list[int]
+    store: str
 
     def __init__(self, message: str, *, ranks: Sequence[int], store: str) -> None:
         super().__init__(message)
@@ -107,7 +157,16 @@ class IntegrityError(GatherError, ValueError):
     Attributes:
         rank: the rank whose part is bad, when known.
         key: the store key of the part, when known.
+
+    Examples:
+        >>> try:
+        ...     merged = gs.gather_object(preds, store="redis://db:6379/0")
+        ... except gs.IntegrityError as exc:
+        ...     print("damaged part of rank", exc.rank, "at", exc.key)
     """
+
+    rank: int | None
+    key: str | None
 
     def __init__(self, message: str, *, rank: int | None = None, key: str | None = None) -> None:
         super().__init__(message)
@@ -116,11 +175,19 @@ class IntegrityError(GatherError, ValueError):
 
 
 class StoreUnavailableError(GatherError, ConnectionError):
-    """The store cannot be reached or written.
+    """The store cannot be reached or written; the message keeps the backend's reason.
 
     Attributes:
         store: the store URL (password hidden).
+
+    Examples:
+        >>> try:
+        ...     merged = gs.gather_object(preds, store="redis://db:6379/0")
+        ... except gs.StoreUnavailableError as exc:
+        ...     print("down:", exc.store)
     """
+
+    store: str
 
     def __init__(self, message: str, *, store: str) -> None:
         super().__init__(message)
@@ -130,16 +197,33 @@ class StoreUnavailableError(GatherError, ConnectionError):
 class InsufficientMemoryError(GatherError, MemoryError):
     """The gathered parts would not fit in the receiving rank's available memory.
 
-    Raised on every rank before any data moves; ``gather_iter`` avoids it.
+    Raised on every rank before any data moves (or while a part is unpickled, with
+    128 MiB left); ``gs.gather_iter`` avoids it.
+
+    Examples:
+        >>> try:
+        ...     merged = gs.gather_object(preds)
+        ... except gs.InsufficientMemoryError:
+        ...     merged = None  # gs.gather_iter reads the parts one at a time instead
     """
 
 
 class MismatchError(GatherError, ValueError):
-    """Ranks called a collective with inputs that do not agree (keys, dtypes, shapes).
+    """Ranks called a collective with inputs that do not agree (keys, dtypes, shapes),
+    or made different calls at the same step.
 
     Attributes:
-        details: per-rank description of what differs.
+        details: what each rank had, by rank.
+
+    Examples:
+        >>> try:
+        ...     totals = gs.all_reduce_dict(metrics)
+        ... except gs.MismatchError as exc:
+        ...     for rank, had in exc.details.items():
+        ...         print(rank, had)
     """
+
+    details: dict[int, str]
 
     def __init__(self, message: str, *, details: dict[int, str] | None = None) -> None:
         super().__init__(message)
