@@ -101,7 +101,7 @@ def spawn(
 ) -> None:
     """Run ``fn(local_rank, *args, **kwargs_dict)`` in ``nproc_per_node`` processes.
 
-    Processes start through [`gatherstore.launch`][gatherstore.launch]; ``kwargs`` may hold
+    Processes start through ``gatherstore.launch``; ``kwargs`` may hold
     nnodes, node_rank, master_addr, master_port (default: a free port on one
     node), init_method and timeout.  With ``init_method="file://<path>"`` on
     one node the file is not needed; across nodes node 0 publishes its address
@@ -233,8 +233,7 @@ def initialize(backend: str, **kwargs: Any) -> None:
 
 
 def finalize() -> None:
-    """Destroy the process group and restore the environment that
-    [`initialize`][gatherstore.compat.ignite.initialize] changed."""
+    """Destroy the process group and restore the environment that ``initialize`` changed."""
     gs.shutdown()
     saved = _saved_env[0]
     if saved is not None:

@@ -71,8 +71,7 @@ def sync(temporary: bool = False) -> None:
 
 
 def available_backends() -> tuple[str, ...]:
-    """Backends [`initialize`][gatherstore.compat.ignite.initialize] and
-    [`spawn`][gatherstore.compat.ignite.spawn] accept."""
+    """Backends ``initialize`` and ``spawn`` accept."""
     return tuple(b for m in registered_computation_models for b in m.available_backends)
 
 
@@ -108,8 +107,7 @@ def get_rank() -> int:
 
 
 def get_local_rank() -> int:
-    """Rank on this node: LOCAL_RANK, else the hint of
-    [`set_local_rank`][gatherstore.compat.ignite.set_local_rank], else by hostname."""
+    """Rank on this node: LOCAL_RANK, else the hint of ``set_local_rank``, else by hostname."""
     hint = _state["local_rank"]
     if gs.is_distributed() and "LOCAL_RANK" not in os.environ and hint is not None:
         return hint

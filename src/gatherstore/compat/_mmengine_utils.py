@@ -82,8 +82,7 @@ def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:
 
 
 def get_local_group() -> ProcessGroup | None:
-    """The group made by [`init_local_group`][gatherstore.compat.mmengine.init_local_group];
-    None without a process group.
+    """The group made by ``init_local_group``; None without a process group.
 
     Raises:
         RuntimeError: distributed, but ``init_local_group`` was not called.

@@ -3,9 +3,8 @@
 ``accelerate.utils.gather_object`` is ``torch.distributed.all_gather_object``
 through the current device: every rank's object is pickled into a tensor that
 every rank receives (on the GPU under NCCL).
-[`gather_object`][gatherstore.compat.accelerate.gather_object] keeps its answers and
-moves the objects through gatherstore's routes and stores;
-[`patch`][gatherstore.compat.accelerate.patch] puts it wherever accelerate calls the original, so
+``gather_object`` keeps its answers and moves the objects through gatherstore's routes
+and stores; ``patch`` puts it wherever accelerate calls the original, so
 ``Accelerator.gather_for_metrics`` (and with it transformers'
 ``eval_use_gather_object``) gathers through the store too, and accelerate's
 barrier (``wait_for_everyone``) meets on gatherstore's control plane, so that

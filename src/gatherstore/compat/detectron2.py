@@ -104,8 +104,7 @@ def create_local_process_group(num_workers_per_machine: int) -> None:
 
 
 def get_local_process_group() -> dist.ProcessGroup:
-    """The group of this machine's ranks made by
-    [`create_local_process_group`][gatherstore.compat.detectron2.create_local_process_group].
+    """The group of this machine's ranks made by ``create_local_process_group``.
 
     Raises:
         AssertionError: it was not created (also without a process group).

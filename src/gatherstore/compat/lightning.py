@@ -7,7 +7,7 @@ pairs them with the dataset indices Lightning recorded for the batch, and
 gathers them through gatherstore (``gs.collect_results`` with those indices) on
 ``dst``: one item per dataset sample, in dataset order, the repeats dropped.
 
-With ``resume`` (a [`ResultSet`][gatherstore.ResultSet] name, in a ``store`` that
+With ``resume`` (a ``gs.ResultSet`` name, in a ``store`` that
 outlives the job), every batch's samples are added to that set as the batch
 ends, and ``dst`` gets every dataset index from this run or earlier ones: a
 preempted ``trainer.predict`` continues on any number of ranks, and

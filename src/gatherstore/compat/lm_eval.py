@@ -4,9 +4,8 @@
 rank's logged samples and per-sample metrics to rank 0.  Its models implement
 that with ``torch.distributed.gather_object`` (``HFLM``, ``NeMoLM``) or
 ``all_gather_object`` (``MegatronLMEval``): pickled through dst's GPU under
-NCCL, with the process group's timeout.  [`patch`][gatherstore.compat.lm_eval.patch]
-replaces ``LM.gather_object`` and every subclass's override with
-[`gather_object`][gatherstore.compat.lm_eval.gather_object].
+NCCL, with the process group's timeout.  ``patch`` replaces ``LM.gather_object`` and
+every subclass's override with ``gather_object``.
 """
 
 from __future__ import annotations

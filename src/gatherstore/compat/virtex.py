@@ -33,7 +33,7 @@ def launch(
 ) -> None:
     """Run ``job_fn(*args)`` in one process per GPU on each machine.
 
-    Processes start through [`gatherstore.launch`][gatherstore.launch] (NCCL with one GPU per
+    Processes start through ``gatherstore.launch`` (NCCL with one GPU per
     process, else gloo), so this also runs on CPU-only machines, where virtex
     asserts CUDA.  One process in all runs ``job_fn`` right here, without a
     process group (every helper then gives the single-process answer).

@@ -99,8 +99,7 @@ def synchronize() -> None:
 
 
 def rank_zero_only(func: GenericFunc) -> GenericFunc:
-    """Run ``func`` on global rank 0 only (None elsewhere); the rank as
-    [`get_rank`][gatherstore.compat.vis4d.get_rank] says."""
+    """Run ``func`` on global rank 0 only (None elsewhere); the rank as ``get_rank`` says."""
 
     @functools.wraps(func)
     def on_rank_zero(*args: Any, **kwargs: Any) -> Any:
@@ -128,7 +127,7 @@ def obj2tensor(pyobj: Any, device: torch.device = _CUDA) -> torch.Tensor:
 
 
 def tensor2obj(tensor: torch.Tensor) -> Any:
-    """The object a uint8 tensor from [`obj2tensor`][gatherstore.compat.vis4d.obj2tensor] holds."""
+    """The object a uint8 tensor from ``obj2tensor`` holds."""
     return pickle.loads(tensor.cpu().numpy().tobytes())
 
 

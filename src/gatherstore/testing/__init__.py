@@ -1,27 +1,28 @@
 """The store conformance suite, for gatherstore's stores and third-party ones.
 
-Subclass [`StoreTests`][gatherstore.testing.StoreTests] in a test module and pytest runs
-every check.  The subclass provides a ``store`` fixture (a fresh, empty store) and four
-hooks that reach the backend *without* the Store API, so that each check sees what is
-really stored, and damages (truncates, alters, replaces, deletes) values that
-are really stored::
+Subclass ``StoreTests`` in a test module and pytest runs every check.  The subclass
+provides a ``store`` fixture (a fresh, empty store) and four hooks that reach the
+backend *without* the Store API, so that each check sees what is really stored, and
+damages (truncates, alters, replaces, deletes) values that are really stored:
 
-    class TestMyStore(StoreTests):
-        @pytest.fixture
-        def store(self, tmp_path):
-            return MyStore(tmp_path)
+```python
+class TestMyStore(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path):
+        return MyStore(tmp_path)
 
-        def raw_keys(self, store):  # every key in the backend, sorted
-            return sorted(my_backend_listing(store))
+    def raw_keys(self, store):  # every key in the backend, sorted
+        return sorted(my_backend_listing(store))
 
-        def raw_get(self, store, key):  # the bytes at key, or None
-            return my_backend_read(store, key)
+    def raw_get(self, store, key):  # the bytes at key, or None
+        return my_backend_read(store, key)
 
-        def raw_set(self, store, key, data):  # write key, or replace its bytes
-            my_backend_write(store, key, data)
+    def raw_set(self, store, key, data):  # write key, or replace its bytes
+        my_backend_write(store, key, data)
 
-        def raw_delete(self, store, key):  # remove key; an absent key is fine
-            my_backend_remove(store, key)
+    def raw_delete(self, store, key):  # remove key; an absent key is fine
+        my_backend_remove(store, key)
+```
 
 The hooks name keys as the store does, relative to its root: ``part`` and its
 chunks ``part.chunks/<id>/<n>``.  ``raw_set`` replaces a file's bytes in place

@@ -4,14 +4,16 @@ Opt-in (``pip install 'gatherstore[testing]'``): load it with
 ``-p gatherstore.testing.plugin`` or ``pytest_plugins = ["gatherstore.testing.plugin"]``
 in a conftest.py.  It imports nothing heavy until a fixture runs.
 
-Fixtures:
-    gatherstore_redis_url (session): ``GATHERSTORE_TEST_REDIS_URL``, else a throwaway
-        ``redis-server`` under pytest-redis's executor (``gatherstore.testing.services``).
-    gatherstore_s3 (session): an [`S3Endpoint`][gatherstore.testing.plugin.S3Endpoint] for
-        ``GATHERSTORE_TEST_S3_ENDPOINT`` (``GATHERSTORE_TEST_S3_KEY`` / ``_SECRET``), else a
-        throwaway SeaweedFS.
-    gatherstore_run (function): ``run(fn, nproc=2, *args, timeout=60, **kwargs)`` runs
-        ``fn`` in ``nproc`` gloo processes with ``gatherstore.launch``.
+Its fixtures:
+
+- ``gatherstore_redis_url`` (session scope): the URL in ``GATHERSTORE_TEST_REDIS_URL``,
+  else that of a throwaway ``redis-server`` under pytest-redis's executor
+  (``gatherstore.testing.services``).
+- ``gatherstore_s3`` (session scope): an ``S3Endpoint`` for
+  ``GATHERSTORE_TEST_S3_ENDPOINT`` (with ``GATHERSTORE_TEST_S3_KEY`` and
+  ``GATHERSTORE_TEST_S3_SECRET``), else for a throwaway SeaweedFS.
+- ``gatherstore_run`` (test scope): ``run(fn, nproc=2, *args, timeout=60, **kwargs)``
+  runs ``fn`` in ``nproc`` gloo processes with ``gs.launch``.
 
 A service that cannot start skips the tests that need it, except when the environment
 variable ``CI`` is set (and not "0"/"false"): then they fail.
