@@ -296,6 +296,14 @@ def read_ahead(explicit: int | None, headroom: int) -> int:
 
 
 Timeout = float | int | _dt.timedelta | None
+"""What every ``timeout=`` of gatherstore takes: seconds (an int or a float) or a
+``datetime.timedelta``, positive and finite; None for the default, ``GATHERSTORE_TIMEOUT``
+(1800 s unless set).  A timeout longer than 24 days (``MAX_WAIT``) is 24 days.
+
+Examples:
+    >>> gs.gather_object(preds, timeout=600)
+    >>> gs.gather_object(preds, timeout=datetime.timedelta(hours=2))
+"""
 
 
 def to_seconds(timeout: Timeout) -> float:

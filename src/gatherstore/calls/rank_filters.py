@@ -1,7 +1,5 @@
 """Rank filters: run a function on one rank only, optionally waiting for it."""
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -24,24 +22,51 @@ def _report(failure: bytes, timeout: Timeout) -> list[bytes]:
 
 
 def rank_zero_only(fn: F) -> F:
-    """Run ``fn`` on global rank 0 only; elsewhere return None."""
+    """Decorator: run ``fn`` on global rank 0 only; elsewhere return None.
+
+    The other ranks do not wait for it (``one_rank_only(0, with_barrier=True)`` does).
+
+    Args:
+        fn: the function to run on rank 0.
+
+    Returns:
+        ``fn``, wrapped: it returns ``fn``'s result on rank 0 and None elsewhere.
+
+    Examples:
+        >>> @gs.rank_zero_only
+        ... def report(metrics):
+        ...     print(metrics)
+    """
     return one_rank_only(0)(fn)
 
 
 def one_rank_only(
     rank: int = 0, with_barrier: bool = False, timeout: Timeout = None
 ) -> Callable[[F], F]:
-    """Decorator: run on ``rank`` only (None elsewhere), then optionally wait for it.
+    """Decorator: run the function on ``rank`` only (None elsewhere), then optionally
+    make every rank wait for it.
 
-    With ``with_barrier`` the other ranks wait on the control plane (never the
-    NCCL watchdog) for at most ``timeout`` seconds (None: the library default);
-    if the function raises on ``rank``, the others raise
-    [`RemoteRankError`][gatherstore.RemoteRankError] instead of waiting forever.
+    Args:
+        rank: the global rank that runs the function.
+        with_barrier: the other ranks wait until it has run, on the control plane (never
+            the NCCL watchdog); if it raises on ``rank``, they raise ``RemoteRankError``
+            instead of waiting forever.  Without a process group it changes nothing.
+        timeout: how long they wait, at most: seconds or a ``timedelta``; None:
+            ``GATHERSTORE_TIMEOUT``.
+
+    Returns:
+        A decorator; the function it wraps returns its result on ``rank`` and None
+        elsewhere.
 
     Raises:
         ValueError: a bad ``timeout`` (when decorating).
         GatherTimeout: with ``with_barrier``, ranks that did not arrive in time, named.
         RemoteRankError: on the other ranks, when the function raised on ``rank``.
+
+    Examples:
+        >>> @gs.one_rank_only(0, with_barrier=True)
+        ... def download():
+        ...     fetch_weights("/shared/weights")  # every rank reads them afterwards
     """
     to_seconds(timeout)
 

@@ -1,7 +1,5 @@
 """Start, join and end a process group: ``launch``, ``init_from_env``, ``shutdown``."""
 
-from __future__ import annotations
-
 import contextlib
 import datetime as _dt
 import logging
@@ -90,21 +88,35 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nproc_per_node`` new processes of one job.
 
-    Each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...),
-    joins the process group (``backend="auto"``: NCCL when every local rank has
-    its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
-    and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
-    lambdas and closures included; one the ranks can import (a function of the
-    main script or of a module) goes by reference, so that tracebacks name its
-    file and line.  ``timeout`` is the process group's timeout.
+    Each child gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ...), joins the
+    process group, runs ``fn`` and leaves the group.  When a child fails or dies, or
+    this process is interrupted (Ctrl-C), the others are stopped as torchrun does
+    (SIGTERM, a grace period in which they remove their job areas, then SIGKILL), and
+    the job areas rank 0 published on the rendezvous store hosted here are removed too.
+    The children import the main script: call ``launch`` under
+    ``if __name__ == "__main__":``.
 
-    When a child fails or dies, or this process is interrupted (Ctrl-C), the
-    other children are stopped as torchrun does (SIGTERM, a grace period in
-    which they remove their job areas, then SIGKILL), and the job areas rank 0
-    published on the rendezvous store this process hosts are removed too.
+    Args:
+        fn: what every rank runs: any callable cloudpickle can ship, lambdas and
+            closures included.  One the ranks can import (a function of the main
+            script or of a module) goes by reference, so that tracebacks name its
+            file and line.
+        nproc_per_node: the processes started here, one per GPU under NCCL.
+        nnodes: the machines of the job, each running ``launch`` with the same
+            arguments but its own ``node_rank``.
+        node_rank: this machine's index, from 0 to ``nnodes - 1``.
+        master_addr: the address of node 0, where the rendezvous store listens.
+        master_port: that store's port, the same on every node; None (one node only):
+            a free port, picked here.
+        backend: ``"nccl"``, ``"gloo"``, or ``"auto"``: NCCL when every local rank
+            has a GPU of its own (each then on ``cuda:LOCAL_RANK``), else gloo.
+        args: the positional arguments of ``fn``.
+        kwargs: the keyword arguments of ``fn``.
+        timeout: the process group's timeout: seconds or a ``timedelta``; None:
+            ``GATHERSTORE_TIMEOUT``.
 
     Returns:
-        The local ranks' return values, in rank order.
+        What ``fn`` returned on each local rank, in rank order.
 
     Raises:
         RemoteRankError: a child raised or died; names the rank the failure
@@ -114,44 +126,71 @@ def launch(
             malformed setting (e.g. ``GATHERSTORE_PROGRESS``).
         RuntimeError: called while a new rank imports the main script, i.e. the
             script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
+
+    Examples:
+        >>> def evaluate(dataset):
+        ...     return len(dataset[gs.get_rank() :: gs.get_world_size()])
+        >>> if __name__ == "__main__":
+        ...     print(gs.launch(evaluate, nproc_per_node=4, args=(range(1000),)))
+        [250, 250, 250, 250]
     """
     _check_call(nproc_per_node, nnodes, node_rank, master_port)
     check_environment()
     seconds = to_seconds(timeout)
     chosen = _pick_backend(backend, nproc_per_node)
     payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
-    world_size = nproc_per_node * nnodes
     server = None
     if master_port is None:
-        server = _host_rendezvous(master_addr, world_size, seconds)
+        server = _host_rendezvous(master_addr, nproc_per_node * nnodes, seconds)
         master_port = server.port
-    env = {
+    env = _environment(master_addr, master_port, nproc_per_node, nnodes, node_rank)
+    # env:// rendezvous: every rank is a client of the store hosted here, or rank 0 hosts it
+    env["TORCHELASTIC_USE_AGENT_STORE"] = str(server is not None)
+    try:
+        return _run_ranks(payload, env, chosen, timeout, node_rank * nproc_per_node)
+    finally:
+        if server is not None:  # what a stopped job left behind, rank 0 published here
+            publication.sweep(server)
+        del server  # stops the store's server, if this process hosted one
+
+
+def _environment(
+    master_addr: str, master_port: int, nproc_per_node: int, nnodes: int, node_rank: int
+) -> dict[str, str]:
+    """torchrun's variables that every rank of this node shares."""
+    return {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
-        "WORLD_SIZE": str(world_size),
+        "WORLD_SIZE": str(nproc_per_node * nnodes),
         "LOCAL_WORLD_SIZE": str(nproc_per_node),
         "GROUP_RANK": str(node_rank),
         "GROUP_WORLD_SIZE": str(nnodes),
-        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
-        "TORCHELASTIC_USE_AGENT_STORE": str(server is not None),
     }
+
+
+def _run_ranks(
+    payload: tuple[bytes | None, bytes | None, bytes],
+    env: dict[str, str],
+    backend: str,
+    timeout: Timeout,
+    first_rank: int,
+) -> list[Any]:
+    """Start this node's ranks (``env``: torchrun's variables but ``RANK`` and
+    ``LOCAL_RANK``), return their results, and stop whichever still runs."""
     procs: list[Any] = []
     conns: list[Connection] = []
     try:
-        for local_rank in range(nproc_per_node):
-            rank = node_rank * nproc_per_node + local_rank
+        for local_rank in range(int(env["LOCAL_WORLD_SIZE"])):
+            rank = first_rank + local_rank
             child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
-            proc, conn = _start_child(payload, child_env, chosen, timeout)
+            proc, conn = _start_child(payload, child_env, backend, timeout)
             procs.append(proc)
             conns.append(conn)
-        return _collect(procs, conns, node_rank * nproc_per_node)
+        return _collect(procs, conns, first_rank)
     finally:
         _stop(procs)
         for conn in conns:
             conn.close()
-        if server is not None:  # what a stopped job left behind, rank 0 published here
-            publication.sweep(server)
-        del server  # stops the store's server, if this process hosted one
 
 
 def _check_call(nproc_per_node: int, nnodes: int, node_rank: int, master_port: int | None) -> None:
@@ -305,12 +344,19 @@ def _child(
 
 
 def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
-    """Join the process group described by the environment.
+    """Join the process group the environment describes: torchrun's, SLURM's, or none.
 
-    Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
-    SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and MASTER_ADDR taken
-    from the first host of the step's SLURM_STEP_NODELIST, else of the job's
-    SLURM_JOB_NODELIST; MASTER_PORT defaults to 29500).
+    Reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``LOCAL_RANK``), or SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``,
+    ``SLURM_LOCALID``, and ``MASTER_ADDR`` taken from the first host of the step's
+    ``SLURM_STEP_NODELIST``, else of the job's ``SLURM_JOB_NODELIST``; ``MASTER_PORT``
+    defaults to 29500).  Leave the group with ``shutdown``.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, or ``"auto"``: NCCL when every local rank
+            has a GPU of its own (each then on ``cuda:LOCAL_RANK``), else gloo.
+        timeout: the process group's timeout: seconds or a ``timedelta``; None:
+            ``GATHERSTORE_TIMEOUT``.
 
     Returns:
         True when a group was joined (or already existed), False in a plain
@@ -319,6 +365,12 @@ def init_from_env(backend: str = "auto", timeout: Timeout = None) -> bool:
     Raises:
         ValueError: the variables are incomplete, a SLURM node list is malformed, or a
             setting is (e.g. ``GATHERSTORE_PROGRESS``).
+
+    Examples:
+        >>> if __name__ == "__main__":  # run by torchrun, srun, or plain python
+        ...     gs.init_from_env()
+        ...     evaluate(dataset)
+        ...     gs.shutdown()
     """
     if topology.is_distributed():
         return True
@@ -360,20 +412,30 @@ def joined_from_env(timeout: Timeout) -> Iterator[bool]:
 
 
 def shutdown(*, wait: bool = True, timeout: Timeout = None) -> None:
-    """Leave and destroy the process group (no-op without one).
+    """Leave and destroy the process group (no-op without one), leaving nothing behind.
 
     Open result sets first write what they buffered and end their runs (see
-    ``gatherstore.ResultSet``).  Rank 0 then removes the job areas gatherstore
-    created in its stores; with ``wait`` (the default) every rank meets first, so no
-    rank is still reading.  That meeting waits at most ``timeout`` seconds (default:
-    the timeout of the job's last call that used a store) for ranks that are gone; if
-    rank 0 is gone (its rendezvous store with it), this rank removes the areas itself;
-    a rank 0 that is only late removes them when it gets here.  The pinned memory that
-    CUDA tensors were gathered through is released, and the parts the program let go
-    are unmapped (see ``gatherstore.host.mappings``).
+    ``gs.ResultSet``).  Rank 0 then removes the job areas gatherstore created in its
+    stores; if rank 0 is gone (its rendezvous store with it), this rank removes them
+    itself, and a rank 0 that is only late removes them when it gets here.  The pinned
+    memory that CUDA tensors were gathered through is released, and the memory of the
+    parts the program no longer holds is returned to the system.
+
+    Args:
+        wait: every rank meets first, so that no rank is still reading what rank 0
+            removes.  False: leave at once (after a failure, say).
+        timeout: how long that meeting waits for ranks that are gone: seconds or a
+            ``timedelta``; None: the timeout of the job's last call that used a store.
 
     Raises:
         ValueError: ``timeout`` is not a positive number of seconds.
+
+    Examples:
+        >>> gs.init_from_env()
+        >>> try:
+        ...     evaluate(dataset)
+        ... finally:
+        ...     gs.shutdown()
     """
     seconds = to_seconds(timeout) if timeout is not None else session.last_timeout()
     hooks.run(before_group_ends=True)  # result sets write what they buffered first

@@ -9,8 +9,6 @@ no call out of step), computed once per group, at init under ``launch`` and
 ``init_from_env``.
 """
 
-from __future__ import annotations
-
 import os
 import socket
 from dataclasses import dataclass
@@ -73,7 +71,16 @@ _LAUNCHERS = {
 
 
 def is_distributed() -> bool:
-    """Whether a torch.distributed process group is initialised."""
+    """Whether a torch.distributed process group is initialised.
+
+    Returns:
+        True in a job (``gs.launch``, ``init_from_env``, or the program's own
+        ``torch.distributed.init_process_group``); False in a plain process.
+
+    Examples:
+        >>> if not gs.is_distributed():
+        ...     gs.init_from_env()
+    """
     return control.is_initialized()
 
 
@@ -93,11 +100,17 @@ def launched_as() -> tuple[int, str] | None:
 
 
 def get_world_size(group: Any = None) -> int:
-    """Number of processes in the job (1 without a process group), or in ``group``.
+    """Number of processes in the job, or in ``group``.
 
     Args:
-        group: a process group (None: the default group).  As in torch, -1 on a rank
-            outside it.
+        group: a process group (None: the default group).
+
+    Returns:
+        The group's size; 1 without a process group.  As in torch, -1 on a rank outside
+        ``group``.
+
+    Examples:
+        >>> shard = dataset[gs.get_rank() :: gs.get_world_size()]  # this rank's slice
     """
     if not is_distributed():
         return 1
@@ -105,11 +118,17 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_rank(group: Any = None) -> int:
-    """This process's global rank (0 without a process group), or its rank in ``group``.
+    """This process's global rank, or its rank in ``group``.
 
     Args:
-        group: a process group (None: the default group).  As in torch, -1 on a rank
-            outside it.
+        group: a process group (None: the default group).
+
+    Returns:
+        From 0 to ``get_world_size(group) - 1``; 0 without a process group.  As in
+        torch, -1 on a rank outside ``group``.
+
+    Examples:
+        >>> shard = dataset[gs.get_rank() :: gs.get_world_size()]  # this rank's slice
     """
     if not is_distributed():
         return 0
@@ -117,64 +136,111 @@ def get_rank(group: Any = None) -> int:
 
 
 def is_main_process() -> bool:
-    """Whether this is global rank 0."""
+    """Whether this is global rank 0 (always, without a process group).
+
+    Returns:
+        ``get_rank() == 0``.
+
+    Examples:
+        >>> if gs.is_main_process():
+        ...     print(metrics)
+    """
     return get_rank() == 0
 
 
 def get_local_rank() -> int:
-    """Rank of this process among those on its node (0 without a process group).
+    """Rank of this process among those on its node.
 
-    The launcher's variables say it; in a process group made without them (and
-    without ``launch`` or ``init_from_env``, which compute it at once), the
-    hostnames every rank publishes at its first use of gatherstore do.
+    The launcher's variables say it (torchrun, SLURM, Open MPI); in a process group
+    made without them (and without ``launch`` or ``init_from_env``, which compute it
+    at once), the hostnames every rank publishes at its first use of gatherstore do.
+
+    Returns:
+        From 0 to ``get_local_size() - 1``; 0 without a process group.
 
     Raises:
         GatherTimeout: in that case, ranks that published no hostname within
             ``GATHERSTORE_TIMEOUT``, named.
+
+    Examples:
+        >>> torch.cuda.set_device(gs.get_local_rank())  # one GPU per process of a node
     """
     return _layout().local_rank
 
 
 def get_local_size() -> int:
-    """Number of processes on this node (1 without a process group).
+    """Number of processes of the job on this node, found as ``get_local_rank`` is.
+
+    Returns:
+        At least 1; 1 without a process group.
 
     Raises:
-        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+        GatherTimeout: as in ``get_local_rank``.
+
+    Examples:
+        >>> workers = os.cpu_count() // gs.get_local_size()  # DataLoader workers per rank
     """
     return _layout().local_size
 
 
 def get_node_rank() -> int:
-    """Index of this node (0 without a process group).
+    """Index of this node in the job, found as ``get_local_rank`` is (without the
+    launcher's word, nodes are numbered in the order of their lowest rank).
+
+    Returns:
+        From 0 to ``get_nnodes() - 1``; 0 without a process group.
 
     Raises:
-        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+        GatherTimeout: as in ``get_local_rank``.
+
+    Examples:
+        >>> if gs.get_local_rank() == 0:
+        ...     print(f"node {gs.get_node_rank()} of {gs.get_nnodes()} is up")
     """
     return _layout().node_rank
 
 
 def get_nnodes() -> int:
-    """Number of nodes in the job (1 without a process group).
+    """Number of nodes in the job, found as ``get_local_rank`` is.
+
+    Returns:
+        At least 1; 1 without a process group.
 
     Raises:
-        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+        GatherTimeout: as in ``get_local_rank``.
+
+    Examples:
+        >>> store = "tmpdir" if gs.get_nnodes() == 1 else "file:///nfs/scratch/gather"
     """
     return _layout().nnodes
 
 
 def backend() -> str | None:
-    """The process group's backend ("nccl", "gloo", ...) or None without one."""
+    """The process group's backend.
+
+    Returns:
+        ``"nccl"``, ``"gloo"``, ... (as ``torch.distributed.get_backend`` names it); None
+        without a process group.
+
+    Examples:
+        >>> on_gpu = gs.backend() == "nccl"
+    """
     return str(dist.get_backend()) if is_distributed() else None
 
 
 def device() -> torch.device:
     """The device this rank computes on.
 
-    ``cuda:<local rank>`` under NCCL; ``cpu`` under gloo; without a process
-    group, the current CUDA device when CUDA is available, else ``cpu``.
+    Returns:
+        ``cuda:<local rank>`` under NCCL (modulo the GPUs this process sees); ``cpu``
+        under gloo; without a process group, the current CUDA device when CUDA is
+        available, else ``cpu``.
 
     Raises:
-        GatherTimeout: under NCCL, as in [`get_local_rank`][gatherstore.get_local_rank].
+        GatherTimeout: under NCCL, as in ``get_local_rank``.
+
+    Examples:
+        >>> model = model.to(gs.device())
     """
     name = backend()
     if name is not None and "nccl" in name:
@@ -185,10 +251,17 @@ def device() -> torch.device:
 
 
 def gpu_mem_usage() -> int:
-    """Peak GPU memory allocated by this process on its device, in MiB (0 without CUDA).
+    """Peak GPU memory that torch allocated in this process on its device.
+
+    Returns:
+        MiB, as ``torch.cuda.max_memory_allocated`` counts them on ``device()`` (the
+        current CUDA device under gloo); 0 without CUDA.
 
     Raises:
-        GatherTimeout: under NCCL, as in [`get_local_rank`][gatherstore.get_local_rank].
+        GatherTimeout: under NCCL, as in ``get_local_rank``.
+
+    Examples:
+        >>> print(f"rank {gs.get_rank()}: peak {gs.gpu_mem_usage()} MiB")
     """
     if not torch.cuda.is_available():
         return 0
@@ -198,10 +271,20 @@ def gpu_mem_usage() -> int:
 
 
 def describe() -> dict[str, Any]:
-    """The topology as a JSON-friendly dict, keys named after the functions.
+    """The topology, as ``gatherstore describe`` prints it.
+
+    Returns:
+        A JSON-friendly dict: ``rank``, ``world_size``, ``local_rank``, ``local_size``,
+        ``node_rank``, ``nnodes``, ``is_main_process``, ``is_distributed``, ``backend``
+        and ``device`` (the answers of the functions of those names), ``hostname``,
+        ``pid``, ``launcher`` (``"torchrun"``, ``"slurm"``, ``"openmpi"`` or None),
+        ``torch`` (its version) and ``cuda_devices``.
 
     Raises:
-        GatherTimeout: as in [`get_local_rank`][gatherstore.get_local_rank].
+        GatherTimeout: as in ``get_local_rank``.
+
+    Examples:
+        >>> print(json.dumps(gs.describe(), indent=2))
     """
     return {
         "rank": get_rank(),
@@ -270,15 +353,22 @@ def _from_hostnames() -> _Layout:
 
 
 def local_group() -> Any:
-    """The process group of the ranks on this machine (None without a process group).
+    """The process group of the ranks on this machine.
 
     Made once, on first use, from the ranks' hostnames: that first call is a collective
     of the whole job (every rank makes its machine's group, as ``new_subgroups`` needs),
     later calls return it at once.  Pass it as ``group=`` to gather within each machine,
     as detectron2's ``create_local_process_group`` does.
 
-    Example:
-        >>> parts = gs.gather_object(preds, group=gs.local_group())  # doctest: +SKIP
+    Returns:
+        A ``torch.distributed`` process group; None without a process group.
+
+    Raises:
+        GatherTimeout: at the first call, ranks that published no hostname within
+            ``GATHERSTORE_TIMEOUT``, named.
+
+    Examples:
+        >>> parts = gs.gather_object(preds, group=gs.local_group())
     """
     if not is_distributed():
         return None

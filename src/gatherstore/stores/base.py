@@ -51,9 +51,22 @@ __all__ = [
 class Store(Backend):
     """A key-value place for bytes that every rank of a job can reach.
 
-    Keys are ``/``-separated paths.  A backend implements the primitives of
-    ``Backend`` (and calls ``super().__init__()`` first in its own
-    ``__init__``); everything a caller uses is written here, once.
+    ``gs.open_store`` opens one from a URL; the object collectives take one as
+    ``store=``.  Keys are ``/``-separated paths; values are written once
+    (create-only), whole or not at all, and chunked where the backend takes smaller
+    values.  A backend subclasses it and implements the primitives of ``Backend``
+    (calling ``super().__init__()`` first in its own ``__init__``); everything a caller
+    uses is written here, once (see "A store of your own").
+
+    Examples:
+        >>> store = gs.open_store("file:///nfs/scratch/gather")
+        >>> store.put("run-1/preds", b"...")
+        3
+        >>> bytes(store.get("run-1/preds"))
+        b'...'
+        >>> store.list("run-1")
+        ['run-1/preds']
+        >>> store.delete("run-1")
     """
 
     def __init__(self) -> None:
@@ -63,10 +76,17 @@ class Store(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Store:
-        """Open the store a URL names (see [`gatherstore.open_store`][gatherstore.open_store]).
+        """Open the store a URL names; ``gs.open_store`` calls it with the class the
+        URL's scheme is registered to.
 
-        ``sign=True/False`` overrides whether parts are signed
-        (default: when processes outside the job can reach the store).
+        Args:
+            url: the store's URL.
+            **options: the store's own options; ``sign=True`` or ``False`` overrides
+                whether parts are signed (default: when processes outside the job can
+                reach the store).
+
+        Returns:
+            The store.
         """
         sign = options.pop("sign", None)
         store = cls._from_url(url, **options)
@@ -80,51 +100,95 @@ class Store(Backend):
 
     # --- job hooks (see gatherstore.job.session) ----------------------------------------
     def prepare_job(self, job_id: str) -> str:
-        """On rank 0, at a job's first use: create what the job needs; return a locator."""
+        """On rank 0, at a job's first use of the store: create what the job needs.
+
+        Args:
+            job_id: the job's id, the same on every rank.
+
+        Returns:
+            A locator of the job's area, which every rank passes to ``join_job``.
+        """
         return job_keys(job_id)
 
     def join_job(self, locator: str) -> Store:
-        """On every rank: the store the job uses, given rank 0's locator."""
+        """On every rank: the store the job uses.
+
+        Args:
+            locator: what ``prepare_job`` returned on rank 0.
+
+        Returns:
+            The job's area: here, a view of this store under ``locator``.
+        """
         return self.scoped(locator)
 
     def end_job(self, locator: str) -> None:
         """On rank 0, when the job ends: remove what ``prepare_job`` created.
 
         Bounded by the deadline in force, else by ``END_JOB_TIMEOUT`` seconds.
+
+        Args:
+            locator: what ``prepare_job`` returned.
         """
         with deadline(END_JOB_TIMEOUT):
             self.delete(locator)
 
     def job_areas(self) -> Iterator[JobArea]:
-        """Every job area this store holds, a job's or not yet judged (``gatherstore gc``):
-        here the prefixes ``gatherstore/<job>/``."""
+        """Every job area this store holds, a job's or not yet judged (``gatherstore gc``).
+
+        Yields:
+            Each area: here the prefixes ``gatherstore/<job>/``.
+        """
         keys = self.list(f"{JOB_AREA}/")
         for job in sorted({key.split("/")[1] for key in keys if key.count("/") >= 2}):
             yield JobArea(job_keys(job), f"{self}/{job_keys(job)}", job, None)
 
     def holds_area(self, locator: str) -> bool:
-        """Whether anything of the job area ``locator`` is left (after ``end_job``)."""
+        """Whether anything of a job area is left (after ``end_job``).
+
+        Args:
+            locator: the area's locator.
+
+        Returns:
+            True while a key of the area is left.
+        """
         return bool(self.list(locator))
 
     def remove_area(self, locator: str) -> bool:
-        """Remove the job area ``locator`` of a job that is gone (``gatherstore gc``), with
-        whatever it left there (keys its index does not name too); whether it is gone."""
+        """Remove the job area of a job that is gone (``gatherstore gc``), with whatever
+        it left there (keys its index does not name too).
+
+        Args:
+            locator: the area's locator.
+
+        Returns:
+            Whether the area is gone.
+        """
         self.end_job(locator)
         if self.holds_area(locator):
             self.delete(locator)
         return not self.holds_area(locator)
 
     def area_facts(self, locator: str) -> dict[str, Any]:
-        """What ``gatherstore check`` shows of the job area ``locator`` (a folder's mode)."""
+        """What ``gatherstore check`` shows of a job area (a folder's mode, say).
+
+        Args:
+            locator: the area's locator.
+
+        Returns:
+            Facts by name, JSON-friendly; none by default.
+        """
         return {}
 
     # --- the API written once ---------------------------------------------------------
     _check_key = staticmethod(layout.check_key)
 
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> int:
-        """Write ``data`` (bytes, or a sequence of buffers written back to back) at ``key``.
+        """Write a value at ``key``, create-only and all-or-nothing: a reader sees the
+        whole value or nothing.
 
-        Create-only and all-or-nothing: a reader sees the whole value or nothing.
+        Args:
+            key: where, a ``/``-separated path.
+            data: bytes, or a sequence of buffers written back to back.
 
         Returns:
             The number of payload bytes written.
@@ -148,6 +212,10 @@ class Store(Backend):
     def replace(self, key: str, data: bytes) -> None:
         """Write a small value at ``key``, replacing the one there: for bookkeeping such as
         a job's heartbeat, never for parts (which are create-only).
+
+        Args:
+            key: where.
+            data: the value, at most what the store writes in one piece.
 
         Raises:
             ValueError: ``data`` is larger than the store writes in one piece.
@@ -191,7 +259,13 @@ class Store(Backend):
             raise failures.damaged(self, key, str(exc)) from None
 
     def get(self, key: str) -> Buffer | None:
-        """The value at ``key`` (zero-copy where the backend allows), or None when absent.
+        """The value at ``key``.
+
+        Args:
+            key: where.
+
+        Returns:
+            The value (zero-copy where the backend allows), or None when absent.
 
         Raises:
             IntegrityError: the value or one of its chunks is damaged or missing.
@@ -199,9 +273,14 @@ class Store(Backend):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
-        """The values at ``keys`` (None where absent), read together: backends keep their
-        requests in flight at once (see ``_read_many``), and every chunk of every
-        chunked value is read in one go.
+        """The values at ``keys``, read together: backends keep their requests in flight
+        at once, and every chunk of every chunked value is read in one go.
+
+        Args:
+            keys: where.
+
+        Returns:
+            The values, in the order of ``keys``; None where absent.
 
         Raises:
             IntegrityError: a value or one of its chunks is damaged or missing.
@@ -249,8 +328,15 @@ class Store(Backend):
     def iter_chunks(self, key: str) -> Iterator[memoryview]:
         """Stream the value at ``key`` chunk by chunk (one chunk in memory at a time).
 
+        Args:
+            key: where.
+
+        Yields:
+            The value's chunks, in order (the whole value when it is not chunked).
+
         Raises:
             KeyError: ``key`` is absent.
+            IntegrityError: the value or one of its chunks is damaged or missing.
         """
         self._check_key(key)
         with self._mapped(f"read {key!r}"):
@@ -268,12 +354,26 @@ class Store(Backend):
                 yield memoryview(got).cast("B")
 
     def exists(self, key: str) -> bool:
-        """Whether ``key`` holds a complete value."""
+        """Whether ``key`` holds a value.
+
+        Args:
+            key: where.
+
+        Returns:
+            True when the value is there, whole (a value is written all or nothing).
+        """
         with self._mapped(f"check {key!r}"):
             return self._exists(self._check_key(key))
 
     def list(self, prefix: str = "") -> list[str]:
-        """Keys under ``prefix`` (chunks hidden), sorted."""
+        """The keys under ``prefix``.
+
+        Args:
+            prefix: the start of the keys; "" for every key.
+
+        Returns:
+            The keys, sorted, without the chunks of chunked values.
+        """
         with self._mapped(f"list {prefix!r}"):
             return sorted(
                 k for k in self._list(prefix) if not any(p.endswith(CHUNKS) for p in k.split("/"))
@@ -281,6 +381,10 @@ class Store(Backend):
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         """Block until every key exists.
+
+        Args:
+            keys: the keys to wait for.
+            timeout: seconds.
 
         Raises:
             GatherTimeout: some keys are still missing after ``timeout`` seconds;
@@ -291,10 +395,13 @@ class Store(Backend):
     def discard(self, key: str) -> None:
         """Delete the value at ``key`` and its chunks, by name.
 
-        Unlike [`delete`][gatherstore.stores.Store.delete] it lists nothing, so it costs the
-        same in a store that holds millions of other keys (a Redis ``SCAN`` walks them all).
-        Keys under ``key/`` are left alone.  An absent key is not an error, and a damaged
-        one goes with everything under ``<key>.chunks/``.
+        Unlike ``delete`` it lists nothing, so it costs the same in a store that holds
+        millions of other keys (a Redis ``SCAN`` walks them all).  Keys under ``key/``
+        are left alone.  An absent key is not an error, and a damaged one goes with
+        everything under ``<key>.chunks/``.
+
+        Args:
+            key: where.
         """
         self._check_key(key)
         with self._mapped(f"delete {key!r}"):
@@ -316,10 +423,12 @@ class Store(Backend):
             self._delete([key, *(chunk for chunk, _ in chunks)])
 
     def discard_many(self, keys: Sequence[str]) -> None:
-        """[`discard`][gatherstore.stores.Store.discard] of every key; values this store
-        read with [`get`][gatherstore.stores.Store.get] or
-        [`get_many`][gatherstore.stores.Store.get_many] (their chunks are known) go in one
-        backend delete."""
+        """``discard`` of every key; values this store read with ``get`` or ``get_many``
+        (their chunks are known) go in one backend delete.
+
+        Args:
+            keys: where.
+        """
         for key in keys:
             self._check_key(key)
         read = self._chunks
@@ -336,6 +445,9 @@ class Store(Backend):
         """Delete the key ``prefix`` (with its chunks) and every key under ``prefix/``.
 
         Exact: ``delete("a")`` never touches ``a-b`` or ``ab``.
+
+        Args:
+            prefix: the key, or folder, to delete; "" for everything in the store.
         """
         base = prefix.rstrip("/")
         with self._mapped(f"delete {prefix!r}"):
@@ -345,7 +457,14 @@ class Store(Backend):
             self._delete_prefix(f"{base}/" if base else "")
 
     def scoped(self, prefix: str) -> Store:
-        """A view of this store in which every key lives under ``prefix``."""
+        """A view of this store in which every key lives under ``prefix``.
+
+        Args:
+            prefix: the folder of the view's keys.
+
+        Returns:
+            A store whose key ``k`` is this store's ``<prefix>/k``.
+        """
         return ScopedStore(self, prefix)
 
     def __reduce__(self) -> tuple[Any, ...]:

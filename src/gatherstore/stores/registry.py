@@ -4,8 +4,6 @@ Precedence of the default store: the call's argument, then
 ``set_default_store``, then ``GATHERSTORE_STORE``, then ``"auto"``.
 """
 
-from __future__ import annotations
-
 import difflib
 import importlib
 import os
@@ -54,14 +52,26 @@ _default: list[str | Store | None] = [None]
 def register_store(
     scheme: str, target: str | type[Store], *, clobber: bool = False, hint: str | None = None
 ) -> None:
-    """Make ``scheme://`` URLs open ``target`` (a Store class or ``"module:Class"``).
+    """Make ``scheme://`` URLs open ``target``, in this process.
 
-    ``hint`` tells users how to install what ``target`` needs (shown when an
-    import fails).
+    A package can register its store for every process instead, with an entry point in
+    the group ``gatherstore.stores`` (see "A store of your own").
+
+    Args:
+        scheme: the URL scheme, without ``://``.
+        target: a ``Store`` subclass, or ``"module:Class"``, imported at the first
+            use of the scheme (so that registering costs no import).
+        clobber: replace what the scheme is registered to.
+        hint: how to install what ``target`` needs (e.g. ``"pip install mystore"``),
+            shown when its import fails.
 
     Raises:
         ValueError: ``scheme`` is already registered to something else and
             ``clobber`` is False.
+
+    Examples:
+        >>> gs.register_store("mystore", "mypackage.stores:MyStore")
+        >>> store = gs.open_store("mystore://bucket/prefix")
     """
     current = _registry.get(scheme, {}).get("class")
     if current is not None and current != target and not clobber:
@@ -82,7 +92,15 @@ def _load_entry_points() -> None:
 
 
 def known_schemes() -> list[str]:
-    """Every scheme gatherstore can open, fsspec's protocols included."""
+    """Every scheme gatherstore can open, fsspec's protocols included.
+
+    Returns:
+        The schemes, sorted, with the routes ``auto``, ``collective`` and ``stream``.
+
+    Examples:
+        >>> "redis" in gatherstore.stores.known_schemes()
+        True
+    """
     _load_entry_points()
     from fsspec.registry import known_implementations
 
@@ -180,11 +198,20 @@ def _scheme(spec: str) -> str:
 
 
 def open_store(spec: str | Store, **options: Any) -> Store:
-    """The store a spec names: a Store (returned as is) or a URL.
+    """The store a spec names, open: to pass as ``store=`` to several calls, or to
+    use through the ``Store`` API.
 
-    ``"tmpdir"`` / ``"tmpdir:///base"``, ``"file:///shared/dir"``,
-    ``"redis://host:port/db"``, ``"s3://bucket/prefix"`` or any fsspec URL;
-    ``options`` go to the store (fsspec storage options, Redis options, ...).
+    Args:
+        spec: a ``Store`` (returned as it is) or a URL: ``"tmpdir"`` or
+            ``"tmpdir:///base"``, ``"file:///shared/dir"``, ``"redis://host:port/db"``,
+            ``"s3://bucket/prefix"`` or any fsspec URL.
+        **options: the store's options (fsspec storage options, Redis options, ...;
+            see each store's page); ``sign=True`` or ``False`` overrides whether parts
+            are signed.
+
+    Returns:
+        The store.  Stores opened from the same URL and options are equal, and share
+        one job area.
 
     Raises:
         ValueError: a malformed URL or option, an unknown scheme, or a route
@@ -192,6 +219,10 @@ def open_store(spec: str | Store, **options: Any) -> Store:
         ImportError: the store needs a package that is not installed (with the
             command that installs it).
         TypeError: the scheme is registered to something that is not a Store.
+
+    Examples:
+        >>> store = gs.open_store("s3://eval-results/run-42", anon=False)
+        >>> merged = gs.gather_object(preds, store=store)
     """
     if isinstance(spec, Store):
         if options:
@@ -215,14 +246,24 @@ def open_store(spec: str | Store, **options: Any) -> Store:
 
 
 def set_default_store(spec: str | Store | None) -> None:
-    """Make ``spec`` the store object collectives use when none is passed (None: unset).
+    """Make ``spec`` the store object collectives use when none is passed, in this
+    process (call it on every rank).
 
-    A URL's scheme is checked now; the store opens at its first use.
+    It comes before ``GATHERSTORE_STORE``; a call's own ``store=`` comes before it.
+
+    Args:
+        spec: a store URL, a ``Store``, a route (``"auto"``, ``"collective"``,
+            ``"stream"``), or None to unset it.  A URL's scheme is checked now; the
+            store opens at its first use.
 
     Raises:
         ValueError: a malformed URL or an unknown scheme.
         ImportError: the scheme's store needs a package that is not installed.
         TypeError: the scheme is registered to something that is not a Store.
+
+    Examples:
+        >>> gs.set_default_store("file:///nfs/scratch/gather")
+        >>> merged = gs.gather_object(preds)  # through that folder
     """
     if isinstance(spec, str) and spec not in ROUTES:
         check_scheme(spec)
@@ -231,7 +272,19 @@ def set_default_store(spec: str | Store | None) -> None:
 
 
 def default_store(spec: str | Store | None = None) -> str | Store:
-    """The spec in force: ``spec``, else the default set, else $GATHERSTORE_STORE, else auto."""
+    """The store spec in force.
+
+    Args:
+        spec: a call's own ``store=``.
+
+    Returns:
+        ``spec``, else what ``set_default_store`` set, else ``GATHERSTORE_STORE``, else
+        ``"auto"``.
+
+    Examples:
+        >>> gatherstore.stores.default_store()  # nothing set
+        'auto'
+    """
     if spec is not None:
         return spec
     if _default[0] is not None:
