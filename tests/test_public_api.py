@@ -27,6 +27,7 @@ PUBLIC = {
     "device",
     "describe",
     "gpu_mem_usage",
+    "local_group",
     # lifecycle
     "launch",
     "init_from_env",
@@ -114,11 +115,16 @@ def test_no_stray_public_name() -> None:
     assert set(dir(gs)) >= set(gs.__all__)
 
 
-def test_exported_classes_report_the_package() -> None:
+def test_exported_names_report_the_package() -> None:
+    """Classes and functions say they are gatherstore's (``help()`` names no private
+    module), and pickle by that name."""
+    import pickle
+
     for name in gs.__all__:
         value = getattr(gs, name)
-        if isinstance(value, type):
+        if callable(value):
             assert value.__module__ == "gatherstore", name
+            assert pickle.loads(pickle.dumps(value)) is value, name
 
 
 def test_import_is_light() -> None:

@@ -152,6 +152,7 @@ def __getattr__(name: str) -> _Any:
     if module is None:
         raise AttributeError(f"module 'gatherstore' has no attribute {name!r}")
     value = getattr(_importlib.import_module(module), name)
+    value.__module__ = __name__  # help(), reprs and pickles name gatherstore, not its module
     globals()[name] = value
     return value
 
