@@ -313,10 +313,20 @@ def test_every_environment_variable_is_on_the_settings_page() -> None:
 
 
 # --- errors -----------------------------------------------------------------------------------
+#: A section of a Google-style docstring, and a name it documents.
+_SECTION = re.compile(r"^(\w+):\n((?:(?: {4}.*)?\n)+)", re.MULTILINE)
+_ENTRY = re.compile(r"^ {4}(\*{0,2}\w+)(?: \(.*\))?:", re.MULTILINE)
+
+
+def _sections(obj: object) -> dict[str, str]:
+    """The sections of ``obj``'s docstring by title, each section's lines indented."""
+    doc = inspect.getdoc(obj) or ""
+    return {m.group(1): m.group(2) for m in _SECTION.finditer(doc + "\n")}
+
+
 def _attributes(cls: type) -> list[str]:
     """The names under ``Attributes:`` in ``cls``'s docstring."""
-    doc = (cls.__doc__ or "").partition("Attributes:")[2]
-    return re.findall(r"^\s{4,}(\w+):", doc, re.MULTILINE)
+    return _ENTRY.findall(_sections(cls).get("Attributes", ""))
 
 
 def test_every_public_exception_is_in_the_errors_table() -> None:
@@ -426,14 +436,6 @@ UNFINISHED = {
         "ResultSet",
     )
 }
-#: A section of a Google-style docstring, and a parameter it documents.
-_SECTION = re.compile(r"^(\w+):\n((?:(?: {4}.*)?\n)+)", re.MULTILINE)
-_ENTRY = re.compile(r"^ {4}(\*{0,2}\w+)(?: \(.*\))?:", re.MULTILINE)
-
-
-def _sections(obj: object) -> dict[str, str]:
-    doc = inspect.getdoc(obj) or ""
-    return {m.group(1): m.group(2) for m in _SECTION.finditer(doc + "\n")}
 
 
 def _lacks(name: str, obj: object) -> list[str]:

@@ -8,8 +8,6 @@ pickling are written here, once; every call maps the backend's errors (see
 ``deadline``: no store call outlives the collective that makes it).
 """
 
-from __future__ import annotations
-
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -75,7 +73,7 @@ class Store(Backend):
         self._chunks = ChunksRead()
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> Store:
+    def from_url(cls, url: str, **options: Any) -> "Store":
         """Open the store a URL names; ``gs.open_store`` calls it with the class the
         URL's scheme is registered to.
 
@@ -95,7 +93,7 @@ class Store(Backend):
         return store
 
     @classmethod
-    def _from_url(cls, url: str, **options: Any) -> Store:
+    def _from_url(cls, url: str, **options: Any) -> "Store":
         raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
 
     # --- job hooks (see gatherstore.job.session) ----------------------------------------
@@ -110,7 +108,7 @@ class Store(Backend):
         """
         return job_keys(job_id)
 
-    def join_job(self, locator: str) -> Store:
+    def join_job(self, locator: str) -> "Store":
         """On every rank: the store the job uses.
 
         Args:
@@ -456,7 +454,7 @@ class Store(Backend):
                 self._delete_prefix(f"{base}{CHUNKS}/")
             self._delete_prefix(f"{base}/" if base else "")
 
-    def scoped(self, prefix: str) -> Store:
+    def scoped(self, prefix: str) -> "Store":
         """A view of this store in which every key lives under ``prefix``.
 
         Args:
@@ -488,7 +486,7 @@ def _forward(name: str) -> Any:
     every key it names (see ``PRIMITIVES``), and removed from those it lists."""
     shape = PRIMITIVES[name]
 
-    def forwarded(self: ScopedStore, keys: Any, *rest: Any) -> Any:
+    def forwarded(self: "ScopedStore", keys: Any, *rest: Any) -> Any:
         p = self.prefix
         if shape in ("key", "prefix"):
             keys = p + keys
