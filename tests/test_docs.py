@@ -481,8 +481,8 @@ def _example_lacks(name: str, obj: object) -> list[str]:
 
 def test_the_reference_documents_every_parameter_and_gives_an_example() -> None:
     """Each public name of ``gatherstore`` documents its parameters and what it returns
-    and shows an example; so do ``Store``'s methods, but the example.  The docstrings
-    read the same in ``help()``, an editor and on the site."""
+    and shows an example; so do the methods of ``Store`` and ``ResultSet``, but the
+    example.  The docstrings read the same in ``help()``, an editor and on the site."""
     import gatherstore as gs
 
     problems = []
@@ -493,8 +493,9 @@ def test_the_reference_documents_every_parameter_and_gives_an_example() -> None:
             assert found, f"{name} meets the standard now: remove it from UNFINISHED"
         else:
             problems += found
-    for name in vars(gs.Store):
-        method = getattr(gs.Store, name)
-        if not name.startswith("_") and inspect.isroutine(method):
-            problems += _lacks(f"Store.{name}", method)
+    for cls in (gs.Store, gs.ResultSet):
+        for name in vars(cls) if cls.__name__ not in UNFINISHED else ():
+            method = getattr(cls, name)
+            if not name.startswith("_") and inspect.isroutine(method):
+                problems += _lacks(f"{cls.__name__}.{name}", method)
     assert problems == []
