@@ -88,35 +88,21 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nproc_per_node`` new processes of one job.
 
-    Each child gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ...), joins the
-    process group, runs ``fn`` and leaves the group.  When a child fails or dies, or
-    this process is interrupted (Ctrl-C), the others are stopped as torchrun does
-    (SIGTERM, a grace period in which they remove their job areas, then SIGKILL), and
-    the job areas rank 0 published on the rendezvous store hosted here are removed too.
-    The children import the main script: call ``launch`` under
-    ``if __name__ == "__main__":``.
+    Each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...),
+    joins the process group (``backend="auto"``: NCCL when every local rank has
+    its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
+    and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
+    lambdas and closures included; one the ranks can import (a function of the
+    main script or of a module) goes by reference, so that tracebacks name its
+    file and line.  ``timeout`` is the process group's timeout.
 
-    Args:
-        fn: what every rank runs: any callable cloudpickle can ship, lambdas and
-            closures included.  One the ranks can import (a function of the main
-            script or of a module) goes by reference, so that tracebacks name its
-            file and line.
-        nproc_per_node: the processes started here, one per GPU under NCCL.
-        nnodes: the machines of the job, each running ``launch`` with the same
-            arguments but its own ``node_rank``.
-        node_rank: this machine's index, from 0 to ``nnodes - 1``.
-        master_addr: the address of node 0, where the rendezvous store listens.
-        master_port: that store's port, the same on every node; None (one node only):
-            a free port, picked here.
-        backend: ``"nccl"``, ``"gloo"``, or ``"auto"``: NCCL when every local rank
-            has a GPU of its own (each then on ``cuda:LOCAL_RANK``), else gloo.
-        args: the positional arguments of ``fn``.
-        kwargs: the keyword arguments of ``fn``.
-        timeout: the process group's timeout: seconds or a ``timedelta``; None:
-            ``GATHERSTORE_TIMEOUT``.
+    When a child fails or dies, or this process is interrupted (Ctrl-C), the
+    other children are stopped as torchrun does (SIGTERM, a grace period in
+    which they remove their job areas, then SIGKILL), and the job areas rank 0
+    published on the rendezvous store this process hosts are removed too.
 
     Returns:
-        What ``fn`` returned on each local rank, in rank order.
+        The local ranks' return values, in rank order.
 
     Raises:
         RemoteRankError: a child raised or died; names the rank the failure
@@ -126,71 +112,44 @@ def launch(
             malformed setting (e.g. ``GATHERSTORE_PROGRESS``).
         RuntimeError: called while a new rank imports the main script, i.e. the
             script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
-
-    Examples:
-        >>> def evaluate(dataset):
-        ...     return len(dataset[gs.get_rank() :: gs.get_world_size()])
-        >>> if __name__ == "__main__":
-        ...     print(gs.launch(evaluate, nproc_per_node=4, args=(range(1000),)))
-        [250, 250, 250, 250]
     """
     _check_call(nproc_per_node, nnodes, node_rank, master_port)
     check_environment()
     seconds = to_seconds(timeout)
     chosen = _pick_backend(backend, nproc_per_node)
     payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
+    world_size = nproc_per_node * nnodes
     server = None
     if master_port is None:
-        server = _host_rendezvous(master_addr, nproc_per_node * nnodes, seconds)
+        server = _host_rendezvous(master_addr, world_size, seconds)
         master_port = server.port
-    env = _environment(master_addr, master_port, nproc_per_node, nnodes, node_rank)
-    # env:// rendezvous: every rank is a client of the store hosted here, or rank 0 hosts it
-    env["TORCHELASTIC_USE_AGENT_STORE"] = str(server is not None)
-    try:
-        return _run_ranks(payload, env, chosen, timeout, node_rank * nproc_per_node)
-    finally:
-        if server is not None:  # what a stopped job left behind, rank 0 published here
-            publication.sweep(server)
-        del server  # stops the store's server, if this process hosted one
-
-
-def _environment(
-    master_addr: str, master_port: int, nproc_per_node: int, nnodes: int, node_rank: int
-) -> dict[str, str]:
-    """torchrun's variables that every rank of this node shares."""
-    return {
+    env = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
-        "WORLD_SIZE": str(nproc_per_node * nnodes),
+        "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(nproc_per_node),
         "GROUP_RANK": str(node_rank),
         "GROUP_WORLD_SIZE": str(nnodes),
+        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
+        "TORCHELASTIC_USE_AGENT_STORE": str(server is not None),
     }
-
-
-def _run_ranks(
-    payload: tuple[bytes | None, bytes | None, bytes],
-    env: dict[str, str],
-    backend: str,
-    timeout: Timeout,
-    first_rank: int,
-) -> list[Any]:
-    """Start this node's ranks (``env``: torchrun's variables but ``RANK`` and
-    ``LOCAL_RANK``), return their results, and stop whichever still runs."""
     procs: list[Any] = []
     conns: list[Connection] = []
     try:
-        for local_rank in range(int(env["LOCAL_WORLD_SIZE"])):
-            rank = first_rank + local_rank
+        for local_rank in range(nproc_per_node):
+            rank = node_rank * nproc_per_node + local_rank
             child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
-            proc, conn = _start_child(payload, child_env, backend, timeout)
+            proc, conn = _start_child(payload, child_env, chosen, timeout)
             procs.append(proc)
             conns.append(conn)
-        return _collect(procs, conns, first_rank)
+        return _collect(procs, conns, node_rank * nproc_per_node)
     finally:
         _stop(procs)
         for conn in conns:
             conn.close()
+        if server is not None:  # what a stopped job left behind, rank 0 published here
+            publication.sweep(server)
+        del server  # stops the store's server, if this process hosted one
 
 
 def _check_call(nproc_per_node: int, nnodes: int, node_rank: int, master_port: int | None) -> None:
