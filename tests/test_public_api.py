@@ -27,7 +27,6 @@ PUBLIC = {
     "device",
     "describe",
     "gpu_mem_usage",
-    "local_group",
     # lifecycle
     "launch",
     "init_from_env",
