@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gatherstore._config import DEFAULT_TIMEOUT
+from gatherstore._config import default_timeout
 from gatherstore.job import control, slurm
 from gatherstore.job import state as job
 
@@ -245,7 +245,7 @@ def _from_env() -> _Layout | None:
 
 def _from_hostnames() -> _Layout:
     """Group ranks by hostname: nodes numbered in order of their lowest rank."""
-    hosts = control.hosts(DEFAULT_TIMEOUT)
+    hosts = control.hosts(default_timeout())
     nodes = list(dict.fromkeys(hosts))
     rank = dist.get_rank()
     mine = hosts[rank]
