@@ -3,10 +3,12 @@ search (``gatherstore.codec.culprit``) and the errors of the encoders that name 
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -169,7 +171,7 @@ def test_encode_names_the_path_and_keeps_the_error() -> None:
     message = str(caught.value)
     assert message.startswith("cannot pickle '_thread.lock' object — at ")
     assert "obj['results'][2]['mask']: a <class '_thread.lock'>, which neither" in message
-    assert "gather something picklable in its place" in message
+    assert "put something picklable in its place" in message
 
 
 def test_encode_of_the_culprit_itself_says_what_pickle_says() -> None:
@@ -212,6 +214,72 @@ def test_a_list_sent_whole_after_its_chunks_names_the_path() -> None:
         list(run.rest())
     with pytest.raises(TypeError, match=r"at obj\[30000\]\['extra'\]\[0\]: a <class '_thread"):
         serialize.encode(items)
+
+
+# --- asked before encoding: check_picklable ------------------------------------------------------
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"id": 1, "score": np.float32(0.5), "boxes": np.zeros((100, 4)), "name": "img-1"},
+        [1, 2.5, None, b"x", (True, 3j), {"t": torch.ones(3, requires_grad=True) * 2}],
+        list(range(10_000)),  # longer than a glance: pickled into nothing
+        [[[[[["deeper than a glance"]]]]]],
+        Hook(fn=len),  # an instance: pickled into nothing
+        {"fn": lambda x: x + 1},  # only cloudpickle can: kept, as the encoder does
+    ],
+    ids=["plain", "atoms", "long", "deep", "instance", "cloudpickle"],
+)
+def test_what_pickles_passes(obj: Any) -> None:
+    culprit.check_picklable(obj)
+    serialize.encode(obj)  # and the encoder agrees
+
+
+@pytest.mark.parametrize(
+    ("obj", "path"),
+    [
+        ({"score": 0.5, "extra": [1, {"mask": LOCK}]}, "value['extra'][1]['mask']"),
+        ([0] * 100 + [LOCK], "value[100]"),  # longer than a glance
+        ([[[[[[LOCK]]]]]], "value[0][0][0][0][0][0]"),  # deeper than a glance
+        (Hook(fn=LOCK), "value.fn"),
+        ({"objects": np.array([1, LOCK], dtype=object)}, "value['objects']"),
+    ],
+    ids=["nested", "long", "deep", "attribute", "object-array"],
+)
+def test_what_does_not_pickle_raises_pickle_s_error_naming_the_path(obj: Any, path: str) -> None:
+    with pytest.raises(TypeError) as caught:
+        culprit.check_picklable(obj, "value")
+    message = str(caught.value)
+    assert message.startswith("cannot pickle '_thread.lock' object — at ")
+    assert f"at {path}" in message
+
+
+def test_a_failed_check_leaves_the_thread_s_pickler_as_it_was() -> None:
+    """The pickler a thread keeps is reused: a failure in the middle of an object must
+    neither keep that object nor fail the next one; another thread has its own."""
+    instance = Hook(fn=len)
+    alive = weakref.ref(instance)
+    held = {"big": "x" * 100_000, "instance": instance, "mask": LOCK}
+    with pytest.raises(TypeError):
+        culprit.check_picklable(held)
+    del held, instance
+    gc.collect()
+    assert alive() is None  # nothing of it is kept
+    culprit.check_picklable([Hook(fn=len)] * 3)
+    failures: list[BaseException] = []
+
+    def check_many() -> None:
+        try:
+            for _ in range(200):
+                culprit.check_picklable([Hook(fn=len), {"n": 1}] * 40)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=check_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
 
 
 def test_one_process_sends_nothing_so_pickles_nothing() -> None:

@@ -150,6 +150,48 @@ def test_a_child_exception_is_raised_in_the_parent_and_the_others_are_stopped(
     assert_children_gone(tmp_path, 3)
 
 
+def _stuck_before_a_gather(pid_dir: str, called: str) -> Any:
+    rank = _record_pid(pid_dir)
+    if rank == 1:
+        time.sleep(3600)  # stuck: never reaches the gather
+    if rank == 0:
+        Path(called).write_text(repr(time.time()))
+    return gs.gather_object(rank)
+
+
+@pytest.mark.timeout(180)
+def test_a_stuck_rank_ends_launch_at_its_timeout_named_and_quietly(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """launch's timeout is its ranks' default: their gather gives up on the stuck rank
+    after 5 s, not GATHERSTORE_TIMEOUT's 30 min, and names it; launch raises that, with
+    nothing of torch's (c10d's warnings, tracebacks) on stderr."""
+    pids, called = tmp_path / "pids", tmp_path / "called"
+    pids.mkdir()
+    with pytest.raises(gs.GatherTimeout) as caught:
+        gs.launch(
+            _stuck_before_a_gather,
+            nproc_per_node=3,
+            backend="gloo",
+            args=(str(pids), str(called)),
+            timeout=5,
+        )
+    after_call = time.time() - float(called.read_text())
+    error = caught.value
+    assert error.ranks == [1] and error.timeout == 5
+    assert str(error).startswith("gather_object: rank 1 did not arrive within 5 s: ")
+    assert "\n" not in str(error)
+    # 5 s, its collective's grace and STOP_GRACE (15 s at most), and room for a busy machine
+    assert after_call < 60
+    noise = [
+        line
+        for line in capfd.readouterr().err.splitlines()
+        if "c10d" in line or "[W" in line or "Traceback" in line
+    ]
+    assert noise == []
+    assert_children_gone(pids, 3)
+
+
 def _rank_one_exits(pid_dir: str, how: str) -> None:
     rank = _record_pid(pid_dir)
     gs.barrier()

@@ -256,13 +256,43 @@ def test_a_failed_write_is_raised_once_and_retried_by_flush(tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(60)
-def test_values_that_cannot_be_pickled_are_named_and_the_others_kept(tmp_path: Path) -> None:
+def test_a_value_that_cannot_be_pickled_fails_at_add_and_the_set_goes_on(tmp_path: Path) -> None:
+    import threading
+
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}", flush_every=2)
+    rs.add(1, "fine")
+    with pytest.raises(TypeError) as caught:
+        rs.add(2, {"score": 0.5, "extra": [1, {"mask": threading.Lock()}]})
+    assert str(caught.value) == (
+        f"result set {NAME!r}: the value of key 2 cannot be pickled, so it was not added "
+        "(TypeError: cannot pickle '_thread.lock' object — at value['extra'][1]['mask']: a "
+        "<class '_thread.lock'>, which neither pickle nor cloudpickle can serialise; put "
+        "something picklable in its place (convert it, or leave it out))"
+    )
+    with pytest.raises(TypeError, match="key 'gen' cannot be pickled"):
+        rs.add("gen", (i for i in range(3)))
+    rs.add(3, lambda: "kept")  # cloudpickle can: kept, as by the collectives
+    rs.add(4, "fine too")
+    rs.flush()  # nothing of the refused values is left to fail
+    assert rs.pending([1, 2, 3, 4, "gen"]) == [2, "gen"]
+    rs.add(2, "added again")
+    got = rs.gather(keys=True)
+    assert got is not None and [k for k, _ in got] == [1, 2, 3, 4]
+    assert got[1][1] == "added again" and got[2][1]() == "kept"
+
+
+@pytest.mark.timeout(60)
+def test_values_changed_after_add_are_named_at_flush_and_the_others_kept(tmp_path: Path) -> None:
+    """What add saw picklable and then was changed (the set keeps a reference until it
+    writes): the writer drops it from its chunk and the next flush names it."""
     import threading
 
     rs = gs.ResultSet(NAME, store=f"file://{tmp_path}", flush_every=10)
+    changed: dict[str, Any] = {"score": 1}
     rs.add(1, "fine")
-    rs.add(2, threading.Lock())
+    rs.add(2, changed)
     rs.add(3, "fine too")
+    changed["mask"] = threading.Lock()
     with pytest.raises(TypeError, match="keys 2 cannot be pickled"):
         rs.flush()
     assert rs.gather() == ["fine", "fine too"]

@@ -188,6 +188,73 @@ def test_collect_results_resume_continues_by_dataset_index(tmp_path: Path) -> No
     assert [r[1] for r in results] == [expected, None, None]
 
 
+def add_a_lock_on_rank_1(url: str, catch: bool) -> dict[str, Any]:
+    """Rank 1 adds a value that cannot be pickled (caught, or left to end the rank),
+    then every rank adds more and gathers; with ``catch``, collect_results(resume=...)
+    too, where rank 1's results hold a lock."""
+    rank, seen = gs.get_rank(), {}
+    with gs.ResultSet("locks", store=url, timeout=600) as rs:
+        rs.add(rank, value(rank))
+        if rank == 1:
+            try:
+                rs.add(100, {"id": 100, "extra": {"mask": threading.Lock()}})
+            except TypeError as exc:
+                if not catch:
+                    raise
+                seen["add"] = str(exc)
+        rs.add(10 + rank, value(10 + rank))
+        got = rs.gather(keys=True)
+        seen["gathered"] = None if got is None else [k for k, _ in got]
+        seen["pending"] = rs.pending([0, 1, 10, 11, 100])
+    mine: list[Any] = [f"r{rank}", {"mask": threading.Lock()} if rank == 1 else "fine"]
+    try:
+        gs.collect_results(mine, 4, resume="locks-collect", store=url, timeout=600)
+    except (TypeError, gs.RemoteRankError) as exc:
+        seen["collect"] = (type(exc).__name__, getattr(exc, "rank", rank), str(exc))
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_a_value_that_cannot_be_pickled_fails_at_add_on_its_rank_and_the_job_goes_on(
+    tmp_path: Path,
+) -> None:
+    url = f"file://{tmp_path}"
+    zero, one = gs.launch(
+        add_a_lock_on_rank_1, nproc_per_node=2, backend="gloo", args=(url, True), timeout=600
+    )
+    assert "add" not in zero
+    assert one["add"].startswith(
+        "result set 'locks': the value of key 100 cannot be pickled, so it was not added "
+        "(TypeError: cannot pickle '_thread.lock' object — at value['extra']['mask']: "
+    )
+    assert zero["gathered"] == [0, 1, 10, 11] and one["gathered"] is None
+    assert zero["pending"] == one["pending"] == [100]  # nothing of it was written
+    # collect_results(resume=...) adds in a collective: rank 1 raises, rank 0 names it
+    assert one["collect"][:2] == ("TypeError", 1) and "at value['mask']" in one["collect"][2]
+    assert zero["collect"][:2] == ("RemoteRankError", 1)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_an_unpicklable_value_ends_is_named_by_launch_and_nobody_waits(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 waits in gather (timeout 600 s) for rank 1, which the TypeError of its add
+    ends: launch names rank 1 and stops rank 0 at once."""
+    with pytest.raises(gs.RemoteRankError) as caught:
+        gs.launch(
+            add_a_lock_on_rank_1,
+            nproc_per_node=2,
+            backend="gloo",
+            args=(f"file://{tmp_path}", False),
+            timeout=600,
+        )
+    assert caught.value.rank == 1
+    assert caught.value.remote_message.startswith(
+        "TypeError: result set 'locks': the value of key 100 cannot be pickled"
+    )
+    assert "rs.add(100," in caught.value.remote_traceback
+
+
 def write_big(url: str, per_rank: int) -> int:
     """Each rank adds ``per_rank`` values of 64 KiB, interleaved by key."""
     import numpy as np

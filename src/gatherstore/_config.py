@@ -23,8 +23,8 @@ Sizes take units (``64MB``, ``1.5GiB``: binary).  Seconds longer than 24 days ar
 24 days (``MAX_WAIT``).  On/off settings take ``1``/``0``, ``true``/``false``,
 ``yes``/``no`` or ``on``/``off`` (any case); anything else raises ``ValueError`` at the
 next call.  Variables read once are read when gatherstore is imported; the others
-(store, tmpdir, handover, progress, heartbeat, the result sets' flushes and key) each
-time they are used.
+(store, timeout, tmpdir, handover, progress, heartbeat, the result sets' flushes and key)
+each time they are used.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ __all__ = [
     "ROUTES",
     "SHM",
     "DEFAULT_READ_AHEAD",
-    "DEFAULT_TIMEOUT",
     "MAX_WAIT",
     "PART_CHUNK",
     "PINNED",
     "STREAM_CHUNK",
     "Timeout",
     "check_environment",
+    "default_timeout",
     "flush_every",
     "handover",
     "heartbeat_interval",
@@ -171,8 +171,6 @@ SHM = "/dev/shm"
 #: object collectives (``gatherstore.routes.base``), which move parts without one.
 ROUTES = ("auto", "collective", "stream")
 
-#: Seconds a collective waits by default (``GATHERSTORE_TIMEOUT`` overrides it).
-DEFAULT_TIMEOUT = _seconds_setting("GATHERSTORE_TIMEOUT", 1800.0)
 
 #: Bytes a reader of stored parts reads ahead of its consumer by default
 #: (``GATHERSTORE_READ_AHEAD`` overrides it, e.g. ``256MB``); never more than
@@ -195,7 +193,7 @@ PART_CHUNK = _size_setting("GATHERSTORE_PART_CHUNK", "16MiB", at_least=0)
 #: Bytes of pinned host memory a process stages CUDA tensors through, in two halves
 #: (allocated at the first gather of a CUDA tensor, released at ``gs.shutdown()``).
 PINNED = _size_setting("GATHERSTORE_PINNED", "128MiB", at_least=2)
-_HEARTBEAT = 30.0
+_TIMEOUT, _HEARTBEAT = 1800.0, 30.0
 _FLUSH_VALUES, _FLUSH_BYTES, _FLUSH_SECONDS = 100_000, "8MiB", 30.0
 
 
@@ -226,6 +224,17 @@ def progress() -> bool | None:
         ValueError: the variable is not spelled as on or off (see ``FLAGS``).
     """
     return _flag_setting("GATHERSTORE_PROGRESS")
+
+
+def default_timeout() -> float:
+    """Seconds a collective waits when its ``timeout`` is None: ``GATHERSTORE_TIMEOUT``,
+    else 1800.  Read at each call, so that a value set after the import counts (the
+    ranks of ``launch`` get its ``timeout`` so).
+
+    Raises:
+        ValueError: the variable holds no positive, finite number; the message names it.
+    """
+    return _seconds_setting("GATHERSTORE_TIMEOUT", _TIMEOUT)
 
 
 def heartbeat_interval() -> float:
@@ -315,7 +324,7 @@ def to_seconds(timeout: Timeout) -> float:
             infinity included) or has the wrong type.
     """
     if timeout is None:
-        return DEFAULT_TIMEOUT
+        return default_timeout()
     if isinstance(timeout, _dt.timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, int) and not isinstance(timeout, bool):
@@ -368,15 +377,18 @@ _warned: set[str] = set()
 
 def check_environment() -> None:
     """Check the environment's settings before a call sends anything (``calls.entry``,
-    ``launch``): the on/off ones at every call, as they are read at every call; and,
-    once per process and name, warn (``UserWarning``) of a ``GATHERSTORE_*`` variable that
-    is no setting, naming the nearest one: a typo would otherwise change nothing, silently.
+    ``launch``): the on/off ones and the timeout at every call, as they are read at every
+    call; and, once per process and name, warn (``UserWarning``) of a ``GATHERSTORE_*``
+    variable that is no setting, naming the nearest one: a typo would otherwise change
+    nothing, silently.
 
     Raises:
-        ValueError: an on/off setting is spelled otherwise (the message names it).
+        ValueError: an on/off setting is spelled otherwise, or the timeout is no positive
+            number (the message names it).
     """
     handover()
     progress()
+    default_timeout()
     for name in sorted(os.environ):
         if name.startswith("GATHERSTORE_") and name not in _warned and not _known(name):
             _warned.add(name)

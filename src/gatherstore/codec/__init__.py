@@ -12,6 +12,8 @@ else of it:
   while the earlier ones travel; ``Assembly`` rebuilds them in order on the receiver.
 - ``verify(data) -> Verified`` checks a part's digest (XXH3-128, or keyed BLAKE3) and
   binding; ``load(verified)`` rebuilds its object; ``decode`` is both.
+- ``check_picklable(obj, root)`` asks, cheaply and before encoding, whether ``obj`` can
+  be pickled; raises pickle's error, naming the culprit, when it cannot.
 
 ``release_pinned()`` frees the pinned memory CUDA tensors left through (``gs.shutdown``).
 The codec knows no store and no route.
@@ -25,6 +27,7 @@ import sys as _sys
 
 from gatherstore.codec import columns, frames, records, storage
 from gatherstore.codec.chunks import Assembly, Chunks, Unchunkable
+from gatherstore.codec.culprit import check_picklable
 from gatherstore.codec.frames import (
     Frame,
     Verified,
@@ -43,6 +46,7 @@ __all__ = [
     "Frame",
     "Unchunkable",
     "Verified",
+    "check_picklable",
     "collection_paused",
     "decode",
     "duplicate",

@@ -1,4 +1,5 @@
-"""Where in a rank's object the thing that cannot be pickled is, for the error that says so.
+"""Where in a rank's object the thing that cannot be pickled is, for the error that says so;
+and whether it can be pickled at all, asked before it is encoded.
 
 pickle's error names the type it met (``cannot pickle '_thread.lock' object``), not where
 it sits in an object that may hold millions of items.  When encoding a part fails,
@@ -21,11 +22,23 @@ own.  The search is bounded (``DEPTH`` steps, ``TRIES`` tries, ``SECONDS``); at 
 the message says "somewhere in" the deepest path known to fail.  An error that the
 object raises itself whenever it is pickled (a rank's own error carried into a gather,
 so that every rank raises it) is left as its owner wrote it.
+
+``check_picklable`` asks first, cheaply enough for every value an evaluation loop hands
+over (``ResultSet.add``), so that a value that cannot be pickled fails there and not
+later, in a thread that encodes many values at once.  Plain data passes at a glance:
+numbers, strings, bytes, None, numpy's numbers, arrays of numbers and tensors, in dicts,
+lists and tuples of up to ``GLANCE`` items each, ``GLANCE_DEPTH`` deep (a detection's
+dict of arrays: about a microsecond).  Anything else is pickled into nothing by a
+pickler each thread keeps (making one costs more than pickling a small value), arrays
+and tensors left out as above; with cloudpickle only when plain pickle fails, as the
+encoder does.  What the encoder does beyond pickling (records packed into columns, CUDA
+tensors staged) is not tried: its own errors still name what it could not encode.
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -36,7 +49,19 @@ import cloudpickle
 import numpy as np
 import torch
 
-__all__ = ["DEPTH", "ROOT", "SECONDS", "TRIES", "Found", "find", "locate", "named"]
+__all__ = [
+    "DEPTH",
+    "GLANCE",
+    "GLANCE_DEPTH",
+    "ROOT",
+    "SECONDS",
+    "TRIES",
+    "Found",
+    "check_picklable",
+    "find",
+    "locate",
+    "named",
+]
 
 T = TypeVar("T")
 
@@ -48,12 +73,17 @@ TRIES = 1000
 SECONDS = 2.0
 #: What a path calls the object itself (the name of the collectives' argument).
 ROOT = "obj"
+#: Items of a dict, list or tuple ``check_picklable`` looks at one by one; a longer one
+#: is pickled instead.
+GLANCE = 64
+#: Containers in containers ``check_picklable`` looks at; deeper ones are pickled instead.
+GLANCE_DEPTH = 4
 #: Children tried one by one; a container with more is halved first.
 _SPLIT = 8
 #: Characters of a key's ``repr`` a path keeps.
 _KEY = 40
 _NOT_PICKLED = "neither pickle nor cloudpickle can serialise"
-_FIX = "gather something picklable in its place (convert it, or leave it out)"
+_FIX = "put something picklable in its place (convert it, or leave it out)"
 
 #: How a step down is written: an item of a list or tuple, a dict's value, an attribute,
 #: a dict's key, an element of a set, what an object's reduction gives as its state.
@@ -89,21 +119,22 @@ def named(encode: Callable[[Any], T], obj: Any) -> T:
         raise
 
 
-def locate(exc: Exception, obj: Any) -> None:
+def locate(exc: Exception, obj: Any, root: str = ROOT) -> None:
     """Add to the message of ``exc``, which pickling ``obj`` raised, where in ``obj`` the
-    culprit is: unless the object itself is (pickle's message names it already), the
-    error is out of memory or recursion, its message is not its one argument (its own
-    ``__str__`` would not show the path), or the object raises ``exc`` itself."""
+    culprit is (a path from ``root``): unless the object itself is (pickle's message
+    names it already), the error is out of memory or recursion, its message is not its
+    one argument (its own ``__str__`` would not show the path), or the object raises
+    ``exc`` itself."""
     if isinstance(exc, (MemoryError, RecursionError)) or not _plain_message(exc):
         return
     kept = exc.__traceback__, exc.__context__, exc.__cause__, exc.__suppress_context__
     try:
-        found = find(obj, exc)
+        found = find(obj, exc, root=root)
     except Exception:  # the search runs the object's own code (reductions, reprs)
         found = None
     finally:  # a try that raised ``exc`` again gave it the search's frames
         exc.__traceback__, exc.__context__, exc.__cause__, exc.__suppress_context__ = kept
-    if found is not None and found.path != ROOT:
+    if found is not None and found.path != root:
         exc.args = (f"{exc.args[0]} — {found}",)
 
 
@@ -119,12 +150,14 @@ def find(
     depth: int = DEPTH,
     tries: int = TRIES,
     seconds: float = SECONDS,
+    root: str = ROOT,
 ) -> Found | None:
     """Where in ``obj``, which neither pickle nor cloudpickle can pickle, the first thing
-    that cannot be pickled is (see the module's docstring); None when pickling part of
-    ``obj`` raises ``error`` itself (an error the object carries, not one of pickling)."""
+    that cannot be pickled is, as a path from ``root`` (see the module's docstring); None
+    when pickling part of ``obj`` raises ``error`` itself (an error the object carries,
+    not one of pickling)."""
     search = _Search(error, tries, seconds)
-    path, node = ROOT, obj
+    path, node = root, obj
     try:
         for _ in range(depth):
             search.above.append(node)
@@ -185,6 +218,77 @@ class _Cloud(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         left = _left_out(obj)
         return super().reducer_override(obj) if left is NotImplemented else left
+
+
+_ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+
+
+def check_picklable(obj: Any, root: str = ROOT) -> None:
+    """Return when pickle or cloudpickle can pickle ``obj`` (see the module's docstring);
+    nothing of it is kept.
+
+    Raises:
+        Exception: what pickling ``obj`` raised when neither can (e.g. ``TypeError:
+            cannot pickle '_thread.lock' object``), its message naming the culprit by a
+            path from ``root`` (e.g. ``value['mask']``).
+    """
+    if _at_a_glance(obj, 0):
+        return
+    plain = _probes.plain
+    try:
+        plain.dump(obj)
+        return
+    except Exception:
+        pass  # whether cloudpickle can is what counts
+    finally:
+        plain.clear_memo()  # the pickler holds nothing of ``obj`` past the call
+    try:
+        _Cloud(_probes.sink, protocol=5, buffer_callback=_out_of_band).dump(obj)
+    except Exception as exc:
+        locate(exc, obj, root)
+        raise
+
+
+def _at_a_glance(obj: Any, depth: int) -> bool:
+    """Whether ``obj`` is plain data (see the module's docstring): True only for what
+    surely pickles, False when it takes pickling to tell.  An atom in a container is
+    seen without a call, in loops (``all()`` over a generator costs twice as much)."""
+    kind = type(obj)
+    if kind in _ATOMS:
+        return True
+    if kind is np.ndarray:
+        return not obj.dtype.hasobject
+    if kind is not dict and kind is not list and kind is not tuple:
+        return kind is torch.Tensor or isinstance(obj, (np.number, np.bool_))
+    if depth >= GLANCE_DEPTH or len(obj) > GLANCE:
+        return False
+    atoms, deeper = _ATOMS, depth + 1
+    if kind is dict:
+        for key, value in obj.items():
+            if type(key) not in atoms:
+                return False
+            if type(value) not in atoms and not _at_a_glance(value, deeper):
+                return False
+        return True
+    for item in obj:  # noqa: SIM110 - see the docstring
+        if type(item) not in atoms and not _at_a_glance(item, deeper):
+            return False
+    return True
+
+
+def _out_of_band(_: Any) -> bool:
+    return False  # a buffer is neither copied nor written
+
+
+class _Probes(threading.local):
+    """A thread's sink and plain pickler into it, made once, for ``check_picklable``."""
+
+    def __init__(self) -> None:
+        self.sink = _Sink(float("inf"), 0.0)
+        self.plain = _Plain(self.sink, protocol=5, buffer_callback=_out_of_band)
+
+
+_probes = _Probes()
 
 
 class _Search:

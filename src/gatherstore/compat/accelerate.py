@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import gatherstore as gs
-from gatherstore._config import DEFAULT_TIMEOUT
+from gatherstore._config import default_timeout
 from gatherstore.compat._common import own_copies
 from gatherstore.compat._patching import Patch, _import, patch_module
 
@@ -74,7 +74,7 @@ def _wait_for_everyone(self: Any) -> None:
     """
     constants = _import("accelerate.utils.constants", _PIP)
     if self.distributed_type in constants.TORCH_DISTRIBUTED_OPERATION_TYPES and gs.is_distributed():
-        gs.barrier(timeout=DEFAULT_TIMEOUT)
+        gs.barrier(timeout=default_timeout())
     else:
         _ORIGINAL_WAIT[0](self)
 

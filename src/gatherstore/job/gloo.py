@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from gatherstore._config import DEFAULT_TIMEOUT
+from gatherstore._config import default_timeout
 from gatherstore._errors import GatherError, GatherTimeout, RemoteRankError, ranks_named, seconds
 from gatherstore._time import Deadline
 from gatherstore.job import control
@@ -73,7 +73,7 @@ def group() -> Any:
     """
     state = job.group_state()
     if state.gloo_group is None:
-        timeout = _dt.timedelta(seconds=DEFAULT_TIMEOUT)
+        timeout = _dt.timedelta(seconds=default_timeout())
         if state.is_default:
             state.gloo_group = dist.new_group(backend="gloo", timeout=timeout)
         else:

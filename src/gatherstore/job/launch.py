@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gatherstore import codec
 from gatherstore._config import Timeout, check_environment, to_seconds
-from gatherstore._errors import GatherError, RemoteRankError
+from gatherstore._errors import GatherError, GatherTimeout, RemoteRankError
 from gatherstore.host import mappings
 from gatherstore.job import control, gloo, hooks, session, shipping, signals, slurm, specs, topology
 from gatherstore.job import published as publication
@@ -25,9 +25,14 @@ from gatherstore.job import state as job
 from gatherstore.stores.base import Store
 from gatherstore.stores.registry import default_store
 
-__all__ = ["init_from_env", "launch", "shutdown"]
+__all__ = ["STOP_GRACE", "init_from_env", "launch", "shutdown"]
 
-_KILL_GRACE = 5.0  # seconds a stopped child has to clean up before SIGKILL
+#: Seconds the ranks ``launch`` stops have, together, to end on their own (a rank that
+#: failed) or on SIGTERM (the others, which remove their job areas) before SIGKILL.
+STOP_GRACE = 5.0
+#: What the ranks' C++ logs show, unless the environment says: errors only, not the
+#: warnings of c10d's waits that gatherstore gives up on as it names the late ranks.
+_CPP_LOG_LEVEL = "ERROR"
 _log = logging.getLogger("gatherstore")
 
 
@@ -94,20 +99,30 @@ def launch(
     and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
     lambdas and closures included; one the ranks can import (a function of the
     main script or of a module) goes by reference, so that tracebacks name its
-    file and line.  ``timeout`` is the process group's timeout.
+    file and line.  ``timeout`` is the process group's timeout and the ranks'
+    default one (their ``GATHERSTORE_TIMEOUT``): a collective that a rank never
+    reaches (stuck, frozen) raises ``GatherTimeout`` on the others ``timeout`` s
+    after they called it.  The ranks' C++ logs show errors only
+    (``TORCH_CPP_LOG_LEVEL=ERROR``, unless it is set).
 
     When a child fails or dies, or this process is interrupted (Ctrl-C), the
-    other children are stopped as torchrun does (SIGTERM, a grace period in
-    which they remove their job areas, then SIGKILL), and the job areas rank 0
-    published on the rendezvous store this process hosts are removed too.
+    children are stopped as torchrun does: the failed one ends on its own, the
+    others get SIGTERM (they remove their job areas), and those still running
+    ``STOP_GRACE`` (5) s later get SIGKILL; the job areas rank 0 published on the
+    rendezvous store this process hosts are removed too.  So ``launch`` returns
+    at most ``timeout`` s, plus the collective's own grace for the ranks' reports
+    (``gatherstore.job.gloo.GRACE``, 5 s, after a transfer), plus ``STOP_GRACE``,
+    after the others called the collective that a stuck rank never reached.
 
     Returns:
         The local ranks' return values, in rank order.
 
     Raises:
+        GatherTimeout: ranks did not arrive at a collective in time; names them
+            (``ranks``) and the ``timeout``, as the ranks that waited saw it.
         RemoteRankError: a child raised or died; names the rank the failure
             started on (not a rank that only relays it) and carries its traceback
-            text.  The other children are stopped first.
+            text.  The children are stopped first.
         ValueError: bad arguments (e.g. no ``master_port`` for several nodes), or a
             malformed setting (e.g. ``GATHERSTORE_PROGRESS``).
         RuntimeError: called while a new rank imports the main script, i.e. the
@@ -118,23 +133,16 @@ def launch(
     seconds = to_seconds(timeout)
     chosen = _pick_backend(backend, nproc_per_node)
     payload = (*shipping.ship_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))))
-    world_size = nproc_per_node * nnodes
     server = None
     if master_port is None:
-        server = _host_rendezvous(master_addr, world_size, seconds)
+        server = _host_rendezvous(master_addr, nproc_per_node * nnodes, seconds)
         master_port = server.port
-    env = {
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(nproc_per_node),
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(nnodes),
-        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
-        "TORCHELASTIC_USE_AGENT_STORE": str(server is not None),
-    }
+    hosted = server is not None
+    env = _environment(master_addr, master_port, nproc_per_node, nnodes, node_rank, hosted)
+    env["GATHERSTORE_TIMEOUT"] = repr(seconds)  # the ranks' calls wait as long as their group
     procs: list[Any] = []
     conns: list[Connection] = []
+    failed: set[int] = set()  # the local ranks that reported a failure
     try:
         for local_rank in range(nproc_per_node):
             rank = node_rank * nproc_per_node + local_rank
@@ -142,9 +150,9 @@ def launch(
             proc, conn = _start_child(payload, child_env, chosen, timeout)
             procs.append(proc)
             conns.append(conn)
-        return _collect(procs, conns, node_rank * nproc_per_node)
+        return _collect(procs, conns, node_rank * nproc_per_node, failed)
     finally:
-        _stop(procs)
+        _stop(procs, failed)
         for conn in conns:
             conn.close()
         if server is not None:  # what a stopped job left behind, rank 0 published here
@@ -170,6 +178,28 @@ def _check_call(nproc_per_node: int, nnodes: int, node_rank: int, master_port: i
             "master_port=None only works on one node: pass the same master_port "
             "(a free port on master_addr) to launch() on every node"
         )
+
+
+def _environment(
+    master_addr: str,
+    master_port: int,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    agent_store: bool,
+) -> dict[str, str]:
+    """torchrun's variables for every local rank (RANK and LOCAL_RANK aside);
+    ``agent_store``: this process hosts the rendezvous store."""
+    return {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "WORLD_SIZE": str(nproc_per_node * nnodes),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        # env:// rendezvous: every rank is a client of the parent's store, or rank 0 hosts it
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
+    }
 
 
 def _host_rendezvous(master_addr: str, world_size: int, seconds: float) -> Any:
@@ -201,18 +231,36 @@ def _start_child(
         args=(payload, env, backend, timeout, child_end),
         name=f"gatherstore-rank{env['RANK']}",
     )
-    proc.start()
+    with _inherited("TORCH_CPP_LOG_LEVEL", _CPP_LOG_LEVEL):
+        proc.start()
     child_end.close()
     return proc, parent_end
 
 
-def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list[Any]:
-    """Wait for every child's result; on the first failure raise it, naming the rank it
-    started on: a child that relays another local rank's failure waits (a grace period)
-    for that rank's own report."""
+@contextlib.contextmanager
+def _inherited(name: str, value: str) -> Iterator[None]:
+    """Set ``name`` for the processes started meanwhile, unless it is set: read as a
+    spawned rank imports torch, before ``_child`` applies the rank's own variables."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def _collect(
+    procs: list[Any], conns: list[Connection], first_rank: int, failed: set[int]
+) -> list[Any]:
+    """Wait for every child's result; on the first failure raise it (``_error``), naming
+    the rank it started on: a child that relays another local rank's failure waits (a
+    grace period) for that rank's own report.  ``failed`` gets the local ranks that
+    reported a failure (they end on their own)."""
     results: list[Any] = [None] * len(procs)
     pending = dict(enumerate(conns))
-    relayed: RemoteRankError | None = None
+    relayed: GatherError | None = None
     deadline = float("inf")
     while pending:
         left = deadline - time.monotonic()
@@ -231,20 +279,16 @@ def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list
                 if status == "ok":
                     results[i] = cloudpickle.loads(value)
                     continue
-                procs[i].join(timeout=_KILL_GRACE)
                 if status == "died":
+                    procs[i].join(timeout=STOP_GRACE)  # its pipe closed as it ended
                     raise RemoteRankError(rank, _died(procs[i].exitcode), context="launch")
+                failed.add(i)
                 failure: shipping.Failure = value
-                error = RemoteRankError(
-                    failure.origin,
-                    failure.message,
-                    remote_traceback=failure.traceback,
-                    context="launch",
-                )
+                error = _error(failure)
                 if failure.origin == rank or failure.origin - first_rank not in pending:
                     raise error
                 if relayed is None:  # the failing rank's own report follows: wait for it
-                    relayed, deadline = error, time.monotonic() + _KILL_GRACE
+                    relayed, deadline = error, time.monotonic() + STOP_GRACE
             elif procs[i].sentinel in ready:
                 procs[i].join()
                 del pending[i]
@@ -254,13 +298,30 @@ def _collect(procs: list[Any], conns: list[Connection], first_rank: int) -> list
     return results
 
 
-def _stop(procs: list[Any]) -> None:
-    """Stop children as torchrun does: SIGTERM (they clean up), a grace period, SIGKILL."""
-    for proc in procs:
-        if proc.is_alive():
+def _error(failure: shipping.Failure) -> GatherError:
+    """What ``launch`` raises for a rank's failure: a ``GatherTimeout`` that names the
+    ranks that did not arrive, as that rank raised it; else a ``RemoteRankError``."""
+    if failure.late:
+        return GatherTimeout(
+            f"{failure.message}; launch stopped the job (rank {failure.origin} waited)",
+            ranks=failure.late,
+            timeout=failure.timeout,
+        )
+    return RemoteRankError(
+        failure.origin, failure.message, remote_traceback=failure.traceback, context="launch"
+    )
+
+
+def _stop(procs: list[Any], failed: set[int]) -> None:
+    """Stop children as torchrun does: SIGTERM to those still running (they clean up) but
+    the ``failed`` ones (which end on their own), then, ``STOP_GRACE`` s later for all of
+    them together, SIGKILL."""
+    for i, proc in enumerate(procs):
+        if i not in failed and proc.is_alive():
             proc.terminate()
+    ends = time.monotonic() + STOP_GRACE
     for proc in procs:
-        proc.join(timeout=_KILL_GRACE)
+        proc.join(timeout=max(ends - time.monotonic(), 0.0))
         if proc.is_alive():
             proc.kill()
             proc.join()

@@ -20,7 +20,7 @@ from typing import Any
 
 import cloudpickle
 
-from gatherstore._errors import RemoteRankError
+from gatherstore._errors import GatherTimeout, RemoteRankError
 
 __all__ = ["Failure", "failure_of", "load_function", "ship_function"]
 
@@ -76,22 +76,30 @@ class Failure:
     Attributes:
         origin: the rank the failure started on (this rank, or the one a
             ``RemoteRankError`` relays).
-        message: that rank's error, ``Type: text``.
+        message: that rank's error, ``Type: text``; only its text for a ``GatherTimeout``
+            that names ranks (the launcher raises one again, naming those ranks).
         traceback: that rank's traceback text.
+        late: the ranks that ``GatherTimeout`` names (they did not arrive in time).
+        timeout: its timeout, in seconds.
     """
 
     origin: int
     message: str
     traceback: str
+    late: tuple[int, ...] = ()
+    timeout: float | None = None
 
 
 def failure_of(exc: BaseException, rank: int) -> Failure:
     """What rank ``rank`` reports for ``exc``: its own error with the traceback from the
-    user's function on, or the failure of the rank a ``RemoteRankError`` relays."""
+    user's function on, or the failure of the rank a ``RemoteRankError`` relays; a
+    ``GatherTimeout`` keeps the ranks it names."""
     if isinstance(exc, RemoteRankError) and exc.rank != rank:
         return Failure(exc.rank, exc.remote_message, exc.remote_traceback)
     frames = exc.__traceback__
     if frames is not None and frames.tb_next is not None:
         frames = frames.tb_next  # launch's own frame, which only called the function
     text = "".join(traceback.format_exception(type(exc), exc, frames))
+    if isinstance(exc, GatherTimeout) and exc.ranks:  # the failure is theirs: keep their names
+        return Failure(rank, str(exc), text, tuple(exc.ranks), exc.timeout)
     return Failure(rank, f"{type(exc).__name__}: {exc}", text)

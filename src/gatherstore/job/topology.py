@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gatherstore._config import DEFAULT_TIMEOUT
+from gatherstore._config import default_timeout
 from gatherstore.job import control, slurm
 from gatherstore.job import state as job
 
@@ -344,7 +344,7 @@ def _from_env() -> _Layout | None:
 
 def _from_hostnames() -> _Layout:
     """Group ranks by hostname: nodes numbered in order of their lowest rank."""
-    hosts = control.hosts(DEFAULT_TIMEOUT, dist.group.WORLD)
+    hosts = control.hosts(default_timeout(), dist.group.WORLD)
     nodes = list(dict.fromkeys(hosts))
     rank = dist.get_rank()
     mine = hosts[rank]
@@ -374,7 +374,7 @@ def local_group() -> Any:
         return None
     state = job.group_state(dist.group.WORLD)
     if state.local is None:
-        hosts = control.hosts(DEFAULT_TIMEOUT, dist.group.WORLD)
+        hosts = control.hosts(default_timeout(), dist.group.WORLD)
         nodes = [[r for r, h in enumerate(hosts) if h == node] for node in dict.fromkeys(hosts)]
         state.local, _ = dist.new_subgroups_by_enumeration(nodes)  # type: ignore[no-untyped-call]
     return state.local
@@ -390,7 +390,7 @@ def group_nodes() -> int:
     if state.is_default:
         return get_nnodes()
     if not state.nodes:
-        state.nodes = len(set(control.hosts(DEFAULT_TIMEOUT)))
+        state.nodes = len(set(control.hosts(default_timeout())))
     return state.nodes
 
 

@@ -52,6 +52,8 @@ def collect_results(
     Raises:
         ValueError: bad arguments (on every rank), or, with ``indices``, a
             dataset index no rank returned (with ``resume``: no run stored).
+        TypeError: a result of this rank cannot be pickled (where in it is named); the
+            other ranks raise ``RemoteRankError`` naming this one.
         GatherError: with ``resume``, the errors of [`ResultSet`][gatherstore.ResultSet].
     """
     what = "collect_results"

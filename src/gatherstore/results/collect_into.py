@@ -72,6 +72,8 @@ def collect_into(
 
     Raises:
         ValueError: bad arguments (on every rank), or missing indices (see ``finish``).
+        TypeError: a result of this rank cannot be pickled (``ResultSet.add``); the
+            other ranks raise ``RemoteRankError`` naming this one.
         and the errors of ``ResultSet``.
     """
     with ResultSet(name, store=store, timeout=timeout, group=group) as rs:
@@ -84,11 +86,16 @@ def collect_into(
                 return indices_of(counts, order, indices, call.rank, call.world)
 
             keys = call.agree(keyed)
-        assert keys is not None
-        for key, result in zip(keys, results, strict=True):
-            if size is None or key < size:
-                rs.add(key, result)
+            assert keys is not None
+            # a result that cannot be pickled fails its add: on every rank at once
+            call.agree(lambda: _add(rs, keys, results, size))
         return finish(rs, size, dst, timeout)
+
+
+def _add(rs: ResultSet, keys: list[int], results: Sequence[Any], size: int | None) -> None:
+    for key, result in zip(keys, results, strict=True):
+        if size is None or key < size:
+            rs.add(key, result)
 
 
 def settle(

@@ -50,7 +50,8 @@ class ResultSet:
     in it.  Keys are ints or strs (a sample's index or id): ints first, in numeric
     order, then strs.
 
-    Values are buffered by [`add`][gatherstore.ResultSet.add] and written in the background
+    Values are buffered by [`add`][gatherstore.ResultSet.add] (one that cannot be pickled
+    raises ``TypeError`` there, naming where in it the culprit is) and written in the background
     as create-only chunks, each sealed with ``key`` (a signature) or, without a key, an
     XXH3-128 checksum: ``flush_every`` values (an int), bytes (``"8MB"``) or seconds
     (``"30s"``, a ``timedelta``), or a tuple of them (default: the ``GATHERSTORE_FLUSH_*``
@@ -217,13 +218,21 @@ class ResultSet:
 
         The set keeps a reference to ``value`` until it is written: do not change it
         after adding it.  Of a key added twice, in one run or across runs, the first
-        stored value counts.
+        stored value counts.  A ``value`` that neither pickle nor cloudpickle can pickle
+        fails here, in this rank, and is neither buffered nor written; the set goes on.
+        The other ranks are not told: a rank that this error ends is stopped with the
+        job by its launcher (``gs.launch`` raises ``RemoteRankError`` naming it), else
+        their next collective of the set raises a ``GatherError`` naming it within its
+        timeout.
 
         Raises:
-            TypeError: ``key`` is not an int or a str.
+            TypeError: ``key`` is not an int or a str, or ``value`` cannot be pickled
+                (the message names the key and where in the value the culprit is, e.g.
+                ``value['extra']['mask']``).
             GatherError: the set is closed, or a write in the background failed (e.g.
                 StoreUnavailableError; raised once, the values stay buffered and a
-                later flush writes them) or dropped values that cannot be pickled.
+                later flush writes them) or dropped values that could no longer be
+                pickled (changed after ``add``).
         """
         self._writing("add").add(key, value)
 

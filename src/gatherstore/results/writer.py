@@ -1,13 +1,18 @@
 """One rank's buffer of a result set, written as chunks by a background thread.
 
 ``add`` appends to a queue and returns: the loop that evaluates pays for a
-check of the key and an append.  A daemon thread takes the values in the
+check of the key, a glance at the value (a value that is not plain data is
+pickled into nothing: see ``gatherstore.codec.culprit``), and an append; a
+value that cannot be pickled raises ``TypeError`` there, naming where in it the
+culprit is, and is not queued.  A daemon thread takes the values in the
 order they came and hands them to ``write`` (which encodes, seals and puts one
 chunk) once ``values`` wait, once they make about ``nbytes`` (how many values
 that is, is learned from the chunks written so far), once the oldest has
 waited ``seconds``, or when ``flush`` asks.  A failed write puts
 its values back at the front: the next ``add`` raises the store's error once,
-and a later flush writes them.
+and a later flush writes them.  Values that passed ``add`` but still cannot be
+encoded (changed since, or refused by the encoder itself) are dropped from
+their chunk, the others written, and the next ``add`` or ``flush`` names them.
 """
 
 from __future__ import annotations
@@ -139,7 +144,8 @@ class Writer:
         """Queue ``value`` under ``key``; raise a failed write's error (once).
 
         Raises:
-            TypeError: ``key`` is not an int or a str.
+            TypeError: ``key`` is not an int or a str, or ``value`` cannot be pickled
+                (where in it the culprit is named; it is not queued).
             GatherError: the writer is closed, or the last write in the background failed
                 (e.g. StoreUnavailableError; the values stay queued).
         """
@@ -147,6 +153,13 @@ class Writer:
             key = order.check_key(key)
         if self._error is not None or self._stop:
             self._raise_error()
+        try:
+            codec.check_picklable(value, "value")
+        except Exception as exc:
+            raise TypeError(
+                f"{self.what}: the value of key {key!r} cannot be pickled, so it was not "
+                f"added ({type(exc).__name__}: {exc})"
+            ) from exc
         self._keys.append(key)
         values = self._values
         values.append(value)  # last: the thread takes as many values as there are
