@@ -94,12 +94,8 @@ def launch(
     """Run ``fn(*args, **kwargs)`` in ``nproc_per_node`` new processes of one job.
 
     Each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...),
-    joins the process group (``backend="auto"``: NCCL when every local rank has
-    its own GPU, else gloo; ``torch.cuda.set_device`` under NCCL), runs ``fn``
-    and leaves the group.  ``fn`` may be any callable cloudpickle can ship,
-    lambdas and closures included; one the ranks can import (a function of the
-    main script or of a module) goes by reference, so that tracebacks name its
-    file and line.  ``timeout`` is the process group's timeout and the ranks'
+    joins the process group (``torch.cuda.set_device`` under NCCL), runs ``fn``
+    and leaves the group.  ``timeout`` is the process group's timeout and the ranks'
     default one (their ``GATHERSTORE_TIMEOUT``): a collective that a rank never
     reaches (stuck, frozen) raises ``GatherTimeout`` on the others ``timeout`` s
     after they called it.  The ranks' C++ logs show errors only
@@ -113,6 +109,27 @@ def launch(
     at most ``timeout`` s, plus the collective's own grace for the ranks' reports
     (``gatherstore.job.gloo.GRACE``, 5 s, after a transfer), plus ``STOP_GRACE``,
     after the others called the collective that a stuck rank never reached.
+    The children import the main script: call ``launch`` under
+    ``if __name__ == "__main__":``.
+
+    Args:
+        fn: what every rank runs: any callable cloudpickle can ship, lambdas and
+            closures included.  One the ranks can import (a function of the main
+            script or of a module) goes by reference, so that tracebacks name its
+            file and line.
+        nproc_per_node: the processes started here, one per GPU under NCCL.
+        nnodes: the machines of the job, each running ``launch`` with the same
+            arguments but its own ``node_rank``.
+        node_rank: this machine's index, from 0 to ``nnodes - 1``.
+        master_addr: the address of node 0, where the rendezvous store listens.
+        master_port: that store's port, the same on every node; None (one node only):
+            a free port, picked here.
+        backend: ``"nccl"``, ``"gloo"``, or ``"auto"``: NCCL when every local rank
+            has a GPU of its own (each then on ``cuda:LOCAL_RANK``), else gloo.
+        args: the positional arguments of ``fn``.
+        kwargs: the keyword arguments of ``fn``.
+        timeout: the process group's timeout and the ranks' default one: seconds or a
+            ``timedelta``; None: ``GATHERSTORE_TIMEOUT``.
 
     Returns:
         The local ranks' return values, in rank order.
@@ -127,6 +144,13 @@ def launch(
             malformed setting (e.g. ``GATHERSTORE_PROGRESS``).
         RuntimeError: called while a new rank imports the main script, i.e. the
             script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
+
+    Examples:
+        >>> def evaluate(dataset):
+        ...     return len(dataset[gs.get_rank() :: gs.get_world_size()])
+        >>> if __name__ == "__main__":
+        ...     print(gs.launch(evaluate, nproc_per_node=4, args=(range(1000),)))
+        [250, 250, 250, 250]
     """
     _check_call(nproc_per_node, nnodes, node_rank, master_port)
     check_environment()
@@ -140,24 +164,38 @@ def launch(
     hosted = server is not None
     env = _environment(master_addr, master_port, nproc_per_node, nnodes, node_rank, hosted)
     env["GATHERSTORE_TIMEOUT"] = repr(seconds)  # the ranks' calls wait as long as their group
+    try:
+        return _run_ranks(payload, env, chosen, timeout, node_rank * nproc_per_node)
+    finally:
+        if server is not None:  # what a stopped job left behind, rank 0 published here
+            publication.sweep(server)
+        del server  # stops the store's server, if this process hosted one
+
+
+def _run_ranks(
+    payload: tuple[bytes | None, bytes | None, bytes],
+    env: dict[str, str],
+    backend: str,
+    timeout: Timeout,
+    first_rank: int,
+) -> list[Any]:
+    """Start this node's ranks (``env``: torchrun's variables but ``RANK`` and
+    ``LOCAL_RANK``), return their results, and stop whichever still runs."""
     procs: list[Any] = []
     conns: list[Connection] = []
     failed: set[int] = set()  # the local ranks that reported a failure
     try:
-        for local_rank in range(nproc_per_node):
-            rank = node_rank * nproc_per_node + local_rank
+        for local_rank in range(int(env["LOCAL_WORLD_SIZE"])):
+            rank = first_rank + local_rank
             child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
-            proc, conn = _start_child(payload, child_env, chosen, timeout)
+            proc, conn = _start_child(payload, child_env, backend, timeout)
             procs.append(proc)
             conns.append(conn)
-        return _collect(procs, conns, node_rank * nproc_per_node, failed)
+        return _collect(procs, conns, first_rank, failed)
     finally:
         _stop(procs, failed)
         for conn in conns:
             conn.close()
-        if server is not None:  # what a stopped job left behind, rank 0 published here
-            publication.sweep(server)
-        del server  # stops the store's server, if this process hosted one
 
 
 def _check_call(nproc_per_node: int, nnodes: int, node_rank: int, master_port: int | None) -> None:
