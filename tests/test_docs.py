@@ -423,11 +423,6 @@ UNFINISHED = {
     **{
         name: "Args, Returns and Examples; plain names for the [`x`][gatherstore.x] links"
         for name in (
-            "all_gather_tensor",
-            "all_reduce",
-            "barrier",
-            "broadcast_tensor",
-            "shared_random_seed",
             "all_reduce_dict",
             "reduce_dict",
             "collect_results",
