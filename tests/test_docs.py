@@ -423,8 +423,6 @@ UNFINISHED = {
     **{
         name: "Args, Returns and Examples; plain names for the [`x`][gatherstore.x] links"
         for name in (
-            "all_reduce_dict",
-            "reduce_dict",
             "collect_results",
             "ResultSet",
         )
