@@ -423,7 +423,6 @@ UNFINISHED = {
     **{
         name: "Args, Returns and Examples; plain names for the [`x`][gatherstore.x] links"
         for name in (
-            "collect_results",
             "ResultSet",
         )
     },
