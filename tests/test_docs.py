@@ -418,15 +418,7 @@ def test_every_public_function_lists_what_it_raises() -> None:
 
 
 #: Public names whose docstrings do not yet meet the standard below, with what they lack.
-UNFINISHED = {
-    "launch": "Args and Examples",
-    **{
-        name: "Args, Returns and Examples; plain names for the [`x`][gatherstore.x] links"
-        for name in (
-            "ResultSet",
-        )
-    },
-}
+UNFINISHED = {"launch": "Args and Examples"}
 
 
 def _lacks(name: str, obj: object) -> list[str]:
