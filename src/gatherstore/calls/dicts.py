@@ -1,7 +1,5 @@
 """Reducing dicts of tensors and numbers in one flattened collective."""
 
-from __future__ import annotations
-
 import functools
 import json
 from collections.abc import Mapping
@@ -62,16 +60,27 @@ def all_reduce_dict(
 ) -> dict[str, Any]:
     """Reduce every value of ``d`` in one flattened collective, keys sorted.
 
-    Values are tensors or numbers; each comes back in its own type and shape
-    (numbers as in [`all_reduce`][gatherstore.all_reduce]; integer tensors as floating
-    point under "mean"), in a new dict with sorted keys.  ``group`` (None: the default
-    group) and ``timeout``: as in [`all_reduce`][gatherstore.all_reduce]; a rank outside
-    the group gets ``d`` back, in a new dict.
+    Args:
+        d: this rank's values by key: tensors or numbers, the same keys and shapes on
+            every rank.
+        op: ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``"product"``, as in
+            ``all_reduce``.
+        group: reduce over that process group's members (None: the default group).
+        timeout: as in ``all_reduce``.
+
+    Returns:
+        A new dict with sorted keys, each value reduced in its own type and shape
+        (numbers as in ``all_reduce``; integer tensors as floating point under
+        ``"mean"``).  A rank outside ``group`` gets ``d`` back, in a new dict.
 
     Raises:
         ValueError: unknown ``op`` or a bad ``timeout``.
+        TypeError: ``group`` is not a process group.
         MismatchError: ranks' keys or shapes differ (names them, on every rank).
-        GatherTimeout / ProcessGroupError: as in [`all_reduce`][gatherstore.all_reduce].
+        GatherTimeout / ProcessGroupError: as in ``all_reduce``.
+
+    Examples:
+        >>> metrics = gs.all_reduce_dict({"loss": loss, "accuracy": accuracy})
     """
     return _reduce_dict(d, op, None, timeout, group)
 
@@ -87,13 +96,33 @@ def reduce_dict(
 ) -> dict[str, Any]:
     """Reduce ``d`` onto ``dst`` (mean or sum); other ranks get ``d`` back unchanged.
 
-    ``dst`` is a global rank, ``group_dst`` a rank within ``group`` (give one or the
-    other; neither: the group's first rank, rank 0 of the default group).  ``timeout``:
-    as in [`all_reduce`][gatherstore.all_reduce].
+    Args:
+        d: this rank's values by key: tensors or numbers, the same keys and shapes on
+            every rank.
+        average: the mean over the ranks; False: the sum.
+        dst: the global rank that gets the reduced values.
+        group: reduce over that process group's members (None: the default group).
+        group_dst: the rank within ``group`` that gets the reduced values.  As in
+            torch, give ``dst`` or ``group_dst``, not both; neither: the group's first
+            rank (rank 0 of the default group).
+        timeout: as in ``all_reduce``.
+
+    Returns:
+        On ``dst``, a new dict with sorted keys, the values reduced as in
+        ``all_reduce_dict``; elsewhere, and on a rank outside ``group``, ``d`` in a new
+        dict.
 
     Raises:
+        ValueError: ``dst`` and ``group_dst`` both given, a root that is not a rank of
+            the group, or a bad ``timeout``.
+        TypeError: ``group`` is not a process group.
         MismatchError / GatherTimeout / ProcessGroupError: as
-            [`all_reduce_dict`][gatherstore.all_reduce_dict].
+            ``all_reduce_dict``.
+
+    Examples:
+        >>> logged = gs.reduce_dict({"loss": loss, "tokens": tokens}, average=False)
+        >>> if gs.is_main_process():
+        ...     print(logged)
     """
     check("reduce_dict", group=group)
     root = group_rank("reduce_dict", group, ("dst", dst), ("group_dst", group_dst))

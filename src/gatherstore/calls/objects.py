@@ -9,8 +9,6 @@ plan and the call's context to its route (``gatherstore.routes``), which moves t
 parts.
 """
 
-from __future__ import annotations
-
 import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -62,18 +60,10 @@ def all_gather_object(
 ) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank.
 
-    ``group``: the process group to gather over (None: the default group), however it
-    was made (``new_group``, ``new_subgroups``, ``split_group``, a ``DeviceMesh``
-    dimension): the list then holds its members' objects in group-rank order.  On a rank
-    outside the group this returns None at once, as torch does (see "Process groups").
-
     This rank's own entry is ``obj`` itself, not a copy (unlike
     ``torch.distributed.all_gather_object``): a caller that reuses ``obj``'s memory
     afterwards changes it; the others are decoded copies (arrays as views into the
-    part they were read from).  ``progress`` shows
-    parts and bytes as they arrive (None: when stderr is a terminal and the
-    gather is long, or as ``GATHERSTORE_PROGRESS=0/1`` says); see also the
-    ``gatherstore`` logger.
+    part they were read from).
 
     In one process, without a process group, this is ``[obj]``, never pickled: a world
     of one sends nothing, and only what travels is pickled (in a job too, ``dst`` never
@@ -82,17 +72,41 @@ def all_gather_object(
     fails under a launcher; two processes check it (``gs.launch(fn, nproc_per_node=2,
     backend="gloo")``).
 
+    Args:
+        obj: this rank's object: anything pickle can encode.
+        group: the process group to gather over (None: the default group), however it
+            was made (``new_group``, ``new_subgroups``, ``split_group``, a ``DeviceMesh``
+            dimension); see "Process groups".
+        store: where the parts go: a store URL (``"file:///shared/dir"``,
+            ``"redis://host:6379/0"``, ...), an open ``Store``, or a route (``"auto"``,
+            ``"collective"``, ``"stream"``); None: the default store
+            (``set_default_store``, else ``GATHERSTORE_STORE``, else ``"auto"``).
+        timeout: how long the whole call may take: seconds or a ``timedelta``; None:
+            ``GATHERSTORE_TIMEOUT``.
+        progress: show parts and bytes as they arrive; None: when stderr is a terminal
+            and the gather is long, or as ``GATHERSTORE_PROGRESS=0/1`` says.  See also
+            the ``gatherstore`` logger.
+
+    Returns:
+        Every rank's object, in rank order (the members' objects in group-rank order on
+        a ``group``).  On a rank outside ``group``, None at once, as torch does.
+
     Raises:
         ValueError: a bad argument (an unknown store scheme or malformed URL, a timeout
             that is not a positive, finite number of seconds, a ``dst`` outside the job),
             raised in one process as in many, before anything is sent.
         TypeError: this rank's object cannot be pickled (what pickle raises, e.g.
             ``cannot pickle '_thread.lock' object``, its message saying where in ``obj``
-            the culprit is: ``— at obj['results'][2]['mask']: a <class '_thread.lock'>``).
+            the culprit is: ``— at obj['results'][2]['mask']: a <class '_thread.lock'>``);
+            or ``group`` is not a process group.
         RemoteRankError: another rank failed (e.g. its object cannot be pickled: its
             message says where, as above).
         GatherTimeout: ranks that did not arrive in time (named).
         StoreNotSharedError / StoreUnavailableError / IntegrityError: store problems.
+
+    Examples:
+        >>> stats = gs.all_gather_object({"rank": gs.get_rank(), "seen": len(shard)})
+        >>> total = sum(s["seen"] for s in stats)  # the same on every rank
     """
     check("all_gather_object", timeout=timeout, store=store, progress=progress, group=group)
 
@@ -118,20 +132,37 @@ def gather_object(
 ) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on ``dst``; None on the other ranks.
 
-    As in torch, ``dst`` is a global rank and ``group_dst`` a rank within ``group``
-    (give one or the other; neither: the group's first rank, rank 0 of the default
-    group); the list is in group-rank order.
+    ``dst``'s own entry is ``obj`` itself, as in ``all_gather_object``.  In one
+    process, ``[obj]``, never pickled (as there).
 
-    ``dst``'s own entry is ``obj`` itself, as in
-    [`all_gather_object`][gatherstore.all_gather_object].
+    Args:
+        obj: this rank's object: anything pickle can encode.
+        dst: the global rank that gets the list.
+        group: the process group to gather over (None: the default group); see
+            ``all_gather_object``.
+        group_dst: the rank within ``group`` that gets the list.  As in torch, give
+            ``dst`` or ``group_dst``, not both; neither: the group's first rank (rank 0
+            of the default group).
+        store: where the parts go (None: the default store); see ``all_gather_object``.
+        timeout: how long the whole call may take: seconds or a ``timedelta``; None:
+            ``GATHERSTORE_TIMEOUT``.
+        progress: as in ``all_gather_object``, shown on ``dst``.
 
-    ``progress``: as in [`all_gather_object`][gatherstore.all_gather_object], shown on ``dst``.
-    In one process, ``[obj]``, never pickled (as there).
+    Returns:
+        On ``dst``, every rank's object, in group-rank order (rank order on the default
+        group); None on the other ranks, and at once on a rank outside ``group``.
 
     Raises:
+        ValueError: ``dst`` and ``group_dst`` both given, or a root that is not a rank
+            of the group; and the bad arguments of ``all_gather_object``.
         InsufficientMemoryError: the parts would not fit in ``dst``'s available
             memory (raised on every rank before any data moves).
-        GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
+        GatherError: the errors of ``all_gather_object``.
+
+    Examples:
+        >>> parts = gs.gather_object(preds)  # on rank 0; None elsewhere
+        >>> if parts is not None:
+        ...     merged = [p for part in parts for p in part]
     """
     what = "gather_object"
     check(what, timeout=timeout, store=store, progress=progress, group=group)
@@ -156,20 +187,37 @@ def gather_iter(
     The collective part runs when this is called (every rank must call it), within
     ``timeout``; ``dst`` then reads and deletes one part per step, each read
     within ``timeout`` of its own (the consumer sets the pace; on the ``stream``
-    route the senders wait for it, within the call's timeout).  Other ranks get an
-    empty iterator.  Closing the iterator early deletes the parts not read.
+    route the senders wait for it, within the call's timeout).  Closing the iterator
+    early deletes the parts not read.  In one process, an iterator over ``[obj]``,
+    never pickled (as in ``all_gather_object``).
 
-    ``dst`` holds the part its consumer keeps plus at most ``read_ahead`` bytes of
-    the parts after it (default: ``GATHERSTORE_READ_AHEAD``, 32 MiB, at most 1/8
-    of the free memory); a part larger than that is read when it is asked for.
-    In one process, an iterator over ``[obj]``, never pickled (as in
-    [`all_gather_object`][gatherstore.all_gather_object]).  ``group``, ``dst`` and
-    ``group_dst``: as in [`gather_object`][gatherstore.gather_object].
+    Args:
+        obj: this rank's object: anything pickle can encode.
+        dst: the global rank that reads the parts.
+        group: the process group to gather over (None: the default group); see
+            ``all_gather_object``.
+        group_dst: the rank within ``group`` that reads the parts; give ``dst`` or
+            ``group_dst``, as in ``gather_object``.
+        store: where the parts go (None: the default store); see ``all_gather_object``.
+        timeout: how long the collective part may take, and each read: seconds or a
+            ``timedelta``; None: ``GATHERSTORE_TIMEOUT``.
+        progress: as in ``all_gather_object``, shown on ``dst``.
+        read_ahead: the bytes of the parts after the one its consumer keeps that
+            ``dst`` may hold (default: ``GATHERSTORE_READ_AHEAD``, 32 MiB, at most 1/8
+            of the free memory); a part larger than that is read when it is asked for.
+
+    Returns:
+        On ``dst``, an iterator over every rank's object, in group-rank order; an empty
+        iterator on the other ranks and on a rank outside ``group``.
 
     Raises:
         ValueError: a negative ``read_ahead``, and the bad arguments of
-            [`all_gather_object`][gatherstore.all_gather_object].
-        GatherError: the errors of [`gather_object`][gatherstore.gather_object].
+            ``gather_object``.
+        GatherError: the errors of ``gather_object``.
+
+    Examples:
+        >>> for part in gs.gather_iter(preds):  # on rank 0, one part at a time
+        ...     writer.write(part)
     """
     what = "gather_iter"
     check(what, timeout=timeout, store=store, progress=progress, read_ahead=read_ahead, group=group)
@@ -233,17 +281,34 @@ def broadcast_object(
 ) -> Any:
     """``src``'s ``obj`` on every rank (``src`` gets its own object back).
 
-    Other ranks' ``obj`` is ignored.  ``src`` is a global rank, ``group_src`` a rank within
-    ``group`` (give one or the other; neither: the group's first rank).  On a rank outside
-    ``group``, ``obj`` comes back at once, untouched, as torch leaves its list.  In one
-    process, ``obj`` itself, never pickled (as in
-    [`all_gather_object`][gatherstore.all_gather_object]).
+    In one process, ``obj`` itself, never pickled (as in ``all_gather_object``).
+
+    Args:
+        obj: on ``src``, the object to send: anything pickle can encode; ignored on
+            the other ranks.
+        src: the global rank whose ``obj`` is sent.
+        group: the process group to broadcast over (None: the default group); see
+            ``all_gather_object``.
+        group_src: the rank within ``group`` whose ``obj`` is sent.  As in torch, give
+            ``src`` or ``group_src``, not both; neither: the group's first rank.
+        store: where the object goes (None: the default store); see
+            ``all_gather_object``.
+        timeout: how long the whole call may take: seconds or a ``timedelta``; None:
+            ``GATHERSTORE_TIMEOUT``.
+
+    Returns:
+        ``src``'s object, on every rank of ``group``.  On a rank outside ``group``,
+        ``obj`` at once, untouched, as torch leaves its list.
 
     Raises:
-        ValueError: a ``src`` outside the job, or a bad ``timeout`` or store URL.
+        ValueError: a ``src`` outside the job (or the group), ``src`` and ``group_src``
+            both given, or a bad ``timeout`` or store URL.
         InsufficientMemoryError: the object would not fit in a receiving rank's
             available memory (raised on every rank before any data moves).
-        GatherError: the errors of [`all_gather_object`][gatherstore.all_gather_object].
+        GatherError: the errors of ``all_gather_object``.
+
+    Examples:
+        >>> config = gs.broadcast_object(load_config() if gs.is_main_process() else None)
     """
     what = "broadcast_object"
     check(what, timeout=timeout, store=store, group=group)

@@ -7,8 +7,6 @@ dict reductions share (``gatherstore.calls.dicts``): the reduce ops, numbers in 
 type, the device of the default group.
 """
 
-from __future__ import annotations
-
 import functools
 import json
 import random
@@ -82,11 +80,23 @@ def barrier(timeout: Timeout = None, *, group: Any = None) -> None:
     Without a timeout this is the process group's barrier (``device_ids`` passed
     under NCCL).  With a timeout, ranks meet on gatherstore's gloo control group,
     which never trips the NCCL watchdog: the pattern for "rank 0 evaluates while
-    the others wait".  ``group``: the members of that process group wait for each other
-    (None: every rank); a rank outside it returns at once.
+    the others wait".
+
+    Args:
+        timeout: how long the ranks wait for each other: seconds or a ``timedelta``;
+            None: as long as the process group does.
+        group: the members of that process group wait for each other (None: every
+            rank); a rank outside it returns at once.
 
     Raises:
+        ValueError: a bad ``timeout``.
+        TypeError: ``group`` is not a process group.
         GatherTimeout: with a timeout, naming the ranks that did not arrive.
+
+    Examples:
+        >>> if gs.is_main_process():
+        ...     evaluate(model)
+        >>> gs.barrier(timeout=3600)  # the others wait for rank 0, for an hour at most
     """
     check("barrier", timeout=timeout, group=group)
 
@@ -108,22 +118,34 @@ def all_reduce(
 ) -> Any:
     """Reduce ``x`` over all ranks; every rank gets the result.
 
-    ``op`` is "sum", "mean", "max", "min" or "product".  A tensor comes back as
-    a new tensor on its own device (the input is not modified; "mean" of an
-    integer tensor is floating point).  A number comes back as a number: it is
-    reduced in float64 (exact for integers up to 2**53), so ranks may mix ints
-    and floats; an int comes back as an int when the result is whole and
-    ``op`` is not "mean".  ``timeout`` (seconds or a timedelta) bounds the call:
-    see [`all_gather_tensor`][gatherstore.all_gather_tensor].  ``group``: reduce over that
-    process group's members (None: every rank); a rank outside it gets ``x`` back.
+    A number is reduced in float64 (exact for integers up to 2**53), so ranks may mix
+    ints and floats.
+
+    Args:
+        x: this rank's tensor or number (an int or a float).
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
+        group: reduce over that process group's members (None: every rank).
+        timeout: bounds the call: seconds or a ``timedelta``; None: the op waits as
+            long as the process group does (see ``all_gather_tensor``).
+
+    Returns:
+        For a tensor, a new tensor on its own device (the input is not modified;
+        ``"mean"`` of an integer tensor is floating point).  For a number, a number:
+        an int when ``x`` is an int, the result is whole and ``op`` is not
+        ``"mean"``, else a float.  A rank outside ``group`` gets ``x`` back.
 
     Raises:
         ValueError: unknown ``op`` or a bad ``timeout``.
-        TypeError: ``x`` is neither a tensor nor a number.
+        TypeError: ``x`` is neither a tensor nor a number, or ``group`` is not a
+            process group.
         GatherTimeout / MismatchError: with a timeout, ranks that did not arrive, or
             are in another gatherstore call, named on every rank.
         ProcessGroupError: the process group failed (or, with a timeout, the op did
             not finish in time).
+
+    Examples:
+        >>> loss = gs.all_reduce(loss, op="mean")  # a tensor, on its device
+        >>> correct = gs.all_reduce(correct)  # an int, summed
     """
     check("all_reduce", timeout=timeout, group=group)
     reduce_op = reduce_op_of(op)
@@ -170,19 +192,32 @@ def all_gather_tensor(
 ) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0; first dims may differ.
 
-    A number or 0-d tensor counts as one element.  No padding is left in the
-    result, which lives on the input's device.  Without ``timeout`` the op waits as
-    long as the process group does; with one (seconds or a timedelta) the whole call
-    ends within it: ranks that do not arrive are named on every rank, and an op a
-    rank leaves unfinished ends the wait in time.  ``group``: concatenate the tensors of
-    that process group's members, in group-rank order (None: every rank); a rank outside
-    it gets a copy of its own tensor.
+    No padding is left in the result.
+
+    Args:
+        t: this rank's tensor, or a number; a number or 0-d tensor counts as one
+            element.  Every rank's dtype and trailing dimensions must match.
+        group: concatenate the tensors of that process group's members (None: every
+            rank).
+        timeout: without one, the op waits as long as the process group does; with
+            one (seconds or a ``timedelta``) the whole call ends within it: ranks that
+            do not arrive are named on every rank, and an op a rank leaves unfinished
+            ends the wait in time.
+
+    Returns:
+        Every rank's tensor, in group-rank order (rank order on the default group),
+        concatenated on the input's device.  A rank outside ``group`` gets a copy of
+        its own tensor.
 
     Raises:
         ValueError: a bad ``timeout``.
+        TypeError: ``group`` is not a process group.
         MismatchError: dtypes or trailing shapes differ (on every rank).
         GatherTimeout: ranks that did not arrive within ``timeout``, named.
         ProcessGroupError: the process group failed, or the op did not finish in time.
+
+    Examples:
+        >>> scores = gs.all_gather_tensor(batch_scores)  # every rank's rows, rank 0's first
     """
     check("all_gather_tensor", timeout=timeout, group=group)
     tensor = torch.as_tensor(t)
@@ -230,17 +265,31 @@ def broadcast_tensor(
     group_src: int | None = None,
     timeout: Timeout = None,
 ) -> torch.Tensor:
-    """``src``'s tensor on every rank; other ranks may pass None (shape travels too).
+    """``src``'s tensor on every rank; its dtype and shape travel too.
 
-    ``src`` is a global rank, ``group_src`` a rank within ``group`` (give one or the
-    other; neither: the group's first rank, rank 0 of the default group); a rank outside
-    ``group`` gets ``t`` back.  ``timeout``: as in
-    [`all_gather_tensor`][gatherstore.all_gather_tensor].
+    Args:
+        t: the tensor to send, on ``src``; the other ranks may pass None (or a tensor,
+            whose device the result takes).
+        src: the global rank whose ``t`` is sent.
+        group: broadcast over that process group's members (None: every rank).
+        group_src: the rank within ``group`` whose ``t`` is sent.  As in torch, give
+            ``src`` or ``group_src``, not both; neither: the group's first rank (rank 0
+            of the default group).
+        timeout: as in ``all_gather_tensor``.
+
+    Returns:
+        ``src``'s tensor, on the device of this rank's ``t`` (this rank's device for
+        the process group when ``t`` is None).  A rank outside ``group`` gets ``t``
+        back.
 
     Raises:
-        ValueError: the source rank passed None, or a bad ``timeout``.
-        GatherTimeout / ProcessGroupError: as in
-            [`all_gather_tensor`][gatherstore.all_gather_tensor].
+        ValueError: the source rank passed None, ``src`` and ``group_src`` both given,
+            a source that is not a rank of the group, or a bad ``timeout``.
+        TypeError: ``group`` is not a process group.
+        GatherTimeout / ProcessGroupError: as in ``all_gather_tensor``.
+
+    Examples:
+        >>> mask = gs.broadcast_tensor(make_mask() if gs.is_main_process() else None)
     """
     check("broadcast_tensor", timeout=timeout, group=group)
     root = group_rank("broadcast_tensor", group, ("src", src), ("group_src", group_src))
@@ -276,13 +325,23 @@ def _on(group: Any, timeout: Timeout) -> dict[str, Any]:
 
 
 def shared_random_seed(*, group: Any = None) -> int:
-    """A random integer in [0, 2**31), the same on every rank: rank 0's (of ``group``,
-    None: the default group; a rank outside it gets one of its own).
+    """A random integer, the same on every rank of ``group``: its first rank's.
+
+    Args:
+        group: the process group whose first rank's seed every member gets (None: the
+            default group).
+
+    Returns:
+        An integer in [0, 2**31).  A rank outside ``group`` gets one of its own.
 
     Raises:
+        TypeError: ``group`` is not a process group.
         GatherTimeout: ranks that did not arrive within ``GATHERSTORE_TIMEOUT``, named.
         MismatchError: ranks were in different gatherstore calls.
         RemoteRankError: the job's rendezvous store went away (its host ended).
+
+    Examples:
+        >>> torch.manual_seed(gs.shared_random_seed())  # the same augmentations everywhere
     """
     check("shared_random_seed", group=group)
     seed = random.SystemRandom().randrange(2**31)

@@ -1,7 +1,5 @@
 """``collect_results``: the dataset-ordered results of a sharded evaluation on one rank."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,31 +28,49 @@ def collect_results(
 ) -> list[Any] | None:
     """Gather every rank's ``results`` on ``dst`` in dataset order; None elsewhere.
 
-    ``order="interleaved"`` undoes a DistributedSampler split (rank r held
-    items r, r+W, ...); ``"contiguous"`` concatenates shards in rank order.
-    With ``indices`` (one dataset index per result) the results are placed by
-    index, duplicates dropped.  ``size`` drops the sampler's padding beyond it.
-    Results that are None are kept.  ``progress`` shows parts and bytes as they
-    arrive on ``dst`` (None: when stderr is a terminal and the gather is long, or
-    as ``GATHERSTORE_PROGRESS=0/1`` says).
+    Results that are None are kept.
 
-    ``group``: gather over that process group's members (None: the default group), the
-    shards in group-rank order; ``dst`` is a global rank and ``group_dst`` a rank within
-    the group (give one or the other; neither: its first rank).  A rank outside the group
-    gets None at once.
+    Args:
+        results: this rank's results, one per dataset item it held.
+        size: the dataset's length: the sampler's padding beyond it is dropped.
+        order: ``"interleaved"`` undoes a DistributedSampler split (rank r held items
+            r, r+W, ...); ``"contiguous"`` concatenates shards in rank order.
+        indices: one dataset index per result: the results are then placed by index,
+            duplicates dropped.
+        dst: the global rank that gets the results.
+        group: gather over that process group's members (None: the default group), the
+            shards in group-rank order.
+        group_dst: the rank within ``group`` that gets the results.  As in torch, give
+            ``dst`` or ``group_dst``, not both; neither: the group's first rank.
+        store: where the parts go (None: the default store); see
+            ``all_gather_object``.
+        timeout: how long the whole call may take: seconds or a ``timedelta``; None:
+            ``GATHERSTORE_TIMEOUT``.
+        progress: show parts and bytes as they arrive on ``dst``; None: when stderr is
+            a terminal and the gather is long, or as ``GATHERSTORE_PROGRESS=0/1`` says.
+        resume: a ``ResultSet`` name, in ``store``, which must outlive the job: the
+            results are kept in that set under their dataset indices as well, and
+            ``dst`` gets every index below ``size`` from this run or an earlier one, so
+            that a preempted evaluation continues on any number of ranks
+            (``ResultSet(name).pending(range(size))`` says which indices are left).
 
-    With ``resume`` (a [`ResultSet`][gatherstore.ResultSet] name, in ``store``, which
-    must outlive the job), the results are kept in that set under their dataset
-    indices as well, and ``dst`` gets every index below ``size`` from this run or
-    an earlier one: a preempted evaluation continues on any number of ranks
-    (``ResultSet(name).pending(range(size))`` says which indices are left).
+    Returns:
+        On ``dst``, every rank's results in dataset order; None on the other ranks,
+        and at once on a rank outside ``group``.
 
     Raises:
         ValueError: bad arguments (on every rank), or, with ``indices``, a
             dataset index no rank returned (with ``resume``: no run stored).
-        TypeError: a result of this rank cannot be pickled (where in it is named); the
-            other ranks raise ``RemoteRankError`` naming this one.
-        GatherError: with ``resume``, the errors of [`ResultSet`][gatherstore.ResultSet].
+        TypeError: ``results`` is not a list, or ``group`` is not a process group; or
+            a result of this rank cannot be pickled (where in it is named): the other
+            ranks raise ``RemoteRankError`` naming this one.
+        GatherError: the errors of ``gather_object``; with ``resume``, those of
+            ``ResultSet``.
+
+    Examples:
+        >>> sampler = DistributedSampler(dataset, shuffle=False)
+        >>> preds = [predict(dataset[i]) for i in sampler]  # this rank's items
+        >>> ordered = gs.collect_results(preds, size=len(dataset))  # on rank 0; None elsewhere
     """
     what = "collect_results"
     check(what, timeout=timeout, store=store, progress=progress, group=group)

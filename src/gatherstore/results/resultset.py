@@ -7,8 +7,6 @@ Its neighbours in ``gatherstore.results`` hold the rest: the set's layout in a s
 (``job``); its collectives go through the one entry (``gatherstore.calls.entry``).
 """
 
-from __future__ import annotations
-
 import itertools
 import json
 import os
@@ -44,43 +42,50 @@ class ResultSet:
 
     Opening a set is a collective: every rank of the job calls ``ResultSet`` with the
     same arguments.  The job becomes the set's writer: a second job that opens it while
-    this one lives is refused (see ``Raises``).  ``store`` is a store that outlives the
-    job (``file:///shared/dir``, ``redis://``, ``s3://``, ``gs://``, ``az://``;
-    ``memory://`` in one process); the set lives under ``gatherstore-results/<name>/``
-    in it.  Keys are ints or strs (a sample's index or id): ints first, in numeric
-    order, then strs.
+    this one lives is refused (see ``Raises``).  Keys are ints or strs (a sample's index
+    or id): ints first, in numeric order, then strs.
 
-    Values are buffered by [`add`][gatherstore.ResultSet.add] (one that cannot be pickled
-    raises ``TypeError`` there, naming where in it the culprit is) and written in the background
-    as create-only chunks, each sealed with ``key`` (a signature) or, without a key, an
-    XXH3-128 checksum: ``flush_every`` values (an int), bytes (``"8MB"``) or seconds
-    (``"30s"``, a ``timedelta``), or a tuple of them (default: the ``GATHERSTORE_FLUSH_*``
-    settings); by [`flush`][gatherstore.ResultSet.flush]; at exit; and on SIGTERM/SIGINT
-    before the program's handler or the default action ends the process. A rank killed with
-    SIGKILL loses what it added since its last flush.  ``key`` (bytes or str, at least 16 bytes;
-    default: ``GATHERSTORE_RESULTS_KEY_FILE``, else ``GATHERSTORE_RESULTS_KEY``) must be the
-    same for every job that opens the set.  ``timeout`` bounds each collective (default:
-    ``GATHERSTORE_TIMEOUT``).
+    Values are buffered by ``add`` (one that cannot be pickled raises ``TypeError``
+    there, naming where in it the culprit is) and written in the background as
+    create-only chunks, each sealed with ``key`` (a signature) or, without a key, an
+    XXH3-128 checksum: every ``flush_every``; by ``flush``; at exit; and on SIGTERM/SIGINT
+    before the program's handler or the default action ends the process. A rank killed
+    with SIGKILL loses what it added since its last flush.
 
-    ``group``: a set belongs to one process group (None: the default group), whose
-    members open it, add to it and gather it together; ranks are the group's ranks.  A
-    rank outside the group cannot open it to write (``ValueError``).
+    A set ends with ``close`` (a collective: this job's run ends, another job may open it
+    at once) or ``discard`` (removes it); ``with gs.ResultSet(...) as rs:`` closes it when
+    the block ends, and when the block raises, each rank writes what it added and ends its
+    run without a collective.  ``flush`` makes what was added durable and keeps the set
+    open.
 
-    ``mode="r"`` opens the set to read on this process alone, without a collective and
-    while a job writes it: [`items`][gatherstore.ResultSet.items] and
-    [`export`][gatherstore.ResultSet.export] read what its writers flushed; a set that
-    does not exist is not created (``ValueError`` naming the sets the store holds).
-
-    A set ends with [`close`][gatherstore.ResultSet.close] (a collective: this job's run
-    ends, another job may open it at once) or [`discard`][gatherstore.ResultSet.discard]
-    (removes it); ``with gs.ResultSet(...) as rs:`` closes it when the block ends, and
-    when the block raises, each rank writes what it added and ends its run without a
-    collective.  [`flush`][gatherstore.ResultSet.flush] makes what was added durable and
-    keeps the set open.
+    Args:
+        name: the set's name: ``/``-separated parts of letters, digits and
+            ``. _ = + -`` (e.g. ``"coco-val/ckpt-1200"``); the set lives under
+            ``gatherstore-results/<name>/`` in ``store``.
+        store: a store that outlives the job (``file:///shared/dir``, ``redis://``,
+            ``s3://``, ``gs://``, ``az://``; ``memory://`` in one process); None: the
+            default store (``set_default_store``, else ``GATHERSTORE_STORE``), which
+            must outlive the job too.
+        key: the signing key, bytes or str, at least 16 bytes (default:
+            ``GATHERSTORE_RESULTS_KEY_FILE``, else ``GATHERSTORE_RESULTS_KEY``); it must
+            be the same for every job that opens the set.
+        flush_every: when a rank writes what it buffered: after so many values (an
+            int), bytes (``"8MB"``) or seconds (``"30s"``, a ``timedelta``), or a tuple
+            of them (default: the ``GATHERSTORE_FLUSH_*`` settings).
+        timeout: bounds each collective: seconds or a ``timedelta`` (default:
+            ``GATHERSTORE_TIMEOUT``).
+        mode: ``"w"``: every rank of the job (or of ``group``) opens the set to write.
+            ``"r"``: open it to read on this process alone, without a collective and
+            while a job writes it: ``items`` and ``export`` read what its writers
+            flushed; a set that does not exist is not created (``ValueError`` naming the
+            sets the store holds).
+        group: a set belongs to one process group (None: the default group), whose
+            members open it, add to it and gather it together; ranks are the group's
+            ranks.  A rank outside the group cannot open it to write (``ValueError``).
 
     Raises:
-        ValueError: a bad name, key or ``flush_every``; a store that does not outlive
-            the job (``tmpdir``, a route, ``memory://`` across processes).
+        ValueError: a bad name, key, ``flush_every`` or ``mode``; a store that does not
+            outlive the job (``tmpdir``, a route, ``memory://`` across processes).
         IntegrityError: the set was written with another signing key, or without one
             where one is given (or the other way round).
         GatherError: another job that is alive writes the set (named); a stale writer's
@@ -88,6 +93,13 @@ class ResultSet:
         StoreNotSharedError: a rank cannot see the set rank 0 opened.
         StoreUnavailableError: the store cannot be reached.
         RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
+
+    Examples:
+        >>> rs = gs.ResultSet("coco-val/ckpt-1200", store="file:///shared/results")
+        >>> for i in rs.pending(range(len(dataset)))[gs.get_rank() :: gs.get_world_size()]:
+        ...     rs.add(i, predict(dataset[i]))
+        >>> merged = rs.gather(dst=0)  # every stored value in key order; None elsewhere
+        >>> rs.close()
     """
 
     def __init__(
@@ -136,7 +148,7 @@ class ResultSet:
         self._writer = writer.Writer(self._write_chunk, policy, self._what)
         lifetime.opened(self, drain=self._drain, end=self._end)
 
-    def __enter__(self) -> ResultSet:
+    def __enter__(self) -> "ResultSet":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
@@ -225,6 +237,10 @@ class ResultSet:
         their next collective of the set raises a ``GatherError`` naming it within its
         timeout.
 
+        Args:
+            key: the sample's key: an int or a str.
+            value: its result: anything pickle can encode.
+
         Raises:
             TypeError: ``key`` is not an int or a str, or ``value`` cannot be pickled
                 (the message names the key and where in the value the culprit is, e.g.
@@ -238,6 +254,10 @@ class ResultSet:
 
     def flush(self, *, timeout: Timeout = None) -> None:
         """Return once every value this rank added is durable in the store.
+
+        Args:
+            timeout: how long the writes may take: seconds or a ``timedelta``; None:
+                the set's ``timeout``.
 
         Raises:
             GatherError: a write failed (e.g. StoreUnavailableError), or the set is closed.
@@ -265,11 +285,19 @@ class ResultSet:
 
         Every rank's buffered values are written first, so a key added before counts.
 
+        Args:
+            keys: the keys to look for (e.g. ``range(len(dataset))``).
+            timeout: how long the call may take: seconds or a ``timedelta``; None: the
+                set's ``timeout``.
+
+        Returns:
+            The keys of ``keys`` not stored yet, distinct, in key order.
+
         Raises:
             TypeError: a key is not an int or a str (on every rank).
             MismatchError: ranks passed different keys.
             GatherError / GatherTimeout: a write failed, or did not end in time (see
-                [`flush`][gatherstore.ResultSet.flush]).
+                ``flush``).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         self._writing("pending")
@@ -310,17 +338,27 @@ class ResultSet:
     ) -> list[Any] | None:
         """Every stored value, each key once, in key order, on ``dst``; None elsewhere
         (a collective).  Every rank's buffered values are written first.  With ``keys``,
-        (key, value) pairs.  ``dst`` is a global rank, ``group_dst`` a rank within the
-        set's group (give one or the other; neither: its first rank).
+        (key, value) pairs.
+
+        Args:
+            dst: the global rank that gets the values.
+            group_dst: the rank within the set's group that gets the values (give
+                ``dst`` or ``group_dst``; neither: the group's first rank).
+            timeout: how long the call may take: seconds or a ``timedelta``; None: the
+                set's ``timeout``.
+            keys: (key, value) pairs instead of values.
+
+        Returns:
+            On ``dst``, every stored value (or pair), each key once, in key order; None
+            on the other ranks.
 
         Raises:
             ValueError: ``dst`` is not a rank of the set's group.
             InsufficientMemoryError: the values would not fit in ``dst``'s memory (raised on
-                every rank before any is read; use [`items`][gatherstore.ResultSet.items]
-                or [`export`][gatherstore.ResultSet.export]).
+                every rank before any is read; use ``items`` or ``export``).
             IntegrityError: a chunk is damaged or sealed with another key (on ``dst``).
             GatherError / GatherTimeout: a write failed, or did not end in time (see
-                [`flush`][gatherstore.ResultSet.flush]).
+                ``flush``).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         what = f"{self._what}.gather"
@@ -359,6 +397,10 @@ class ResultSet:
     def discard(self, *, timeout: Timeout = None) -> None:
         """Remove the set from its store, values buffered included (a collective).
 
+        Args:
+            timeout: how long the call may take: seconds or a ``timedelta``; None: the
+                set's ``timeout``.
+
         Raises:
             StoreUnavailableError: the store failed (on every rank).
             RemoteRankError / GatherTimeout: another rank failed, or did not come in time.
@@ -379,9 +421,13 @@ class ResultSet:
         """Write what is buffered and end this job's run (a collective): another job may
         then open the set at once.
 
+        Args:
+            timeout: how long the call may take: seconds or a ``timedelta``; None: the
+                set's ``timeout``.
+
         Raises:
             GatherError / GatherTimeout: a write failed, or did not end in time (see
-                [`flush`][gatherstore.ResultSet.flush]).
+                ``flush``).
             RemoteRankError: another rank failed (named), or did not come in time.
         """
         if self._closed or self._writer is None:  # a reader has nothing to end
@@ -410,14 +456,20 @@ class ResultSet:
         rank alone.  This rank's buffered values are written first (not other ranks').
 
         Memory: the chunks held open and read ahead stay within ``read_ahead`` bytes plus
-        one chunk (default: what the chunks that overlap in key order need, at least
-        ``GATHERSTORE_READ_AHEAD``, at most a quarter of the free memory); chunks that do
-        not fit wait in a temporary file.
+        one chunk; chunks that do not fit wait in a temporary file.
+
+        Args:
+            read_ahead: the bytes of chunks held open and read ahead (default: what the
+                chunks that overlap in key order need, at least
+                ``GATHERSTORE_READ_AHEAD``, at most a quarter of the free memory).
+
+        Returns:
+            An iterator over the (key, value) pairs.
 
         Raises:
             IntegrityError: a chunk is damaged or sealed with another key (names it).
             GatherError: a chunk is gone (deleted, or expired), or a value cannot be
-                rebuilt here; and the errors of [`flush`][gatherstore.ResultSet.flush].
+                rebuilt here; and the errors of ``flush``.
             ValueError: a negative ``read_ahead``.
         """
         config.read_ahead(read_ahead, 0)  # a bad value fails here
@@ -436,17 +488,23 @@ class ResultSet:
     ) -> int:
         """Write every stored value with its key, in key order, to ``path``: Parquet
         (``.parquet``), Arrow IPC (``.arrow``; both need the ``arrow`` extra) or JSON
-        lines (``.jsonl``); streamed, in the memory of
-        [`items`][gatherstore.ResultSet.items].  A value that is a dict is a column per
-        field, another value one ``value`` column; arrays are lists.  Parquet and Arrow
-        are uncompressed unless ``compression`` says (``"zstd"``, ``"lz4"``, ...).  The
-        file appears whole (written beside it, then renamed).  Returns the number of
-        values written.
+        lines (``.jsonl``); streamed, in the memory of ``items``.  A value that is a dict
+        is a column per field, another value one ``value`` column; arrays are lists.  The
+        file appears whole (written beside it, then renamed).
+
+        Args:
+            path: the file to write; its extension says the format.
+            compression: Parquet's and Arrow's codec (``"zstd"``, ``"lz4"``, ...); None:
+                uncompressed.
+            read_ahead: as in ``items``.
+
+        Returns:
+            The number of values written.
 
         Raises:
             ValueError: an unknown extension, or values that do not fit the format.
             ImportError: Parquet or Arrow without pyarrow (with the pip line).
-            GatherError: the errors of [`items`][gatherstore.ResultSet.items].
+            GatherError: the errors of ``items``.
         """
         from gatherstore.results import export
 
