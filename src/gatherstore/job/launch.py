@@ -93,24 +93,15 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nproc_per_node`` new processes of one job.
 
-    Each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...),
-    joins the process group (``torch.cuda.set_device`` under NCCL), runs ``fn``
-    and leaves the group.  ``timeout`` is the process group's timeout and the ranks'
-    default one (their ``GATHERSTORE_TIMEOUT``): a collective that a rank never
-    reaches (stuck, frozen) raises ``GatherTimeout`` on the others ``timeout`` s
-    after they called it.  The ranks' C++ logs show errors only
-    (``TORCH_CPP_LOG_LEVEL=ERROR``, unless it is set).
-
-    When a child fails or dies, or this process is interrupted (Ctrl-C), the
-    children are stopped as torchrun does: the failed one ends on its own, the
-    others get SIGTERM (they remove their job areas), and those still running
-    ``STOP_GRACE`` (5) s later get SIGKILL; the job areas rank 0 published on the
-    rendezvous store this process hosts are removed too.  So ``launch`` returns
-    at most ``timeout`` s, plus the collective's own grace for the ranks' reports
-    (``gatherstore.job.gloo.GRACE``, 5 s, after a transfer), plus ``STOP_GRACE``,
-    after the others called the collective that a stuck rank never reached.
-    The children import the main script: call ``launch`` under
-    ``if __name__ == "__main__":``.
+    Each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...), joins
+    the process group, runs ``fn`` and leaves the group; its C++ logs show errors only
+    (``TORCH_CPP_LOG_LEVEL=ERROR``, unless set).  The children import the main script:
+    call ``launch`` under ``if __name__ == "__main__":``.  When a child fails or dies, or
+    this process is interrupted (Ctrl-C), the others get SIGTERM (they remove their job
+    areas) and, ``STOP_GRACE`` (5) s later, SIGKILL, as torchrun does.  A collective that
+    a rank never reaches raises ``GatherTimeout`` on the others ``timeout`` s after they
+    called it: ``launch`` returns at most ``timeout`` + 5 s (``gloo.GRACE``, after a
+    transfer) + ``STOP_GRACE`` after that call.
 
     Args:
         fn: what every rank runs: any callable cloudpickle can ship, lambdas and
@@ -137,13 +128,10 @@ def launch(
     Raises:
         GatherTimeout: ranks did not arrive at a collective in time; names them
             (``ranks``) and the ``timeout``, as the ranks that waited saw it.
-        RemoteRankError: a child raised or died; names the rank the failure
-            started on (not a rank that only relays it) and carries its traceback
-            text.  The children are stopped first.
-        ValueError: bad arguments (e.g. no ``master_port`` for several nodes), or a
-            malformed setting (e.g. ``GATHERSTORE_PROGRESS``).
-        RuntimeError: called while a new rank imports the main script, i.e. the
-            script calls ``launch`` without an ``if __name__ == "__main__":`` guard.
+        RemoteRankError: a child raised or died; names the rank the failure started
+            on (not one that only relays it), with its traceback text.
+        ValueError: bad arguments (e.g. no ``master_port`` for several nodes) or settings.
+        RuntimeError: a rank importing the main script ran it (no ``__main__`` guard).
 
     Examples:
         >>> def evaluate(dataset):

@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gatherstore._config import Timeout
-from gatherstore.calls.entry import check, group_rank, outside
+from gatherstore.calls.entry import check, group_rank
 from gatherstore.calls.objects import gather_prepared
 from gatherstore.results.sampling import Order, by_index, check_results, ordered
 from gatherstore.stores.base import Store
@@ -78,8 +78,6 @@ def collect_results(
     if resume is not None:
         from gatherstore.results.collect_into import collect_into
 
-        if outside(what, group):
-            return None
         into = (resume, results, size, order, indices, root, store, timeout)
         return collect_into(*into, group=group)
 
@@ -88,9 +86,14 @@ def collect_results(
         return (list(results), [int(i) for i in indices] if indices is not None else None)
 
     gathered = gather_prepared(payload, root, store, timeout, what, progress=progress, group=group)
-    if gathered is None:
-        return None
-    parts = list(gathered)
+    return None if gathered is None else _in_order(list(gathered), order, size, indices)
+
+
+def _in_order(
+    parts: list[Any], order: Order, size: int | None, indices: Sequence[int] | None
+) -> list[Any]:
+    """The gathered ``(results, indices)`` of every rank in dataset order: by their indices
+    where ranks gave them, else as ``order`` says."""
     if indices is not None:
         return by_index(parts, size)
     return ordered([p[0] for p in parts], order, size)

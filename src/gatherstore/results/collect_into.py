@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gatherstore._config import Timeout
-from gatherstore.calls.entry import collective
+from gatherstore.calls.entry import collective, outside
 from gatherstore.results.resultset import ResultSet
 from gatherstore.results.sampling import check_results, indices_of
 from gatherstore.stores.base import Store
@@ -76,6 +76,8 @@ def collect_into(
             other ranks raise ``RemoteRankError`` naming this one.
         and the errors of ``ResultSet``.
     """
+    if outside("collect_results", group):
+        return None
     with ResultSet(name, store=store, timeout=timeout, group=group) as rs:
         with collective("collect_results", timeout=timeout, group=group) as call:
             mine = len(results) if isinstance(results, Sequence) else 0
