@@ -310,6 +310,14 @@ def _add_results(sub: _Subparsers, store: Callable[[str], str]) -> None:
     p.add_argument(
         "--export", metavar="PATH", help="with --name: write it to PATH (.parquet, .arrow, .jsonl)"
     )
+    p.add_argument(
+        "--files",
+        type=_argtype(_positive_int),
+        default=1,
+        metavar="N",
+        help="with --export: N > 1 makes PATH a folder of N part files (.parquet, .arrow), "
+        "written at once, one core each (1)",
+    )
     p.add_argument("--discard", action="store_true", help="with --name: remove it from the store")
 
 
