@@ -412,7 +412,8 @@ def _first(pa: Any, ranges: list[_Batches]) -> tuple[int, Any, Any, list[str] | 
             table = _table(pa, batch, fields)
             batches.sized(table)
             return i, table, batch[0][0], fields
-    return 0, pa.table({"key": _numbers(pa, np.empty(0, np.int64))}), None, None
+    empty = pa.Table.from_arrays([_numbers(pa, np.empty(0, np.int64))], names=["key"])
+    return 0, empty, None, None
 
 
 def _part(files: _Files, batches: _Batches, path: str, head: Any = None, key: Any = None) -> int:
@@ -455,7 +456,6 @@ def _arrow(
         raise
     files = _Files(pa, suffix, compression, head.schema, fields, threading.Event())
     heads = [(head, key) if i == where else (None, None) for i in range(len(ranges))]
-    del head
     if len(ranges) == 1:
         return _part(files, batches[0], paths[0], *heads[0])
     with ThreadPoolExecutor(len(ranges), thread_name_prefix="gatherstore-export") as pool:
