@@ -547,3 +547,22 @@ def test_bench_group_size_that_does_not_split_the_world(world: str, size: str, f
     argv = ["bench", "--world", world, "--group-size", size]
     with pytest.raises(ValueError, match=re.escape(fix)):
         commands.run(_cli._parser().parse_args(argv))
+
+
+def test_bench_export_at_a_tiny_size(tmp_path: Path) -> None:
+    """``--export``: write_table, the disk and each export with its rates, in a folder
+    that is removed after."""
+    from gatherstore.cli.bench import exports
+
+    assert _cli._parser().parse_args(["bench", "--export"]).export == 1 << 30
+    assert _cli._parser().parse_args(["bench", "--export", "64MB"]).export == 64 << 20
+    out = io.StringIO()
+    assert exports.main(2 << 20, 1, folder=str(tmp_path), out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("export: 2.0 MiB of detections stored by 4 ranks"), lines
+    assert "pq.write_table, the same rows in one Arrow table" in lines[1]
+    assert "the disk, a raw sequential write" in lines[2]
+    assert "export, 1 file " in lines[3] and "over write_table (goal: at most +10%)" in lines[3]
+    assert "export, 2 files" in lines[4] and "x write_table's rate" in lines[4]
+    assert all(" GB/s" in line and "of the disk" in line for line in lines[3:])
+    assert list(tmp_path.iterdir()) == []

@@ -414,8 +414,13 @@ def test_export_parquet_arrow_jsonl(tmp_path: Path) -> None:
         [np.array(3), np.array(4)],  # 0-d arrays
         [np.ones((2, 2)), np.ones((2, 3))],  # trailing shapes differ: one list per row
         [np.ones(2, np.int8), np.ones(2, np.int64)],  # dtypes differ
+        [np.arange(3, dtype=">i4"), np.arange(2, dtype=">i4")],  # not this machine's order
+        [np.array([True, False]), np.array([True])],  # bools: bits
         [1, None, 3],
-        ["a", "b"],
+        [True, False, True],
+        [0.5, 1.5],
+        ["a", "bé", ""],
+        [b"a", b"", b"\xff"],
         [[1, 2], [3]],
     ],
     ids=lambda v: type(v[0]).__name__ + str(len(v)),
@@ -429,6 +434,71 @@ def test_an_exported_column_holds_each_value_as_a_list_would(values: list[Any]) 
 
     plain = [v.tolist() if hasattr(v, "tolist") else v for v in values]
     assert export._column(pa, values).to_pylist() == plain
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_export_to_files_writes_the_same_rows_in_parts(tmp_path: Path, suffix: str) -> None:
+    """files=N writes a folder of N part files, each a range of keys: read as one
+    dataset, they hold the rows of files=1, in the same order; fewer parts for fewer keys."""
+    import pyarrow.dataset as ds
+
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}/store", flush_every=7)
+    for i in np.random.default_rng(0).permutation(52).tolist():  # chunks overlap in keys
+        rs.add(i, value(i))
+    kind = suffix.removeprefix(".").replace("arrow", "ipc")
+    assert rs.export(tmp_path / f"one{suffix}") == 52
+    one = ds.dataset(tmp_path / f"one{suffix}", format=kind).to_table()
+    assert rs.export(tmp_path / f"three{suffix}", files=3) == 52
+    parts = sorted(p.name for p in (tmp_path / f"three{suffix}").iterdir())
+    assert parts == [f"part-0000{i}{suffix}" for i in range(3)]
+    three = ds.dataset(tmp_path / f"three{suffix}", format=kind).to_table()
+    assert three.equals(one)
+    each = [ds.dataset(tmp_path / f"three{suffix}" / p, format=kind).to_table() for p in parts]
+    assert [t.num_rows for t in each] == [17, 17, 18]  # about as many keys each
+    named = gs.ResultSet("eval/named", store=f"file://{tmp_path}/store", flush_every=4)
+    for i in reversed(range(10)):  # str keys
+        named.add(f"img-{i}", value(i))
+    assert named.export(tmp_path / f"named{suffix}", files=2) == 10
+    both = ds.dataset(tmp_path / f"named{suffix}", format=kind).to_table()
+    assert both.column("key").to_pylist() == [f"img-{i}" for i in range(10)]
+    few = gs.ResultSet("eval/few", store=f"file://{tmp_path}/store")
+    few.add(1, value(1))
+    few.add(2, value(2))
+    assert few.export(tmp_path / f"few{suffix}", files=4) == 2
+    assert len(list((tmp_path / f"few{suffix}").iterdir())) == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("files", [0, -2, 1.5, True, "2", None])
+def test_export_refuses_a_files_that_is_no_positive_int(tmp_path: Path, files: Any) -> None:
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}/store")
+    rs.add(1, value(1))
+    with pytest.raises(ValueError, match=r"is not a positive int: pass files=1 for one file"):
+        rs.export(tmp_path / "out.parquet", files=files)
+    with pytest.raises(ValueError, match=r"JSON lines go to one file: pass files=1"):
+        rs.export(tmp_path / "out.jsonl", files=2)
+    (tmp_path / "full.parquet").mkdir()
+    (tmp_path / "full.parquet" / "mine.txt").write_text("kept")
+    with pytest.raises(ValueError, match=r"full.parquet' is a folder that holds files: remove"):
+        rs.export(tmp_path / "full.parquet", files=2)
+    with pytest.raises(ValueError, match=r"full.parquet' is a folder: remove it"):
+        rs.export(tmp_path / "full.parquet")
+    assert (tmp_path / "full.parquet" / "mine.txt").read_text() == "kept"
+    (tmp_path / "empty.parquet").mkdir()  # an empty folder is taken
+    assert rs.export(tmp_path / "empty.parquet", files=2) == 1
+    assert [p.name for p in (tmp_path / "empty.parquet").iterdir()] == ["part-00000.parquet"]
+
+
+def test_a_failed_export_to_files_leaves_nothing(tmp_path: Path) -> None:
+    """A value that does not fit, in the last part, fails the export: the parts written
+    meanwhile are removed, and the error names the value."""
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}/store", flush_every=5)
+    for i in range(40):
+        rs.add(i, {"a": i, "b": i} if i != 37 else {"a": i})
+    with pytest.raises(ValueError, match=r"the value of key 37 has no field 'b'"):
+        rs.export(tmp_path / "out.parquet", files=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
 
 
 def test_an_export_names_the_first_value_without_a_field(tmp_path: Path) -> None:
@@ -477,22 +547,28 @@ rs.export("{tmp_path}/x.jsonl")
         max_size=8,
     ),
     budget=st.sampled_from([1, 300, 1 << 30]),
+    parts=st.integers(1, 5),
 )
 def test_the_merge_keeps_key_order_and_the_first_chunks_value(
-    chunks: list[list[Any]], budget: int
+    chunks: list[list[Any]], budget: int, parts: int
 ) -> None:
+    """Whole, or cut into ranges of keys merged one by one (an export to files)."""
     store = gs.open_store(f"memory://merge-{uuid.uuid4().hex}")
-    infos = []
+    indexes = []
     for seq, keys in enumerate(chunks):
         name = layout.chunk_name(1, seq % 3, seq)
         items = [(k, (seq, pos)) for pos, k in enumerate(keys)]
         data, index = layout.encode_chunk(items, name, None, "uid")
         store.put(f"chunks/{name}", data.segments)
-        info, _ = layout.decode_index(b"".join(index.segments), name, None, "uid", name)
-        infos.append(info)
+        indexes.append(layout.decode_index(b"".join(index.segments), name, None, "uid", name))
     from gatherstore.results.read import SetReader
 
-    got = list(merge.merged(infos, SetReader(store, None, "uid", "test"), budget))
+    infos, reader = [info for info, _ in indexes], SetReader(store, None, "uid", "test")
+    cuts = merge.split(indexes, parts)
+    assert 1 <= len(cuts) <= parts
+    ranges = [list(merge.merged(infos, reader, budget, a, b)) for a, b in cuts]
+    assert all(ranges)  # none empty
+    got = [item for found in ranges for item in found]
     first: dict[Any, Any] = {}
     by_name = sorted(range(len(chunks)), key=lambda s: layout.chunk_name(1, s % 3, s))
     for seq in by_name:
@@ -553,6 +629,28 @@ def test_gc_removes_result_sets_only_when_asked_and_results_shows_them(
     assert _cli.main(["gc", "--store", url, "--older-than", "0s", "--result-sets"]) == 0
     assert "removed 2 result set(s)" in capsys.readouterr().out
     assert [p.name for p in (tmp_path / "gatherstore-results" / "eval").iterdir()] == ["live"]
+
+
+def test_results_exports_to_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import pyarrow.dataset as ds
+
+    from gatherstore.cli import main as _cli
+
+    url = f"file://{tmp_path}/store"
+    with gs.ResultSet(NAME, store=url, flush_every=4) as rs:
+        for i in range(10):
+            rs.add(i, value(i))
+    out = tmp_path / "preds.parquet"
+    argv = ["results", "--store", url, "--name", NAME, "--export", str(out), "--files", "2"]
+    assert _cli.main(argv) == 0
+    said = capsys.readouterr().out
+    assert said == f"wrote 10 values of result set {NAME!r} to 2 part files in the folder {out}\n"
+    assert ds.dataset(out).to_table().column("key").to_pylist() == list(range(10))
+    assert _cli.main(["results", "--store", url, "--name", NAME, "--files", "2"]) == 1
+    assert "--files goes with --export PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the parser refuses it
+        _cli.main([*argv[:-1], "0"])
+    assert "argument --files: '0' is not a positive integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("holds", [[], ["eval/a", "eval/b"]])

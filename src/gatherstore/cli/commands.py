@@ -64,6 +64,10 @@ def _bench(args: argparse.Namespace) -> int:
 
         (_, add), (_, items) = (args.result_sets * 2)[:2]
         return resultsets.main(add, items, args.repeats)
+    if args.export:
+        from gatherstore.cli.bench import exports
+
+        return exports.main(args.export, args.repeats)
     if args.share_local and not args.hosts:
         raise ValueError("--share-local goes with --hosts 2")
     if args.hosts:

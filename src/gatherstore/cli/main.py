@@ -145,8 +145,8 @@ def _add_bench(sub: _Subparsers) -> None:
         description="Gather the same payloads through each of gatherstore's stores and "
         "through torch.distributed and mmengine, in fresh local processes, and report time, "
         "throughput and peak memory against this machine's ceilings.  --quick gives a first "
-        "look in under 30 s; --scale, --latency, --soak, --result-sets, --hosts, --group-size "
-        "and --parts run another benchmark instead.",
+        "look in under 30 s; --scale, --latency, --soak, --result-sets, --export, --hosts, "
+        "--group-size and --parts run another benchmark instead.",
     )
     _add_bench_measure(p)
     _add_bench_modes(p)
@@ -229,6 +229,15 @@ def _add_bench_modes(p: argparse.ArgumentParser) -> None:
         const=_sizes("1GB,4GB"),
         metavar="ADD,ITEMS",
         help="instead: gs.ResultSet's add, gather, items() and export figures (1GB,4GB)",
+    )
+    p.add_argument(
+        "--export",
+        type=_argtype(parse_size),
+        nargs="?",
+        const=1 << 30,
+        metavar="SIZE",
+        help="instead: gs.ResultSet.export of SIZE of detections to Parquet, to 1, 2 and one "
+        "file per core, against pyarrow's write_table and the disk (1GB)",
     )
     p.add_argument(
         "--hosts",
@@ -317,6 +326,14 @@ def _add_results(sub: _Subparsers, store: Callable[[str], str]) -> None:
     p.add_argument("--name", help="one set: show it, or export or discard it")
     p.add_argument(
         "--export", metavar="PATH", help="with --name: write it to PATH (.parquet, .arrow, .jsonl)"
+    )
+    p.add_argument(
+        "--files",
+        type=_argtype(_positive_int),
+        default=1,
+        metavar="N",
+        help="with --export: N > 1 makes PATH a folder of N part files (.parquet, .arrow), "
+        "written at once, one core each (1)",
     )
     p.add_argument("--discard", action="store_true", help="with --name: remove it from the store")
 

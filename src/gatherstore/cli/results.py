@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from gatherstore._config import ROUTES
 from gatherstore.results import admin, signing
@@ -35,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--export and --discard go with --name NAME")
     if args.export and args.discard:
         raise ValueError("give --export or --discard, not both")
+    if args.files != 1 and not args.export:
+        raise ValueError("--files goes with --export PATH")
     with open_store(args.store) as opened:
         if not args.name:
             return _list(opened)
@@ -63,6 +66,10 @@ def _export_or_discard(args: argparse.Namespace) -> int:
             rs.discard()
         print(f"discarded result set {args.name!r} from {args.store}")
         return 0
-    count = gs.ResultSet(args.name, store=args.store, mode="r").export(args.export)
-    print(f"wrote {count} values of result set {args.name!r} to {args.export}")
+    rs = gs.ResultSet(args.name, store=args.store, mode="r")
+    count = rs.export(args.export, files=args.files)
+    where = args.export
+    if args.files > 1:
+        where = f"{len(os.listdir(args.export))} part files in the folder {args.export}"
+    print(f"wrote {count} values of result set {args.name!r} to {where}")
     return 0

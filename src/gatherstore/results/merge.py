@@ -45,6 +45,8 @@ READ_AHEAD_SHARE = 4
 _THREADS = 2
 _LENGTH = struct.Struct("<Q")
 _NOTHING = object()
+#: A merge's range of keys as they sort (``order.order_key``): [start, stop), None unbounded.
+_Bounds = tuple[tuple[int, Any] | None, tuple[int, Any] | None]
 
 
 class _Spill:
@@ -76,14 +78,19 @@ class _Spill:
 
 
 class _Cursor:
-    """An open chunk: its keys (in order), its values (or their spill), where it is."""
+    """An open chunk: its keys (in order), its values (or their spill), where it is, and
+    where the keys of the merge's range end in it."""
 
-    def __init__(self, info: ChunkInfo, prio: int, keys: order.Keys, values: list[Any]) -> None:
+    def __init__(
+        self, info: ChunkInfo, prio: int, keys: order.Keys, values: list[Any], bounds: _Bounds
+    ) -> None:
         self.info, self.prio, self.keys, self.values = info, prio, keys, values
         self.ints = isinstance(keys, np.ndarray)
         self.orders = None if self.ints else [order.order_key(k) for k in keys]
         self.spill: _Spill | None = None
-        self.pos = 0
+        self.pos, self.end = 0, len(keys)
+        self.end = self.end_before(bounds[1])
+        self.pos = 0 if bounds[0] is None else self.end_before(bounds[0])
         self.cost = info.nbytes + info.rebuilt
 
     def head(self) -> tuple[int, Any]:
@@ -92,14 +99,14 @@ class _Cursor:
         return (0, int(self.keys[self.pos]))
 
     def end_before(self, bound: tuple[int, Any] | None) -> int:
-        """Where the keys below ``bound`` end (None: no bound)."""
+        """Where the keys below ``bound`` end (None: no bound), at most at the range's end."""
         if bound is None:
-            return len(self.keys)
+            return self.end
         if self.orders is not None:
-            return bisect.bisect_left(self.orders, bound, lo=self.pos)
+            return bisect.bisect_left(self.orders, bound, lo=self.pos, hi=self.end)
         if bound[0] == 1:  # every int sorts before a str
-            return len(self.keys)
-        return int(np.searchsorted(self.keys, bound[1], side="left"))
+            return self.end
+        return min(int(np.searchsorted(self.keys, bound[1], side="left")), self.end)
 
     def take(self, pos: int, keep: bool) -> Any:
         """The value at ``pos`` (released here once taken); None unless ``keep``."""
@@ -119,9 +126,13 @@ class _Cursor:
 
 
 class _Merge:
-    def __init__(self, infos: list[ChunkInfo], reader: SetReader, budget: int) -> None:
-        names = sorted(info.name for info in infos)
+    def __init__(
+        self, infos: list[ChunkInfo], reader: SetReader, budget: int, bounds: _Bounds
+    ) -> None:
+        names = sorted(info.name for info in infos)  # the priorities of all: ranges agree
         self.prio = {name: p for p, name in enumerate(names)}
+        self.bounds = bounds
+        infos = [info for info in infos if _overlaps(info, bounds)]
         self.plan = sorted(infos, key=lambda i: (order.order_key(i.first), self.prio[i.name]))
         self.reader, self.budget = reader, budget
         self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="gatherstore-results-read")
@@ -144,9 +155,9 @@ class _Merge:
                 self._open(opened)
                 opened += 1
                 continue
-            bound = None if upcoming is None else order.order_key(upcoming.first)
+            bound = self.bounds[1] if upcoming is None else order.order_key(upcoming.first)
             yield from self._merge_below(bound)
-            for cursor in [c for c in self.cursors if c.pos >= len(c.keys)]:
+            for cursor in [c for c in self.cursors if c.pos >= c.end]:
                 self.cursors.remove(cursor)
                 if cursor.spill is None:
                     self.held -= cursor.cost
@@ -183,8 +194,10 @@ class _Merge:
             biggest.spill_rest()
             self.held -= biggest.cost
         keys, values = self.reader.decode(verified, info)
-        self.cursors.append(_Cursor(info, self.prio[info.name], keys, values))
-        self.held += cost
+        cursor = _Cursor(info, self.prio[info.name], keys, values, self.bounds)
+        if cursor.pos < cursor.end:  # it holds keys of the range
+            self.cursors.append(cursor)
+            self.held += cost
 
     def _merge_below(self, bound: tuple[int, Any] | None) -> Iterator[tuple[order.Key, Any]]:
         spans = [(c, c.pos, c.end_before(bound)) for c in self.cursors]
@@ -242,30 +255,72 @@ def _merge_any(spans: list[tuple[_Cursor, int, int]]) -> Merged:
     return [k for *_, k, _ in found], [j for *_, j in found], [p for _, _, p, _, _ in found]
 
 
-def merged(infos: list[ChunkInfo], reader: SetReader, budget: int) -> Iterator[tuple[Any, Any]]:
+def _sorted_as(key: order.Key | None) -> tuple[int, Any] | None:
+    return None if key is None else order.order_key(key)
+
+
+def _overlaps(info: ChunkInfo, bounds: _Bounds) -> bool:
+    """Whether the chunk ``info`` may hold keys in ``bounds``."""
+    start, stop = bounds
+    return (start is None or order.order_key(info.last) >= start) and (
+        stop is None or order.order_key(info.first) < stop
+    )
+
+
+def merged(
+    infos: list[ChunkInfo],
+    reader: SetReader,
+    budget: int,
+    start: order.Key | None = None,
+    stop: order.Key | None = None,
+) -> Iterator[tuple[Any, Any]]:
     """(key, value) of the chunks ``infos`` in key order, each key once (see the module's
-    docstring); ``budget`` bounds the bytes held open and read ahead.
+    docstring), from ``start`` on and below ``stop`` (None: no bound); ``budget`` bounds
+    the bytes held open and read ahead.
 
     Raises:
         IntegrityError: a chunk is damaged, planted or sealed with another key.
         GatherError: a chunk is gone, or a value cannot be rebuilt here.
         StoreUnavailableError: the store failed.
     """
-    merge = _Merge(infos, reader, budget)
+    bounds: _Bounds = (_sorted_as(start), _sorted_as(stop))
+    merge = _Merge(infos, reader, budget, bounds)
     try:
         yield from merge.run()
     finally:
         merge.close()
 
 
-def budget(read_ahead: int | None, infos: list[ChunkInfo]) -> int:
-    """The read-ahead budget of a merge: ``read_ahead``, else what overlapping chunks need
-    (see ``overlap``), at least the default, at most a quarter of the free memory."""
+def budget(read_ahead: int | None, infos: list[ChunkInfo], share: int = 1) -> int:
+    """The read-ahead budget of each of ``share`` merges at once: a share of
+    ``read_ahead``, else what overlapping chunks need (see ``overlap``), at least the
+    default, and all of them together at most a quarter of the free memory."""
     if read_ahead is not None:
-        return max(read_ahead, 1)
+        return max(read_ahead // share, 1)
     room = memory.headroom()
     wanted = max(config.read_ahead(None, room), 2 * overlap(infos))
-    return max(min(wanted, room // 4), 1)
+    return max(min(wanted, room // (4 * share)), 1)
+
+
+def split(
+    indexes: list[tuple[ChunkInfo, order.Keys]], parts: int
+) -> list[tuple[order.Key | None, order.Key | None]]:
+    """The keys of the chunks ``indexes`` (each with its keys) cut into at most ``parts``
+    ranges [start, stop) of about as many distinct keys each, in key order (None: no
+    bound); fewer when there are fewer keys, and one at least."""
+    if parts == 1:
+        return [(None, None)]
+    batches = [keys for _, keys in indexes]
+    distinct: Any
+    if all(isinstance(keys, np.ndarray) for keys in batches):
+        distinct = np.unique(np.concatenate(batches)) if batches else np.empty(0, np.int64)
+    else:
+        every = {key for keys in batches for key in order.unpack(keys)}
+        distinct = sorted(every, key=order.order_key)
+    count = max(1, min(parts, len(distinct)))
+    at = [len(distinct) * i // count for i in range(1, count)]
+    cuts = distinct[at].tolist() if isinstance(distinct, np.ndarray) else [distinct[i] for i in at]
+    return list(zip([None, *cuts], [*cuts, None], strict=True))
 
 
 def overlap(infos: list[ChunkInfo]) -> int:

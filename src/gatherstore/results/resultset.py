@@ -472,12 +472,7 @@ class ResultSet:
                 rebuilt here; and the errors of ``flush``.
             ValueError: a negative ``read_ahead``.
         """
-        config.read_ahead(read_ahead, 0)  # a bad value fails here
-        if self._writer is not None:
-            self._writer.flush(self._timeout)
-        reader = self._reader()
-        infos = reader.infos(reader.names()[0])
-        return merge.merged(infos, reader, merge.budget(read_ahead, infos))
+        return self._ranges(1, read_ahead)[0]
 
     def export(
         self,
@@ -485,6 +480,7 @@ class ResultSet:
         *,
         compression: str | None = None,
         read_ahead: int | None = None,
+        files: int = 1,
     ) -> int:
         """Write every stored value with its key, in key order, to ``path``: Parquet
         (``.parquet``), Arrow IPC (``.arrow``; both need the ``arrow`` extra) or JSON
@@ -501,15 +497,26 @@ class ResultSet:
         Returns:
             The number of values written.
 
+        ``files=N`` (N > 1, Parquet or Arrow) writes N files at once, one core each:
+        ``path`` becomes a folder of part files, ``part-00000.parquet`` to
+        ``part-<N-1>.parquet`` (fewer when the set holds fewer than N values), each a
+        range of keys, in key order across the parts (``pyarrow.dataset`` reads the
+        folder as one table); ``read_ahead`` is shared by the N readers.  The folder
+        appears whole too.
+
         Raises:
-            ValueError: an unknown extension, or values that do not fit the format.
+            ValueError: an unknown extension, values that do not fit the format, a
+                ``files`` that is not a positive int, ``files`` > 1 for JSON lines, or
+                a ``path`` that holds a folder already (a non-empty one with ``files`` > 1).
             ImportError: Parquet or Arrow without pyarrow (with the pip line).
             GatherError: the errors of ``items``.
         """
         from gatherstore.results import export
 
-        export.check(path, compression)
-        return export.write(self.items(read_ahead=read_ahead), path, compression)
+        export.check(path, compression, files)
+        if files == 1:
+            return export.write([self.items(read_ahead=read_ahead)], path, compression)
+        return export.write(self._ranges(files, read_ahead), path, compression, folder=True)
 
     # --- helpers ---------------------------------------------------------------------------
     def _reader(self) -> SetReader:
@@ -518,6 +525,27 @@ class ResultSet:
     def _call(self, timeout: Timeout) -> dict[str, Any]:
         """The arguments of one of the set's collectives: its timeout, the set's group."""
         return {"timeout": self._seconds(timeout), "group": self._group}
+
+    def _ranges(self, parts: int, read_ahead: int | None) -> list[Iterator[tuple[Any, Any]]]:
+        """The stored values in at most ``parts`` ranges of keys, each merged on its own
+        within a share of the read-ahead budget (this rank's buffered values written
+        first); none is read before it is iterated.
+
+        Raises:
+            ValueError: a negative ``read_ahead``.
+        """
+        config.read_ahead(read_ahead, 0)  # a bad value fails here
+        if self._writer is not None:
+            self._writer.flush(self._timeout)
+        reader = self._reader()
+        names = reader.names()[0]
+        if parts == 1:  # the keys are not needed: what the indexes say is
+            infos, cuts = reader.infos(names), merge.split([], 1)
+        else:
+            indexes = list(reader.indexes(names))
+            infos, cuts = [info for info, _ in indexes], merge.split(indexes, parts)
+        budget = merge.budget(read_ahead, infos, len(cuts))
+        return [merge.merged(infos, reader, budget, start, stop) for start, stop in cuts]
 
     def _seconds(self, timeout: Timeout) -> float:
         return self._timeout if timeout is None else to_seconds(timeout)

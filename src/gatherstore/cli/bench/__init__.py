@@ -7,8 +7,8 @@ mmengine), ``cases`` (what is compared), ``ceilings`` (the machine's limits),
 ``clients`` (Redis and S3 client libraries alone), ``runner`` (fresh processes
 per case), ``report`` (table, JSON lines, chart), ``metrics`` (torchmetrics'
 MeanAveragePrecision synced three ways; opt-in).  The other modes have a module each
-(``scale``, ``latency``, ``soak``, ``resultsets``, ``hostbench``, ``parts``,
-``groups``).
+(``scale``, ``latency``, ``soak``, ``resultsets``, ``exports``, ``hostbench``,
+``parts``, ``groups``).
 
 The package imports nothing itself: the command's parser reads ``kinds`` without
 importing torch.

@@ -15,33 +15,30 @@ under the temp dir (``TMPDIR`` picks another disk).
   through the same store and through the default store; the destination's seconds.
 - **items**: ITEMS bytes stored by 4 ranks, read back with ``items()`` in a fresh
   process: the growth of its peak RSS, and its rate.
-- **export**: that set to Parquet, against the disk's write rate on as many bytes in
-  the same folder, and against pyarrow's Parquet writer alone on a table already in
-  memory (the ceiling of any export that writes one file); all until ``fsync``.
+- **export**: that set to one Parquet file, against ``pyarrow.parquet.write_table`` of
+  the same rows in one Arrow table and against the disk (see
+  ``gatherstore.cli.bench.exports``, which ``--export`` runs with more files).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from gatherstore.cli.bench import exports
 from gatherstore.cli.bench.measure import PeakMemory, format_bytes
 from gatherstore.cli.bench.payloads import BOXES, image_count, shard
 from gatherstore.job.launch import launch
 
 __all__ = ["main"]
 
-_BLOCK = 16 << 20
-_ENCODER_SAMPLE = 256 << 20
 #: Images per batch of the loop with a model step, and the seconds of that step: a GPU
 #: that runs a detector at 16,000 images a second, faster than any there is.
 BATCH, MODEL = 16, 0.001
@@ -176,80 +173,19 @@ def _gather_rank(url: str, images: int, repeats: int) -> dict[str, list[float]] 
     return times if rank == 0 else None
 
 
-def _read_and_export(url: str, name: str, folder: str) -> dict[str, float]:
-    """In a process of its own: items() with its peak RSS, then export to Parquet."""
+def _read(url: str, name: str) -> dict[str, float]:
+    """In a process of its own: items() with its peak RSS."""
     import gatherstore as gs
 
-    rs = gs.ResultSet(name, store=url)
+    rs = gs.ResultSet(name, store=url, mode="r")
     count = 0
     began = time.perf_counter()
     with PeakMemory() as peak:
         for _ in rs.items():
             count += 1
     read = time.perf_counter() - began
-    target = Path(folder, "export.parquet")
-    began = time.perf_counter()
-    rs.export(target)
-    _fsync(target)
-    exported = time.perf_counter() - began
     rs.close()
-    return {
-        "count": count,
-        "read": read,
-        "growth": peak.growth,
-        "reset": peak.reset,
-        "export": exported,
-        "parquet": target.stat().st_size,
-        "encoder": _encoder_rate(target),
-    }
-
-
-def _encoder_rate(exported: Path) -> float:
-    """Bytes per second pyarrow's Parquet writer makes of the first ~256 MiB of the
-    export, from a table already in memory, to ``fsync``: any export's ceiling here (one
-    thread encodes a file, whoever feeds it)."""
-    import pyarrow.parquet as pq
-
-    source = pq.ParquetFile(exported)
-    groups, nbytes = [], 0
-    for group in range(source.num_row_groups):
-        groups.append(group)
-        nbytes += source.metadata.row_group(group).total_byte_size
-        if nbytes >= _ENCODER_SAMPLE:
-            break
-    table = source.read_row_groups(groups)
-    again = exported.with_name("encoder.parquet")
-    began = time.perf_counter()
-    with pq.ParquetWriter(again, table.schema, compression="none", use_dictionary=False) as out:
-        out.write_table(table, row_group_size=source.metadata.row_group(0).num_rows)
-    _fsync(again)
-    seconds = time.perf_counter() - began
-    rate = again.stat().st_size / seconds
-    again.unlink()
-    return rate
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _disk_rate(folder: str, nbytes: int) -> float:
-    """Bytes per second this folder's disk writes: ``nbytes`` in 16 MiB writes, to fsync."""
-    block = np.random.default_rng(0).integers(0, 256, _BLOCK, dtype=np.uint8).tobytes()
-    path = Path(folder, "disk-rate")
-    began = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // _BLOCK)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - began
-    path.unlink()
-    return max(1, nbytes // _BLOCK) * _BLOCK / seconds
+    return {"count": count, "read": read, "growth": peak.growth, "reset": peak.reset}
 
 
 def _median(values: list[float]) -> float:
@@ -299,19 +235,16 @@ def _gathering(url: str, add_bytes: int, repeats: int) -> list[str]:
 
 def _reading(url: str, base: str, items_bytes: int) -> list[str]:
     launch(_add_shard, nproc_per_node=4, args=(url, "bench/items", image_count(items_bytes)))
-    read = launch(_read_and_export, args=(url, "bench/items", base))[0]
-    disk = _disk_rate(base, int(read["parquet"]))
-    rate = read["parquet"] / read["export"]
+    read = launch(_read, args=(url, "bench/items"))[0]
+    exported = exports.measure(url, "bench/items", base, [1], 1)
     return [
         f"items: {format_bytes(items_bytes)} stored by 4 ranks, read in 1 process",
         f"  {int(read['count'])} values in {read['read']:.2f} s "
         f"({items_bytes / read['read'] / 1e9:.2f} GB/s); peak RSS grew "
         f"{format_bytes(int(read['growth']))} (goal: at most 300 MiB)"
         + ("" if read["reset"] else " (peak not reset: an upper bound)"),
-        f"export: {format_bytes(int(read['parquet']))} of Parquet in {read['export']:.2f} s: "
-        f"{rate / 1e9:.2f} GB/s; the disk writes {disk / 1e9:.2f} GB/s: {rate / disk:.0%} "
-        "(goal: at least 70%); pyarrow's Parquet writer alone, from a table in memory: "
-        f"{read['encoder'] / 1e9:.2f} GB/s: {rate / read['encoder']:.0%} of it",
+        f"export: that set to {format_bytes(exported['bytes'])} of Parquet",
+        *exports.lines(exported),
     ]
 
 
