@@ -498,16 +498,16 @@ class ResultSet:
             The number of values written.
 
         ``files=N`` (N > 1, Parquet or Arrow) writes N files at once, one core each:
-        ``path`` becomes a folder of part files, ``part-00000.parquet`` to
-        ``part-<N-1>.parquet`` (fewer when the set holds fewer than N values), each a
-        range of keys, in key order across the parts (``pyarrow.dataset`` reads the
-        folder as one table); ``read_ahead`` is shared by the N readers.  The folder
-        appears whole too.
+        ``path`` becomes a folder of N part files, ``part-00000.parquet``,
+        ``part-00001.parquet``, ... (``.arrow`` for Arrow; fewer when the set holds fewer
+        than N values), each a range of keys, in key order across the parts
+        (``pyarrow.dataset`` reads the folder as one table); ``read_ahead`` is shared by
+        the N readers.  The folder appears whole too.
 
         Raises:
             ValueError: an unknown extension, values that do not fit the format, a
                 ``files`` that is not a positive int, ``files`` > 1 for JSON lines, or
-                a ``path`` that holds a folder already (a non-empty one with ``files`` > 1).
+                a ``path`` that is a folder (with ``files`` > 1: one that holds files).
             ImportError: Parquet or Arrow without pyarrow (with the pip line).
             GatherError: the errors of ``items``.
         """

@@ -160,6 +160,7 @@ def main(nbytes: int, repeats: int, folder: str | None = None, out: TextIO = sys
     files = sorted({1, 2, os.cpu_count() or 1})
     try:
         launch(_store, nproc_per_node=4, args=(url, _NAME, payloads.image_count(nbytes)))
+        os.sync()  # the set on disk first: no fsync timed below waits for its writeback
         found = measure(url, _NAME, base, files, repeats)
         print(
             f"export: {format_bytes(nbytes)} of detections stored by 4 ranks, "

@@ -22,6 +22,7 @@ under the temp dir (``TMPDIR`` picks another disk).
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -235,6 +236,7 @@ def _gathering(url: str, add_bytes: int, repeats: int) -> list[str]:
 
 def _reading(url: str, base: str, items_bytes: int) -> list[str]:
     launch(_add_shard, nproc_per_node=4, args=(url, "bench/items", image_count(items_bytes)))
+    os.sync()  # the set on disk first: no fsync timed below waits for its writeback
     read = launch(_read, args=(url, "bench/items"))[0]
     exported = exports.measure(url, "bench/items", base, [1], 1)
     return [
