@@ -492,17 +492,15 @@ class ResultSet:
             path: the file to write; its extension says the format.
             compression: Parquet's and Arrow's codec (``"zstd"``, ``"lz4"``, ...); None:
                 uncompressed.
-            read_ahead: as in ``items``.
+            read_ahead: as in ``items``; shared by the readers of ``files`` > 1.
+            files: how many files to write at once, one core each.  With N > 1 (Parquet
+                or Arrow) ``path`` becomes a folder of N part files, ``part-00000.parquet``,
+                ... (``.arrow`` for Arrow; fewer when the set holds fewer than N values),
+                each a range of keys, in key order across the parts (``pyarrow.dataset``
+                reads the folder as one table).  The folder appears whole too.
 
         Returns:
             The number of values written.
-
-        ``files=N`` (N > 1, Parquet or Arrow) writes N files at once, one core each:
-        ``path`` becomes a folder of N part files, ``part-00000.parquet``,
-        ``part-00001.parquet``, ... (``.arrow`` for Arrow; fewer when the set holds fewer
-        than N values), each a range of keys, in key order across the parts
-        (``pyarrow.dataset`` reads the folder as one table); ``read_ahead`` is shared by
-        the N readers.  The folder appears whole too.
 
         Raises:
             ValueError: an unknown extension, values that do not fit the format, a
