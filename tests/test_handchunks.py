@@ -138,8 +138,8 @@ def _failing(bad: str) -> dict[str, Any]:
         if rank == 1:
             mine[0] = _Fussy()
         if rank == 2:  # its first chunk is sealed 2 s late, and it connects only then
-            made = os.memfd_create
-            os.memfd_create = lambda *a: (time.sleep(2.0), made(*a))[1]  # type: ignore[assignment]
+            made, calls = os.memfd_create, itertools.count()
+            os.memfd_create = lambda *a: (next(calls) or time.sleep(2.0), made(*a))[1]  # type: ignore[assignment]
     start = time.monotonic()
     out = _outcome(lambda: gs.gather_object(mine, store="tmpdir", timeout=60))
     out["seconds"] = time.monotonic() - start
