@@ -2,8 +2,9 @@
 module imports upward, no package's modules import each other in a cycle, counting
 imports made inside functions and under TYPE_CHECKING); and, as backstops, no module
 grows past 600 lines, no function past 80, no more than 12 modules stand directly in the
-package, and only stores know the concrete store classes (the rest asks what a store can
-do)."""
+package, only stores know the concrete store classes (the rest asks what a store can
+do), and only the unit tests of pure pieces import private modules (the rest of the tests
+goes through the public API)."""
 
 from __future__ import annotations
 
@@ -150,6 +151,7 @@ def _imports(tree: ast.Module) -> set[tuple[str, str | None]]:
 
 
 def _is_public(module: str, name: str | None) -> bool:
+    """Whether a test may import ``name`` of ``module`` (None: the module itself)."""
     parts = module.split(".")
     if (module, name) in INSTRUMENTS:
         return True
