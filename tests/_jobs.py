@@ -53,17 +53,6 @@ def check_object_collectives(results: list[dict[str, Any]]) -> None:
         assert out["after_failure"] == list(range(world))
 
 
-def hiredis_in_use() -> bool:
-    """In a fresh process: hide hiredis as the bench's ``redis_default`` ceiling does,
-    then say whether redis-py still found it."""
-    from gatherstore.cli.bench import clients
-
-    clients._hide_hiredis()
-    import redis.utils
-
-    return bool(redis.utils.HIREDIS_AVAILABLE)
-
-
 def wait_between_gathers(urls: list[str], flags: str) -> str:
     """Run in every rank: a gather through each store, ``ready-<rank>`` (the PID) in
     ``flags``, then, once ``flags/go`` exists, another gather through each store."""

@@ -84,3 +84,15 @@ def run_in_memory_cgroup(
             except OSError:
                 time.sleep(0.1)
     return done, oom
+
+
+def limit_to_room(limit_file: str, usage_file: str, room: int) -> int:
+    """Set the cgroup's limit to ``room`` bytes over what its processes hold (its usage
+    less the page cache the kernel drops first: ``inactive_file`` of memory.stat, as the
+    kernel counts it before it kills); the limit set."""
+    stat = Path(limit_file).with_name("memory.stat")
+    field = "inactive_file" if limit_file.endswith("memory.max") else "total_inactive_file"
+    counts = dict(line.split() for line in stat.read_text().splitlines())
+    limit = int(Path(usage_file).read_text()) - int(counts.get(field, 0)) + room
+    Path(limit_file).write_text(str(limit))
+    return limit

@@ -9,15 +9,15 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from gatherstore.stores.base import Store
-from gatherstore.stores.fsspec import FsspecStore
+from gatherstore.stores import Store
 from gatherstore.testing import StoreTests
 
 
 def _fs_and_path(store: Store, key: str = "") -> tuple[Any, str]:
-    assert isinstance(store, FsspecStore)
-    store.fs.invalidate_cache()
-    return store.fs, f"{store.root}/{key}" if key else store.root
+    """The store's filesystem (``fs``, its listing cache dropped) and the path of ``key``."""
+    fs, root = store.fs, store.root  # an fsspec store's own
+    fs.invalidate_cache()
+    return fs, f"{root}/{key}" if key else root
 
 
 class FsspecRaw(StoreTests):

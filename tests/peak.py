@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gatherstore.cli.bench.measure import PeakMemory
-from gatherstore.stores.base import Store
+from gatherstore.stores import Store
 
 
 def round_trip_growth(store: Store, size: int, seed: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _jobs import hiredis_in_use
+from _bench_jobs import hiredis_in_use
 
 import gatherstore as gs
 from gatherstore.cli import commands

@@ -22,8 +22,7 @@ from gatherstore.cli import main as _cli
 from gatherstore.cli.bench import parts
 from gatherstore.cli.bench.delay import DelayProxy
 from gatherstore.routes.parts import BATCH_BYTES, PARTS_REQUESTED
-from gatherstore.stores.base import Store
-from gatherstore.stores.registry import open_store
+from gatherstore.stores import Store, open_store
 from gatherstore.testing.plugin import S3Endpoint
 
 

@@ -162,7 +162,7 @@ def evaluate(tmp: str) -> dict[str, Any]:
     from detectron2.evaluation.coco_evaluation import COCOEvaluator
     from detectron2.evaluation.sem_seg_evaluation import SemSegEvaluator
 
-    gs.set_default_store(CountingStore(tmp))
+    gs.set_default_store(CountingStore(gs.open_store(f"file://{tmp}")))
     gs.all_gather_object(None)  # the job's area exists before anything is counted
     rank, out = gs.get_rank(), {}
     for patched in (False, True):

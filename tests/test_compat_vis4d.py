@@ -201,7 +201,7 @@ def evaluate(tmp: str) -> dict[Any, Any]:
     from vis4d.engine.callbacks.evaluator import EvaluatorCallback
 
     os.chdir(tmp)
-    gs.set_default_store(CountingStore(tmp))
+    gs.set_default_store(CountingStore(gs.open_store(f"file://{tmp}")))
     gs.all_gather_object(None)  # the job's area exists before anything is counted
     rank, out = gs.get_rank(), {}
     for patched in (False, True):

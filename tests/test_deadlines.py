@@ -1,43 +1,38 @@
 """One deadline per call: every phase of a call shares its ``timeout``; a store's set-up
 happens at init (the default store) or is absorbed by the first call; a timeout longer than
-any wait below can take is clamped to ``MAX_WAIT``, in one process as in many."""
+any wait below can take works, in one process as in many (test_settings.py: it is clamped)."""
 
 from __future__ import annotations
 
 import datetime as dt
-import math
 import re
-import socket
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from wrapping import Over
 
 import gatherstore as gs
-from gatherstore._config import MAX_WAIT, to_seconds
-from gatherstore._errors import seconds as gs_seconds
-from gatherstore.stores.base import Buffer
-from gatherstore.stores.file import FileStore
 
 MARGIN = 15.0  # seconds past a timeout that count as "in time" on a loaded machine
 
 
-class SlowReads(FileStore):
+def _part(key: str) -> bool:
+    return key.rsplit("/", 1)[-1].isdigit()  # a part, not the job marker
+
+
+class SlowReads(Over):
     """A live but slow shared folder: every read of a part takes 1 s."""
 
-    def _read(self, key: str) -> Buffer | None:
-        if key.rsplit("/", 1)[-1].isdigit():  # a part, not the job marker
+    def _read(self, key: str) -> Any:
+        if _part(key):
             time.sleep(1.0)
         return super()._read(key)
 
-    def join_job(self, locator: str) -> FileStore:
-        return SlowReads(locator)
 
-
-class SlowSetUp(FileStore):
+class SlowSetUp(Over):
     """A shared folder whose job area takes 2 s to set up and whose parts take 0.8 s to
     write."""
 
@@ -46,17 +41,14 @@ class SlowSetUp(FileStore):
         time.sleep(2.0)
         return locator
 
-    def _write(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        if key.rsplit("/", 1)[-1].isdigit():
+    def _write(self, key: str, buffers: Sequence[Any]) -> bool:
+        if _part(key):
             time.sleep(0.8)
         return super()._write(key, buffers)
 
-    def join_job(self, locator: str) -> FileStore:
-        return SlowSetUp(locator)
-
 
 def _slow_store_calls(root: str) -> dict[str, Any]:
-    store = SlowReads(root)
+    store = SlowReads(gs.open_store(f"file://{root}"))
     out: dict[str, Any] = {}
     gs.all_gather_object(0, store=store, timeout=60)  # the job area exists from here on
     started = time.monotonic()
@@ -91,7 +83,9 @@ def test_a_slow_store_cannot_stretch_a_call_past_its_timeout(
 
 
 def _first_call_sets_up(root: str) -> Any:
-    return gs.gather_object(gs.get_rank(), store=SlowSetUp(root), timeout=3)
+    return gs.gather_object(
+        gs.get_rank(), store=SlowSetUp(gs.open_store(f"file://{root}")), timeout=3
+    )
 
 
 @pytest.mark.timeout(120)
@@ -140,46 +134,10 @@ def test_a_timeout_is_printed_rounded() -> None:
     assert "did not arrive within" in said
     numbers = re.findall(r"within ([0-9.e+-]+) s", said)
     assert numbers and all(re.fullmatch(r"\d+(\.\d\d?)?", n) for n in numbers), said
-    assert [gs_seconds(x) for x in (9.99904, 1800.0, 2.54, 0.25, 59.6)] == [
-        "10",
-        "1800",
-        "2.5",
-        "0.25",
-        "60",
-    ]
 
 
 # --- timeouts longer than the platform waits: "as long as it takes" -------------------------
 FOREVER = 1e12  # seconds: 31,700 years
-
-
-def test_a_timeout_past_what_the_platform_waits_is_clamped() -> None:
-    assert to_seconds(FOREVER) == MAX_WAIT == 24 * 86400
-    assert to_seconds(dt.timedelta(days=10**6)) == MAX_WAIT
-    assert to_seconds(10**400) == MAX_WAIT  # an int too large for a float is still finite
-    assert to_seconds(600) == 600.0 and to_seconds(dt.timedelta(minutes=1)) == 60.0
-    for refused in (math.inf, math.nan, 0, -FOREVER):
-        with pytest.raises(ValueError, match="timeout="):
-            to_seconds(refused)
-
-
-def test_every_wait_below_takes_the_ceiling() -> None:
-    """Python's waits, a socket's timeout, and a c10d store client's connect and wait (whose
-    poll takes an int of milliseconds) all take MAX_WAIT, with the call's grace on top."""
-    import torch.distributed as dist
-
-    assert (MAX_WAIT + 3600) * 1000 < 2**31 - 1 and MAX_WAIT < threading.TIMEOUT_MAX
-    done = threading.Event()
-    done.set()
-    assert done.wait(MAX_WAIT)
-    with socket.socket() as sock:
-        sock.settimeout(MAX_WAIT)
-    span = dt.timedelta(seconds=MAX_WAIT)
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=span, wait_for_workers=False)  # type: ignore[attr-defined]
-    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=span)  # type: ignore[attr-defined]
-    threading.Timer(0.2, server.set, args=("key", "1")).start()
-    client.wait(["key"], span)
-    assert client.get("key") == b"1"
 
 
 def test_a_result_set_takes_a_timeout_past_the_platform_in_one_process() -> None:

@@ -39,6 +39,7 @@ out (argparse would take an abbreviation).
 from __future__ import annotations
 
 import argparse
+import ast
 import builtins
 import contextlib
 import inspect
@@ -281,34 +282,37 @@ def test_the_repository_has_one_address() -> None:
 _VARIABLE = re.compile(r"\bGATHERSTORE_[A-Z0-9_]*[A-Z0-9]\b")
 
 
-def _settings_page() -> str:
-    """The settings page as the site shows it: its text, with _config's docstring (the table
-    of the library's settings) where the page renders it."""
-    from gatherstore import _config
+def _settings_table() -> str:
+    """_config's docstring, the table of the library's settings, read from its source."""
+    source = (ROOT / "src" / "gatherstore" / "_config.py").read_text()
+    return ast.get_docstring(ast.parse(source), clean=False) or ""
 
+
+def _settings_page() -> str:
+    """The settings page as the site shows it: its text, with _config's docstring where
+    the page renders it."""
     text = (DOCS / "settings.md").read_text()
     assert "::: gatherstore._config" in text, "the settings page renders _config's table"
-    return text.replace("::: gatherstore._config", _config.__doc__ or "")
+    return text.replace("::: gatherstore._config", _settings_table())
 
 
 def test_every_environment_variable_is_on_the_settings_page() -> None:
     """Every GATHERSTORE_* name in src/ (what os.environ is asked for, and what error
     messages and docstrings tell users to set) is on the settings page; every variable of
     _config's table is read by the library."""
-    from gatherstore import _config
-
+    table = _settings_table()
     read: dict[str, set[str]] = {}
     for source in (ROOT / "src" / "gatherstore").rglob("*.py"):
         code = source.read_text()
         if source.name == "_config.py":  # its docstring is the table itself
-            code = code.replace(_config.__doc__ or "", "")
+            code = code.replace(table, "")
         for name in _VARIABLE.findall(code):
             read.setdefault(name, set()).add(str(source.relative_to(ROOT)))
     page = _settings_page()
     missing = {name: sorted(where) for name, where in read.items() if f"`{name}`" not in page}
     assert missing == {}, "add these to _config's table or the settings page"
-    table = set(_VARIABLE.findall(_config.__doc__ or ""))
-    assert table - set(read) == set(), "_config's table lists variables nothing reads"
+    listed = set(_VARIABLE.findall(table))
+    assert listed - set(read) == set(), "_config's table lists variables nothing reads"
     assert {"GATHERSTORE_STORE", "GATHERSTORE_TIMEOUT", "GATHERSTORE_TEST_REDIS_URL"} <= set(read)
 
 

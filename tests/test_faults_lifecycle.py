@@ -214,42 +214,27 @@ def late_handler_rank(out: str, redis_url: str, rank: int) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps({"calls": calls, "at_init": at_init}))
 
 
-class _SlowReads:
-    """A rank's rendezvous store whose reads answer ``delay`` s late."""
-
-    def __init__(self, store: Any, delay: float) -> None:
-        self.store, self.delay = store, delay
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
-
-    def get(self, key: str) -> bytes:
-        time.sleep(self.delay)
-        return bytes(self.store.get(key))
-
-
 def slow_reader_rank(out: str, rank: int) -> None:
-    """One gather, then every rank leaves at once, without ``shutdown``; rank 2 reads
-    the gather's outcome from rank 0's store 3 s late, long after rank 0 is done."""
-    from gatherstore.job import control
-
+    """One gather, then every rank leaves at once, without ``shutdown``; rank 2, in the
+    gather before the others, is stopped there (SIGSTOP) until long after rank 0 is done:
+    it reads the gather's outcome from rank 0's store only then."""
     gs.init_from_env(backend="gloo")
-    if rank == 2:
-        state = control._current()
-        state.control_store = _SlowReads(state.control_store, 3.0)
+    gs.all_gather_object(rank, timeout=30)  # every lazy resource made
     Path(out, f"ready-{rank}").write_text(str(os.getpid()))
+    if rank != 2:
+        wait_for("rank 2 stopped in the gather", Path(out, "stopped").exists)
     got = gs.all_gather_object(rank, timeout=30)
     Path(out, f"{rank}.json").write_text(json.dumps(got))
 
 
 def killed_sender_rank(out: str, rank: int) -> None:
     """A streamed gather to rank 0 in which rank 2 dies (SIGKILL) as it sends its part."""
-    from gatherstore.routes import stream
+    import torch.distributed as dist
 
     gs.init_from_env(backend="gloo")
     Path(out, f"ready-{rank}").write_text(str(os.getpid()))
-    if rank == 2:  # dies as it draws its first chunk to send
-        stream._chunks = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2:  # dies as it sends its first chunk (on gatherstore's gloo group)
+        dist.ProcessGroup.send = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         gathered = gs.gather_object(bytes(4 << 20), store="stream", timeout=10)
@@ -368,6 +353,13 @@ def test_rank_0_leaves_only_once_every_rank_read_the_last_exchange(
 ) -> None:
     """Rank 0 hosts the rendezvous store; no exchange waits for readers, its exit does."""
     with running_job(3, "slow-reader", shm, redis_url) as procs:
+        time.sleep(1.0)  # rank 2 is in the gather, waiting for the others
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        (shm / "stopped").touch()
+        wait_for("ranks 0 and 1 done", lambda: all((shm / f"{r}.json").exists() for r in (0, 1)))
+        time.sleep(3.0)
+        assert procs[0].poll() is None, "rank 0 left before rank 2 read the outcome"
+        os.kill(procs[2].pid, signal.SIGCONT)
         for proc in procs:
             assert proc.wait(timeout=60) == 0, stderr_of(shm, procs.index(proc))
         assert outcomes(shm, [0, 1, 2]) == {r: [0, 1, 2] for r in range(3)}
@@ -473,12 +465,14 @@ def test_a_handler_installed_after_gathers_is_in_charge(shm: Path, redis_url: st
 
 def test_gatherstores_handler_does_nothing_when_a_later_handler_chains_to_it() -> None:
     """A program's handler that calls "the previous handler" (as Lightning's does) keeps
-    the process alive: gatherstore's handler acts only while it is the installed one."""
+    the process alive: gatherstore's handler acts only while it is the installed one (acting,
+    it would end the process: SIGTERM's default action, or KeyboardInterrupt)."""
     script = """
-import os, signal, sys
-from gatherstore.job import signals as _signals
-cleaned = []
-_signals.install(lambda: cleaned.append(1))
+import os, signal
+import gatherstore as gs
+before = signal.getsignal(signal.SIGTERM)
+rs = gs.ResultSet("chained", store="memory://signals")  # installs gatherstore's handlers
+assert signal.getsignal(signal.SIGTERM) is not before, "gatherstore's handler is installed"
 previous = signal.getsignal(signal.SIGTERM)
 def mine(signum, frame):
     print("mine", flush=True)
@@ -487,14 +481,14 @@ signal.signal(signal.SIGTERM, mine)
 os.kill(os.getpid(), signal.SIGTERM)
 signal.signal(signal.SIGINT, lambda *a: previous(signal.SIGINT, None))
 os.kill(os.getpid(), signal.SIGINT)
-print("alive", cleaned, flush=True)
+print("alive", flush=True)
 """
     env = {**os.environ, "PYTHONPATH": SRC}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["mine", "alive", "[]"]
+    assert done.stdout.split() == ["mine", "alive"]
 
 
 @pytest.mark.timeout(120)

@@ -25,7 +25,6 @@ import redis
 from conftest import OtherUser
 
 import gatherstore as gs
-from gatherstore.job.heartbeat import HEARTBEAT
 
 TESTS = str(Path(__file__).resolve().parent)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -126,7 +125,7 @@ def test_gc_keeps_a_live_job_between_calls(job: Job, redis_db: str) -> None:
     process, base, flags, pids = job
     time.sleep(3)  # the areas are older than --older-than
     dirs, keys = _areas(base, redis_db)
-    assert len(dirs) == 1 and any(k.endswith(f"/{HEARTBEAT}") for k in keys), (dirs, keys)
+    assert len(dirs) == 1 and any(k.endswith("/heartbeat") for k in keys), (dirs, keys)
     for store in (f"file://{base}", redis_db):
         assert "removed 0 job area(s)" in _gc(store).stdout
     assert _areas(base, redis_db) == (dirs, keys)
@@ -176,7 +175,7 @@ def _dead_area(store: Any, job: str) -> None:
     area = store.join_job(store.prepare_job(job))
     area.put("marker", json.dumps({"job": job, "created": old}).encode())
     beat = {"job": job, "at": old, "every": 1.0, "host": "elsewhere", "pid": 1}
-    area.replace(HEARTBEAT, json.dumps(beat).encode())
+    area.replace("heartbeat", json.dumps(beat).encode())
     area.put("call-1/0", b"part")
 
 

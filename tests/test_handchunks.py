@@ -4,6 +4,8 @@ of a few MB span many of them."""
 
 from __future__ import annotations
 
+import errno
+import itertools
 import os
 import threading
 import time
@@ -15,7 +17,6 @@ import torch
 from test_handover import _areas, _logged
 
 import gatherstore as gs
-from gatherstore.routes import handover
 
 CHUNK = 64 << 10
 #: Two threads seal a sender's chunks only where the process may run on two CPUs.
@@ -136,9 +137,9 @@ def _failing(bad: str) -> dict[str, Any]:
     if bad == "late":  # the first chunk fails on the destination; rank 2 connects late
         if rank == 1:
             mine[0] = _Fussy()
-        if rank == 2:
-            connect = handover.connect
-            handover.connect = lambda *a: (time.sleep(2.0), connect(*a))[1]  # type: ignore[assignment]
+        if rank == 2:  # its first chunk is sealed 2 s late, and it connects only then
+            made, calls = os.memfd_create, itertools.count()
+            os.memfd_create = lambda *a: (next(calls) or time.sleep(2.0), made(*a))[1]  # type: ignore[assignment]
     start = time.monotonic()
     out = _outcome(lambda: gs.gather_object(mine, store="tmpdir", timeout=60))
     out["seconds"] = time.monotonic() - start
@@ -186,28 +187,30 @@ def test_a_sender_that_connects_after_the_destination_stopped_stops_too() -> Non
 
 
 def _first_chunk_sealed_last(fails: bool) -> dict[str, Any]:
-    """Rank 1 seals its first chunk only once its second one is sealed, on the other
-    thread (and then fails to, with ``fails``): the second chunk must wait its turn."""
+    """Rank 1's memfd of its first chunk is made only once the one of its second chunk is,
+    on the other thread (and then cannot be, with ``fails``): the first chunk is sealed
+    last, and the second must wait its turn.  The first chunk asks for its memfd first:
+    the second is still being encoded."""
     rank = gs.get_rank()
     gs.gather_object(_records(rank), store="tmpdir", timeout=60)  # every lazy resource made
     fds = len(os.listdir("/proc/self/fd"))
-    sealed, order, second = handover.sealed, [], threading.Event()
+    made, asked, order, second = os.memfd_create, itertools.count(), [], threading.Event()
 
-    def first_last(frame: Any, bind: bytes) -> int:
-        index = bind.rsplit(b"\0", 2)[1].decode()
-        if index == "0":
+    def first_last(name: str, flags: int = os.MFD_CLOEXEC) -> int:
+        index = next(asked)  # one at a time, whatever the threads
+        if index == 0:
             assert second.wait(30), "the second chunk was not sealed beside the first"
             if fails:
-                raise gs.GatherError("chunk 0 could not be put in memory to hand over")
-        fd = sealed(frame, bind)
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        fd = made(name, flags)
         order.append(index)
         second.set()
         return fd
 
-    handover.sealed = first_last  # type: ignore[assignment]
+    os.memfd_create = first_last  # type: ignore[assignment]
     got: list[Any] = []
     out = _outcome(lambda: got.append(gs.gather_object(_records(rank), store="tmpdir", timeout=60)))
-    handover.sealed = sealed
+    os.memfd_create = made
     out["same"] = bool(got) and (got[0] is None or all(_same(got[0][r], r) for r in range(2)))
     after = gs.gather_object(_records(rank), store="tmpdir", timeout=60)
     out["after"] = after is None or all(_same(after[r], r) for r in range(2))
@@ -222,7 +225,7 @@ def test_chunks_sealed_out_of_order_are_handed_over_in_order() -> None:
         _first_chunk_sealed_last, nproc_per_node=2, backend="gloo", args=(False,), timeout=120
     )
     assert dst["error"] is None and sender["error"] is None, (dst, sender)
-    assert sender["order"][:2] == ["1", "0"], sender["order"]  # its second chunk went first
+    assert sender["order"][:2] == [1, 0], sender["order"]  # its second chunk went first
     assert dst["same"] and dst["after"] and dst["fds"] <= 0 and sender["fds"] <= 0
 
 
@@ -232,10 +235,11 @@ def test_a_chunk_that_cannot_be_sealed_drops_the_chunks_sealed_after_it() -> Non
     dst, sender = gs.launch(
         _first_chunk_sealed_last, nproc_per_node=2, backend="gloo", args=(True,), timeout=120
     )
-    assert sender["error"] == "GatherError" and "chunk 0" in sender["message"], sender
+    refused = "could not be put in memory to hand over"
+    assert sender["error"] == "GatherError" and refused in sender["message"], sender
     assert dst["error"] == "RemoteRankError" and dst["rank"] == 1, dst
-    assert "chunk 0" in dst["message"], dst
-    assert sender["order"][:1] == ["1"]  # sealed, then dropped: its descriptor is closed
+    assert refused in dst["message"], dst
+    assert sender["order"][:1] == [1]  # sealed, then dropped: its descriptor is closed
     assert dst["after"] and dst["fds"] <= 0 and sender["fds"] <= 0
 
 

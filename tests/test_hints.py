@@ -15,7 +15,6 @@ import pytest
 import redis
 
 import gatherstore as gs
-from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import services
 
 PASSWORD = "hint-pw-7c1"
@@ -102,7 +101,7 @@ def locked_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _put_error(url: str, **options: str) -> str:
-    store = RedisStore(url, socket_connect_timeout=5, **options)
+    store = gs.open_store(url, socket_connect_timeout=5, **options)
     try:
         with pytest.raises(gs.StoreUnavailableError) as caught:
             store.put("k", b"v")

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import pickle
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
-from cgroups import run_in_memory_cgroup
+from cgroups import limit_to_room, run_in_memory_cgroup
 
 import gatherstore as gs
-from gatherstore.codec import frames as _serialize
-from gatherstore.codec import sizing as _sizing
-from gatherstore.host import memory as _memory
 
 
 def _inflate(seed: bytes) -> bytes:
@@ -36,18 +32,6 @@ def _records(rank: int) -> list[dict[str, Any]]:
     return [{"id": i, "score": i * 0.5, "label": f"r{rank}-{i}"} for i in range(400_000)]
 
 
-def test_the_estimate_counts_objects_not_pickled_bytes() -> None:
-    records = _records(0)
-    frame = _serialize.encode(records)
-    assert frame.rebuilt > 5 * frame.nbytes, (frame.rebuilt, frame.nbytes)
-    tensors = {"x": __import__("torch").ones(1 << 20)}
-    assert _sizing.rebuilt_size(tensors) < 4096  # out of band: a view of the part
-    arrays = [__import__("numpy").ones(256) for _ in range(1000)]  # one column: views
-    assert _sizing.rebuilt_size(arrays) < 200 * len(arrays)
-    keyed = dict(enumerate(arrays))  # a long dict's values are packed as that list is
-    assert _sizing.rebuilt_size(keyed) < 400 * len(arrays)  # not 2 KiB an array
-
-
 def _job(case: str, limit_file: str, usage_file: str) -> str:
     rank = gs.get_rank()
     obj: Any = (
@@ -59,10 +43,7 @@ def _job(case: str, limit_file: str, usage_file: str) -> str:
     gs.barrier(timeout=120)
     if rank == 0:  # room for 4x the pickled parts of the job beyond what it holds now (page
         # cache aside): enough to pickle and write them, not to rebuild two parts of records
-        stat = Path(limit_file).with_name("memory.stat")
-        field = "inactive_file" if limit_file.endswith("memory.max") else "total_inactive_file"
-        used = int(Path(usage_file).read_text()) - _memory._reclaimable(stat, field)
-        Path(limit_file).write_text(str(used + 4 * 3 * pickled))
+        limit_to_room(limit_file, usage_file, 4 * 3 * pickled)
     gs.barrier(timeout=120)
     try:
         gathered = gs.gather_object(obj, store="tmpdir", timeout=120)

@@ -15,7 +15,6 @@ import pytest
 import redis
 
 import gatherstore as gs
-from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import services
 
 
@@ -88,7 +87,7 @@ def test_an_evicting_redis_leaves_no_key_of_the_job(evicting: str, gatherstore_r
 def test_a_lost_index_still_leaves_nothing(gatherstore_redis_url: str) -> None:
     """The state eviction leaves, made on purpose: the index gone, a manifest gone, its
     chunks still there.  The job's end still deletes every key of the area."""
-    store = RedisStore(gatherstore_redis_url, chunk_size=1024, key_prefix="lost-index/")
+    store = gs.open_store(gatherstore_redis_url, chunk_size=1024, key_prefix="lost-index/")
     locator = store.prepare_job("0123456789abcdef")
     area = store.join_job(locator)
     area.put("marker", b"{}")

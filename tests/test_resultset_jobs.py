@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from _rs_jobs import NAME, add_until_stopped, evaluate, redis_database, same, value
-from cgroups import run_in_memory_cgroup
+from cgroups import limit_to_room, run_in_memory_cgroup
 
 import gatherstore as gs
 
@@ -271,24 +271,13 @@ def gather_big(url: str, limit_file: str, usage_file: str) -> str:
     """Every rank: gather the set once rank 0 has put the job's memory cgroup at 160 MiB
     over what its processes hold; what each raised."""
     if gs.get_rank() == 0:
-        _limit_memory(limit_file, usage_file, 160 << 20)
+        limit_to_room(limit_file, usage_file, 160 << 20)
     gs.barrier(timeout=60)
     try:
         gs.ResultSet("big", store=url).gather()
         return "no error"
     except gs.GatherError as exc:
         return type(exc).__name__
-
-
-def _limit_memory(limit_file: str, usage_file: str, room: int) -> int:
-    """Set the cgroup's limit to ``room`` bytes over what it holds (page cache aside)."""
-    from gatherstore.host import memory as _memory
-
-    stat = Path(limit_file).with_name("memory.stat")
-    field = "inactive_file" if limit_file.endswith("memory.max") else "total_inactive_file"
-    used = int(Path(usage_file).read_text()) - _memory._reclaimable(stat, field)
-    Path(limit_file).write_text(str(used + room))
-    return used + room
 
 
 _IN_CGROUP = """
@@ -298,12 +287,13 @@ with open(sys.argv[1], "w") as f:
 from pathlib import Path
 import gatherstore as gs
 import test_resultset_jobs as t
+from cgroups import limit_to_room
 from gatherstore.cli.bench.measure import PeakMemory
 limit_file, usage_file, url, count = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 args = (url, limit_file, usage_file)
 print(*gs.launch(t.gather_big, nproc_per_node=2, backend="gloo", args=args), flush=True)
 rs = gs.ResultSet("big", store=url)
-limit = t._limit_memory(limit_file, usage_file, 160 << 20)  # this process alone now
+limit = limit_to_room(limit_file, usage_file, 160 << 20)  # this process alone now
 seen = 0
 with PeakMemory() as peak:
     for key, array in rs.items():

@@ -8,6 +8,7 @@ import gc
 import itertools
 import os
 import pickle
+import subprocess
 import sys
 import weakref
 from collections.abc import Callable
@@ -20,13 +21,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_signed_parts import Sentinel, _unpickled
 
 import gatherstore as gs
 from gatherstore.codec import digest as _digest
 from gatherstore.codec import frames as serialize
 from gatherstore.codec import records as _records
+from gatherstore.codec import sizing as _sizing
 from gatherstore.codec.records import MIN_RUN
-from gatherstore.stores.file import FileStore
 
 
 def round_trip(obj: Any, key: bytes | None = None) -> Any:
@@ -192,7 +194,7 @@ def test_records_are_views_into_the_part(tmp_path: Path) -> None:
         {"boxes": np.full((i % 4 + 1, 4), i, np.float32), "t": torch.full((3,), float(i)), "id": i}
         for i in range(100)
     ]
-    store = FileStore(tmp_path)
+    store = gs.open_store(f"file://{tmp_path}")
     frame = serialize.encode(records).seal(None)
     store.put("part", frame.segments)
     raw = store.get("part")
@@ -541,7 +543,7 @@ def test_a_decoded_part_is_freed_once_nothing_holds_it() -> None:
 
 
 def test_big_part_from_a_file_is_memory_mapped(tmp_path: Path) -> None:
-    store = FileStore(tmp_path)
+    store = gs.open_store(f"file://{tmp_path}")
     data = {"x": np.arange(1 << 20, dtype=np.float64)}
     store.put("part", serialize.encode(data).seal(None).segments)
     out = serialize.decode(store.get("part"))
@@ -788,21 +790,62 @@ def test_the_digest_is_of_the_bytes_not_of_their_segments(key: bytes | None) -> 
     assert _digest.digest([memoryview(swapped)], key, b"bind") != whole
 
 
-def test_signed_parts_need_the_key() -> None:
-    key, other = b"k" * 32, b"o" * 32
-    frame = serialize.encode({"a": np.arange(5000)}).seal(key)
-    buf = bytearray(frame.nbytes)
-    frame.copy_into(memoryview(buf))
-    assert serialize.decode(buf, key=key)["a"][-1] == 4999
-    with pytest.raises(gs.IntegrityError, match="signature"):
-        serialize.decode(buf, key=other)
-    with pytest.raises(gs.IntegrityError, match="signed"):
-        serialize.decode(buf)
-    unsigned = serialize.encode({"a": 1}).seal(None)
-    raw = bytearray(unsigned.nbytes)
-    unsigned.copy_into(memoryview(raw))
-    with pytest.raises(gs.IntegrityError, match="signature is required"):
-        serialize.decode(raw, key=key)
+# --- signed parts: a part altered, or written without the job's key, is refused unread --------
+KEY = os.urandom(32)
+SIGNED = {"sentinel": Sentinel(), "array": np.arange(10_000, dtype=np.float64)}
+
+
+@pytest.fixture
+def unpickled() -> list[str]:
+    """The Sentinels unpickled in this process during the test."""
+    _unpickled.clear()
+    return _unpickled
+
+
+def _signed(obj: Any, key: bytes | None) -> bytearray:
+    frame = serialize.encode(obj).seal(key)
+    out = bytearray(frame.nbytes)
+    frame.copy_into(memoryview(out))
+    return out
+
+
+def test_signed_part_round_trips(unpickled: list[str]) -> None:
+    out = serialize.decode(_signed(SIGNED, KEY), key=KEY)
+    assert out["sentinel"] == "unpickled" and unpickled == [""]
+    assert np.array_equal(out["array"], np.arange(10_000, dtype=np.float64))
+
+
+@pytest.mark.parametrize("where", ["header", "digest", "pickle", "buffer", "last byte"])
+def test_tampered_part_is_refused_before_unpickling(where: str, unpickled: list[str]) -> None:
+    data = _signed(SIGNED, KEY)
+    offsets = {
+        "header": 24,  # inside the pickle length field
+        "digest": 70,
+        "pickle": data.find(b"_record"),
+        "buffer": len(data) - 8 * 5000,
+        "last byte": len(data) - 1,
+    }
+    data[offsets[where]] ^= 0x01
+    with pytest.raises(gs.IntegrityError) as info:
+        serialize.decode(data, key=KEY, rank=3, where="store-x call-1/3")
+    assert info.value.rank == 3 and info.value.key == "store-x call-1/3"
+    assert "rank 3" in str(info.value)
+    assert unpickled == []
+
+
+def test_part_without_the_key_is_refused(unpickled: list[str]) -> None:
+    unsigned = _signed(SIGNED, None)  # a valid checksummed frame, as anyone could write
+    with pytest.raises(gs.IntegrityError, match="unsigned but a signature is required"):
+        serialize.decode(unsigned, key=KEY, rank=1, where="k")
+    forged = _signed(SIGNED, os.urandom(32))  # signed, with someone else's key
+    with pytest.raises(gs.IntegrityError, match="signature check"):
+        serialize.decode(forged, key=KEY, rank=1, where="k")
+    with pytest.raises(gs.IntegrityError, match="signed but no key"):
+        serialize.decode(_signed(SIGNED, KEY), key=None)
+    truncated = _signed(SIGNED, KEY)[:-1]
+    with pytest.raises(gs.IntegrityError, match="truncated"):
+        serialize.decode(truncated, key=KEY)
+    assert unpickled == []
 
 
 def _sealed_in_memory(frame: serialize.Frame, key: bytes | None) -> bytes:
@@ -864,3 +907,84 @@ def test_no_thread_keeps_a_view_of_what_was_digested() -> None:
             del data[-1]
     finally:
         sys.setswitchinterval(interval)
+
+
+# --- what a part costs rebuilt ----------------------------------------------------------------
+def test_the_estimate_counts_objects_not_pickled_bytes() -> None:
+    records = [{"id": i, "score": i * 0.5, "label": f"r0-{i}"} for i in range(400_000)]
+    frame = serialize.encode(records)
+    assert frame.rebuilt > 5 * frame.nbytes, (frame.rebuilt, frame.nbytes)
+    tensors = {"x": torch.ones(1 << 20)}
+    assert _sizing.rebuilt_size(tensors) < 4096  # out of band: a view of the part
+    arrays = [np.ones(256) for _ in range(1000)]  # one column: views
+    assert _sizing.rebuilt_size(arrays) < 200 * len(arrays)
+    keyed = dict(enumerate(arrays))  # a long dict's values are packed as that list is
+    assert _sizing.rebuilt_size(keyed) < 400 * len(arrays)  # not 2 KiB an array
+
+
+# --- a part of more than 4 GiB ---------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_single_part_over_4_gib(tmp_path: Path) -> None:
+    n = (4 << 30) // 8 + 1024
+    big = np.arange(n, dtype=np.int64)
+    frame = serialize.encode({"big": big, "tail": "end"}).seal(None)
+    assert frame.nbytes > 4 << 30
+    store = gs.open_store(f"file://{tmp_path}")
+    store.put("part", frame.segments)
+    del frame
+    raw = store.get("part")
+    out = serialize.decode(raw, rank=0, where="part")
+    del raw
+    store.delete("part")
+    assert out["tail"] == "end"
+    assert out["big"].shape == (n,)
+    assert out["big"][0] == 0 and out["big"][-1] == n - 1 and out["big"][n // 2] == n // 2
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+# --- what is verified is what is unpickled, whatever happens to the file after ------------------
+_AFTER_READ = """
+import os, sys
+import numpy as np
+import gatherstore as gs
+from gatherstore.codec import frames as serialize
+
+kind, base = sys.argv[1], sys.argv[2]
+if kind == "file":
+    store = gs.open_store(f"file://{base}")
+else:  # a private job folder: its parts were mapped, not copied, before
+    area = gs.open_store(f"tmpdir://{base}")
+    store = area.join_job(area.prepare_job("job"))
+key = os.urandom(32) if kind == "file" else None
+value = {"a": np.arange(1 << 21, dtype=np.int64)}  # 16 MiB
+for name in ("flipped", "truncated"):
+    store.put(name, serialize.encode(value).seal(key, b"bind").segments)
+    verified = serialize.verify(store.get(name), key=key, bind=b"bind")
+    path = os.path.join(store.folder, name)
+    if name == "flipped":  # another process rewrites the file after it was verified
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            f.write(b"\\xff" * (1 << 20))
+    else:  # ... or truncates it (a memory map would die of SIGBUS here)
+        os.truncate(path, 4096)
+    out = serialize.load(verified)["a"]
+    assert np.array_equal(out, value["a"]), name
+print("ok")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["file", "tmpdir"])
+def test_what_is_verified_is_what_is_unpickled(tmp_path: Path, kind: str) -> None:
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
+    done = subprocess.run(
+        [sys.executable, "-c", _AFTER_READ, kind, str(base)],
+        env={**os.environ, "PYTHONPATH": str(Path(gs.__file__).resolve().parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "ok"

@@ -4,10 +4,14 @@ a setting of seconds takes any positive, finite number (clamped to ``MAX_WAIT``)
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import pytest
 
 import gatherstore as gs
 from gatherstore import _config
+from gatherstore._config import MAX_WAIT, to_seconds
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -136,3 +141,36 @@ def test_the_timeout_setting_is_read_at_each_call(clean_env: pytest.MonkeyPatch)
     clean_env.setenv("GATHERSTORE_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="GATHERSTORE_TIMEOUT='soon' is not a positive, finite"):
         gs.all_gather_object(1)
+
+
+# --- timeouts longer than the platform waits: "as long as it takes" -------------------------
+FOREVER = 1e12  # seconds: 31,700 years
+
+
+def test_a_timeout_past_what_the_platform_waits_is_clamped() -> None:
+    assert to_seconds(FOREVER) == MAX_WAIT == 24 * 86400
+    assert to_seconds(dt.timedelta(days=10**6)) == MAX_WAIT
+    assert to_seconds(10**400) == MAX_WAIT  # an int too large for a float is still finite
+    assert to_seconds(600) == 600.0 and to_seconds(dt.timedelta(minutes=1)) == 60.0
+    for refused in (math.inf, math.nan, 0, -FOREVER):
+        with pytest.raises(ValueError, match="timeout="):
+            to_seconds(refused)
+
+
+def test_every_wait_below_takes_the_ceiling() -> None:
+    """Python's waits, a socket's timeout, and a c10d store client's connect and wait (whose
+    poll takes an int of milliseconds) all take MAX_WAIT, with the call's grace on top."""
+    import torch.distributed as dist
+
+    assert (MAX_WAIT + 3600) * 1000 < 2**31 - 1 and MAX_WAIT < threading.TIMEOUT_MAX
+    done = threading.Event()
+    done.set()
+    assert done.wait(MAX_WAIT)
+    with socket.socket() as sock:
+        sock.settimeout(MAX_WAIT)
+    span = dt.timedelta(seconds=MAX_WAIT)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=span, wait_for_workers=False)  # type: ignore[attr-defined]
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=span)  # type: ignore[attr-defined]
+    threading.Timer(0.2, server.set, args=("key", "1")).start()
+    client.wait(["key"], span)
+    assert client.get("key") == b"1"

@@ -87,13 +87,37 @@ def test_layout_that_does_not_add_up_is_none(env: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("nodelist", "hosts"),
     [
+        ("node01", ["node01"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a1,b[1-2]", ["a1", "b1", "b2"]),
+        ("gpu[8-11]", ["gpu8", "gpu9", "gpu10", "gpu11"]),
+        ("gpu[098-101]", ["gpu098", "gpu099", "gpu100", "gpu101"]),
+        ("x[1],y[2-3],z", ["x1", "y2", "y3", "z"]),
+        ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+        ("node-[1-2]-ib", ["node-1-ib", "node-2-ib"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
         ("gpu[001-002,010],cpu[7-8]", ["gpu001", "gpu002", "gpu010", "cpu7", "cpu8"]),
         ("n[09-11,100]", ["n09", "n10", "n11", "n100"]),
         ("a[1-2]b[01-02]", ["a1b01", "a1b02", "a2b01", "a2b02"]),
     ],
 )
-def test_node_lists_with_several_ranges_and_padding(nodelist: str, hosts: list[str]) -> None:
+def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
     assert expand_nodelist(nodelist) == hosts
+    # init_from_env's MASTER_ADDR under SLURM is the first host
+    assert expand_nodelist(nodelist)[0] == hosts[0]
+
+
+@pytest.mark.parametrize(
+    "nodelist",
+    [
+        *["", " ", ",", "a,,b", "a, b", "node[", "node[01-", "node[01-04", "node]"],
+        *["node[]", "node[a-b]", "node[1-2-3]", "node[3-1]", "node[1,]", "node[[1]]"],
+        *["node[1-2]]", "node[-1]", "node[1-]", "node[²]"],
+    ],
+)
+def test_expand_nodelist_rejects_malformed_lists(nodelist: str) -> None:
+    with pytest.raises(ValueError, match="node list"):
+        expand_nodelist(nodelist)
 
 
 # --- a real start: independent processes with SLURM's variables only --------------------------

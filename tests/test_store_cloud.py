@@ -27,7 +27,7 @@ from test_store_s3 import racing_writes
 
 import gatherstore as gs
 from gatherstore._time import deadline
-from gatherstore.stores.base import KeyExistsError, Store
+from gatherstore.stores import KeyExistsError, Store
 from gatherstore.stores.fsspec import FsspecStore
 from gatherstore.testing.plugin import S3Endpoint, _unavailable
 from gatherstore.testing.services import free_ports

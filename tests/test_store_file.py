@@ -18,7 +18,7 @@ import pytest
 from fsspec_raw import FsspecRaw
 
 from gatherstore.host.writes import write_all
-from gatherstore.stores.base import Store
+from gatherstore.stores import Store
 from gatherstore.stores.file import FileStore
 from gatherstore.stores.fsspec import FsspecStore
 from gatherstore.stores.tmpdir import TmpdirStore

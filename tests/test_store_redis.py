@@ -25,8 +25,7 @@ from peak import round_trip_growth
 
 import gatherstore as gs
 from gatherstore.cli.bench.measure import PeakMemory
-from gatherstore.stores import _resp
-from gatherstore.stores.base import KeyExistsError, Store
+from gatherstore.stores import KeyExistsError, Store, _resp
 from gatherstore.stores.redis import RedisStore
 from gatherstore.testing import StoreTests, services
 

@@ -15,7 +15,7 @@ from _jobs import check_object_collectives, object_collectives_job
 from peak import round_trip_growth
 
 import gatherstore as gs
-from gatherstore.stores.base import Store
+from gatherstore.stores import Store
 from gatherstore.stores.fsspec import FsspecStore, fast_s3_options
 from gatherstore.testing import StoreTests
 from gatherstore.testing.plugin import S3Endpoint

@@ -19,8 +19,6 @@ import pytest
 from conftest import OtherUser
 
 import gatherstore as gs
-from gatherstore.stores.base import Store
-from gatherstore.stores.tmpdir import TmpdirStore
 
 
 @pytest.fixture
@@ -64,9 +62,9 @@ def test_a_base_open_to_others_without_sticky_bit_is_refused(shm: Path) -> None:
     with pytest.raises(
         gs.StoreUnavailableError, match=r"writable by group and others \(mode 777\)"
     ):
-        TmpdirStore(base).prepare_job("0123456789abcdef")
+        gs.open_store(f"tmpdir://{base}").prepare_job("0123456789abcdef")
     base.chmod(0o1777)  # sticky, like /dev/shm: others cannot rename the job's folder
-    store = TmpdirStore(base)
+    store = gs.open_store(f"tmpdir://{base}")
     store.end_job(store.prepare_job("0123456789abcdef"))
     assert list(base.iterdir()) == []
 
@@ -77,7 +75,7 @@ def test_symlinked_bases_another_user_planted_are_refused(shm: Path, other_user:
     # a symlink of theirs in a sticky folder
     other_user.run("ln", "-s", str(theirs), str(shm / "link"))
     with pytest.raises(gs.StoreUnavailableError, match=f"{shm / 'link'} is a symlink owned by"):
-        TmpdirStore(shm / "link").prepare_job("0123456789abcdef")
+        gs.open_store(f"tmpdir://{shm / 'link'}").prepare_job("0123456789abcdef")
     # a folder their group can write, without the sticky bit: a symlink there is theirs to plant
     shared = shm / "group"
     shared.mkdir()
@@ -85,17 +83,17 @@ def test_symlinked_bases_another_user_planted_are_refused(shm: Path, other_user:
     shared.chmod(0o775)
     other_user.run("ln", "-s", str(theirs), str(shared / "base"))
     with pytest.raises(gs.StoreUnavailableError) as info:
-        TmpdirStore(shared / "base").prepare_job("0123456789abcdef")
+        gs.open_store(f"tmpdir://{shared / 'base'}").prepare_job("0123456789abcdef")
     assert f"{shared} is writable by its group" in str(info.value)
     assert list(theirs.iterdir()) == []
 
 
 @pytest.fixture
-def job_area(shm: Path) -> tuple[Path, TmpdirStore, str, Store]:
+def job_area(shm: Path) -> tuple[Path, gs.Store, str, gs.Store]:
     """A tmpdir base of this user's in ``shm``, its store, a job area's locator and store."""
     base = shm / "base"
     base.mkdir(mode=0o755)
-    store = TmpdirStore(base)
+    store = gs.open_store(f"tmpdir://{base}")
     locator = store.prepare_job("0123456789abcdef")
     return base, store, locator, store.join_job(locator)
 
@@ -109,7 +107,7 @@ def _swap(other_user: OtherUser, base: Path, locator: str) -> None:
 
 
 def test_a_swapped_job_folder_is_detected_and_never_used(
-    job_area: tuple[Path, TmpdirStore, str, Store], other_user: OtherUser
+    job_area: tuple[Path, gs.Store, str, gs.Store], other_user: OtherUser
 ) -> None:
     base, store, locator, area = job_area
     area.put("call-1/0", b"before")
@@ -130,7 +128,7 @@ def test_a_swapped_job_folder_is_detected_and_never_used(
 
 
 def test_a_pickled_job_area_keeps_its_checks(
-    job_area: tuple[Path, TmpdirStore, str, Store], other_user: OtherUser
+    job_area: tuple[Path, gs.Store, str, gs.Store], other_user: OtherUser
 ) -> None:
     base, _, locator, area = job_area
     area.put("call-1/0", b"mine")

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 import gatherstore as gs
-from gatherstore.job.slurm import expand_nodelist
 from gatherstore.testing.services import free_ports
 
 DESCRIBE_KEYS = {
@@ -385,42 +384,6 @@ def test_init_from_env_under_slurm(tmp_path: Path) -> None:
     assert (report["local_rank"], report["local_size"]) == (0, 1)
     assert (report["node_rank"], report["nnodes"]) == (0, 1)
     assert report["sum"] == 5
-
-
-# --- SLURM node lists ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("nodelist", "hosts"),
-    [
-        ("node01", ["node01"]),
-        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-        ("a1,b[1-2]", ["a1", "b1", "b2"]),
-        ("gpu[8-11]", ["gpu8", "gpu9", "gpu10", "gpu11"]),
-        ("gpu[098-101]", ["gpu098", "gpu099", "gpu100", "gpu101"]),
-        ("x[1],y[2-3],z", ["x1", "y2", "y3", "z"]),
-        ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
-        ("node-[1-2]-ib", ["node-1-ib", "node-2-ib"]),
-        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
-    ],
-)
-def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
-    assert expand_nodelist(nodelist) == hosts
-    # init_from_env's MASTER_ADDR under SLURM is the first host
-    assert expand_nodelist(nodelist)[0] == hosts[0]
-
-
-@pytest.mark.parametrize(
-    "nodelist",
-    [
-        *["", " ", ",", "a,,b", "a, b", "node[", "node[01-", "node[01-04", "node]"],
-        *["node[]", "node[a-b]", "node[1-2-3]", "node[3-1]", "node[1,]", "node[[1]]"],
-        *["node[1-2]]", "node[-1]", "node[1-]", "node[²]"],
-    ],
-)
-def test_expand_nodelist_rejects_malformed_lists(nodelist: str) -> None:
-    with pytest.raises(ValueError, match="node list"):
-        expand_nodelist(nodelist)
 
 
 def _one_rank_asks_worker(rank: int, world: int, port: int, out: str) -> None:
