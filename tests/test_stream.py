@@ -20,10 +20,13 @@ def _every_call(spec: str) -> dict[str, Any]:
     obj = {"rank": rank, "data": np.full(300_000 * (rank + 1), rank, dtype=np.int32)}
     summary = lambda o: (o["rank"], int(o["data"].sum()), len(o["data"]))  # noqa: E731
     sizes: list[int] = []  # of the messages this rank posts in the first gather
-    isend = dist.isend
-    dist.isend = lambda tensor, *a, **k: (sizes.append(tensor.nbytes), isend(tensor, *a, **k))[1]
+    send = vars(dist.ProcessGroup)["send"]  # what the stream route posts on its gloo group
+    dist.ProcessGroup.send = lambda group, tensors, *a: (  # type: ignore[method-assign]
+        sizes.append(tensors[0].nbytes),
+        send(group, tensors, *a),
+    )[1]
     gathered = gs.gather_object(obj, dst=1, store=spec, timeout=60)
-    dist.isend = isend
+    dist.ProcessGroup.send = send  # the method itself, not a function of the class
     out: dict[str, Any] = {"largest message": max(sizes, default=0)}
     out["gather"] = None if gathered is None else [summary(o) for o in gathered]
     out["iter"] = [summary(o) for o in gs.gather_iter(obj, store=spec, timeout=60)]
@@ -102,8 +105,11 @@ def test_auto_streams_across_nodes() -> None:
 
 def _stall_one_sender(stall: float) -> Any:
     if gs.get_rank() == 1:  # fault injection: this sender stalls after the size exchange
-        isend = dist.isend
-        dist.isend = lambda *args, **kwargs: (time.sleep(stall), isend(*args, **kwargs))[1]
+        send = vars(dist.ProcessGroup)["send"]  # what the stream route posts on its gloo group
+        dist.ProcessGroup.send = lambda *args: (  # type: ignore[method-assign]
+            time.sleep(stall),
+            send(*args),
+        )[1]
     started = time.monotonic()
     try:
         gs.gather_object(bytes(1 << 20), store="stream", timeout=5)
