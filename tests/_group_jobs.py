@@ -81,19 +81,21 @@ def meshes_and_outsiders(url: str) -> dict[str, Any]:
     subgroup, _ = dist.new_subgroups(group_size=2)
     out["subgroups"] = gs.all_gather_object(rank, group=subgroup, store=url, timeout=60)
     mine, other, _ = pairs()
-    folder = Path(url.removeprefix("file://"))
-    before = sorted(os.listdir(folder))
+    # a folder of this rank's own: the other ranks' groups keep their areas in ``url``
+    folder = Path(url.removeprefix("file://"), f"outside-{rank}")
+    folder.mkdir()
+    apart = f"file://{folder}"
     out["outside"] = (
-        gs.all_gather_object(rank, group=other, store=url),
-        gs.gather_object(rank, group=other, store=url),
-        list(gs.gather_iter(rank, group=other, store=url)),
-        gs.broadcast_object("mine", group=other, store=url),
-        gs.collect_results([rank], group=other, store=url),
+        gs.all_gather_object(rank, group=other, store=apart),
+        gs.gather_object(rank, group=other, store=apart),
+        list(gs.gather_iter(rank, group=other, store=apart)),
+        gs.broadcast_object("mine", group=other, store=apart),
+        gs.collect_results([rank], group=other, store=apart),
         gs.all_reduce(5, group=other),
         gs.get_rank(other),
         gs.get_world_size(other),
     )
-    out["untouched"] = sorted(os.listdir(folder)) == before
+    out["untouched"] = os.listdir(folder) == []
     out["errors"] = []
     for call in (
         lambda: gs.gather_object(rank, dst=0, group_dst=0, group=mine),
