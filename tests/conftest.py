@@ -6,6 +6,8 @@ import os
 import pwd
 import shutil
 import subprocess
+import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -64,3 +66,16 @@ def other_user() -> OtherUser:
     if os.geteuid() != 0:
         raise _forbidden("acting as another user needs root")
     return OtherUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
+
+
+def empty_redis_db(server_url: str, db: int) -> Iterator[str]:
+    """The URL of database ``db`` of the Redis at ``server_url``, emptied before and after
+    the test (a fixture's body: ``yield from empty_redis_db(url, 9)``)."""
+    import redis
+
+    url = urllib.parse.urlunsplit(urllib.parse.urlsplit(server_url)._replace(path=f"/{db}"))
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    yield url
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()

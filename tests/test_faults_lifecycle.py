@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import empty_redis_db
 
 import gatherstore as gs
 from gatherstore.testing.services import free_ports
@@ -60,15 +60,7 @@ def sigint_default() -> Iterator[None]:
 @pytest.fixture
 def redis_url(gatherstore_redis_url: str) -> Iterator[str]:
     """A Redis database of its own (db 9), empty before and after the test."""
-    import redis
-
-    parts = urllib.parse.urlsplit(gatherstore_redis_url)
-    url = urllib.parse.urlunsplit(parts._replace(path="/9"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
+    yield from empty_redis_db(gatherstore_redis_url, 9)
 
 
 def urls_for(shm: Path, redis_url: str) -> list[str]:

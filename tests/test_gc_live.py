@@ -15,14 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from conftest import OtherUser
+from conftest import OtherUser, empty_redis_db
 
 import gatherstore as gs
 
@@ -38,13 +37,7 @@ LAUNCH = (
 @pytest.fixture
 def redis_db(gatherstore_redis_url: str) -> Iterator[str]:
     """A Redis database of this test's own (db 11), empty before and after."""
-    parts = urllib.parse.urlsplit(gatherstore_redis_url)
-    url = urllib.parse.urlunsplit(parts._replace(path="/11"))
-    with redis.Redis.from_url(url) as client:
-        client.flushdb()
-    yield url
-    with redis.Redis.from_url(url) as client:
-        client.flushdb()
+    yield from empty_redis_db(gatherstore_redis_url, 11)
 
 
 def _env(**extra: str) -> dict[str, str]:

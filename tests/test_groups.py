@@ -13,13 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import empty_redis_db
 
 import gatherstore as gs
 from gatherstore.testing.plugin import S3Endpoint
@@ -75,15 +75,7 @@ def test_two_groups_gather_at_once_through_tmpdir(tmp_path: Path) -> None:
 @pytest.fixture
 def redis_db(gatherstore_redis_url: str) -> Iterator[str]:
     """A Redis database of its own (db 10), empty before and after the test."""
-    import redis
-
-    parts = urllib.parse.urlsplit(gatherstore_redis_url)
-    url = urllib.parse.urlunsplit(parts._replace(path="/10"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
+    yield from empty_redis_db(gatherstore_redis_url, 10)
 
 
 @pytest.mark.timeout(240)
