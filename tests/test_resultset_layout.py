@@ -117,3 +117,97 @@ def test_the_merge_keeps_key_order_and_the_first_chunks_value(
         for pos, k in enumerate(chunks[seq]):
             first.setdefault(k, (seq, pos))
     assert got == sorted(first.items(), key=lambda kv: order.order_key(kv[0]))
+
+
+def _stored(chunks: list[list[tuple[Any, Any]]]) -> tuple[list[layout.ChunkInfo], SetReader]:
+    """Chunks of ``(key, value)`` items in a store of their own, as a set's reader sees them."""
+    store = gs.open_store(f"memory://merge-{uuid.uuid4().hex}")
+    infos = []
+    for seq, items in enumerate(chunks):
+        name = layout.chunk_name(1, seq % 3, seq)
+        data, index = layout.encode_chunk(items, name, None, "uid")
+        store.put(f"chunks/{name}", data.segments)
+        infos.append(layout.decode_index(b"".join(index.segments), name, None, "uid", name)[0])
+    return infos, SetReader(store, None, "uid", "test")
+
+
+#: How a chunk's records hold their arrays: one shape (numpy or torch), rows of lengths
+#: that differ, or one shape with the fields in another order.
+_ARRAYS = ["fixed", "tensor", "ragged", "reversed"]
+
+
+def _record(key: Any, seq: int, pos: int, arrays: str) -> dict[str, Any]:
+    rows = 1 + pos % 3 if arrays == "ragged" else 2
+    boxes = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + seq * 100 + pos
+    record = {"id": seq * 1000 + pos, "boxes": boxes, "label": np.int64(pos), "name": f"{key}"}
+    if arrays == "tensor":
+        record["boxes"] = torch.from_numpy(boxes)
+    if arrays == "reversed":  # the same fields in another order
+        record = dict(reversed(record.items()))
+    return record
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    chunks=st.lists(
+        st.tuples(
+            st.lists(st.integers(-5, 40), min_size=1, max_size=20),
+            st.sampled_from(_ARRAYS),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    budget=st.sampled_from([1, 1 << 30]),
+    named=st.booleans(),
+)
+def test_an_export_takes_the_columns_of_chunks_as_their_rows_would_give(
+    chunks: list[tuple[list[int], str]], budget: int, named: bool
+) -> None:
+    """Chunks of records held as columns (``codec.load_columns``) give the tables that
+    their records, rebuilt one by one, give: the same rows and one schema; whatever the
+    mix of chunks that hold columns and chunks that do not (fewer records than a batch,
+    other fields' order, spilled within a tiny budget), duplicate keys, int or str keys."""
+    import pyarrow as pa
+
+    def key(k: int) -> Any:
+        return f"img-{k + 5:03d}" if named else k
+
+    items = [
+        [(key(k), _record(key(k), seq, pos, arrays)) for pos, k in enumerate(keys)]
+        for seq, (keys, arrays) in enumerate(chunks)
+    ]
+    infos, reader = _stored(items)
+    found = {}
+    for columnar in (False, True):
+        blocks = merge.blocks(infos, reader, budget, columnar=columnar)
+        found[columnar] = list(export._Tables(pa, blocks))
+    rows = {c: [r for table, _ in found[c] for r in table.to_pylist()] for c in found}
+    assert rows[True] == rows[False]
+    assert len({table.schema for c in found for table, _ in found[c]}) == 1
+    firsts = {c: [(t.column("key")[0].as_py(), key) for t, key in found[c]] for c in found}
+    assert all(column == key for c in firsts for column, key in firsts[c])
+
+
+def test_an_export_holds_a_chunk_of_one_batch_as_its_columns() -> None:
+    """A chunk of records with arrays is held as its columns, and its arrays are taken
+    a column at a time (a field more in some chunks is left out, as from rows); a chunk
+    too short for a batch is held as its records."""
+    infos, reader = _stored(
+        [
+            [(k, _record(k, 0, k, "fixed")) for k in range(0, 40, 2)],
+            [(k, {**_record(k, 1, k, "fixed"), "more": k}) for k in range(1, 40, 2)],
+            [(k, _record(k, 2, k, "fixed")) for k in range(40, 43)],
+        ]
+    )
+    blocks = merge.blocks(infos, reader, 1 << 30, 0, 40, columnar=True)
+    fields = ("id", "boxes", "label", "name")
+    assert next(blocks).names() == fields  # key 0 alone: below the second chunk's first
+    block = next(blocks)  # read before the merge goes on
+    assert block.names() == (*fields, "more")  # key 1's chunk
+    keys, (boxes, names) = block.fields(["boxes", "name"])
+    assert keys.tolist() == list(range(1, 40))
+    assert boxes.shape == (39, 2, 4) and names == [str(k) for k in range(1, 40)]
+    assert boxes[:, 0, 0].tolist() == [k % 2 * 100 + k for k in range(1, 40)]
+    assert next(blocks, None) is None
+    short = merge.blocks(infos, reader, 1 << 30, 40, None, columnar=True)
+    assert [block.names() for block in short] == [None]

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from test_signed_parts import Sentinel, _unpickled
 
 import gatherstore as gs
+from gatherstore import codec as gs_codec
 from gatherstore.codec import digest as _digest
 from gatherstore.codec import frames as serialize
 from gatherstore.codec import records as _records
@@ -132,6 +133,52 @@ def record_lists(draw: Any) -> list[Any]:
 def test_round_trip_of_random_record_lists(items: list[Any]) -> None:
     assert_same(round_trip(items), items)
     assert_same(round_trip({"nested": (items, [items])}), {"nested": (items, [items])})
+
+
+def _columns_of(obj: Any) -> Any:
+    """``obj`` through a frame, loaded with ``load_columns``."""
+    frame = serialize.encode(obj).seal(None)
+    buf = bytearray(frame.nbytes)
+    frame.copy_into(memoryview(buf))
+    return gs_codec.load_columns(serialize.verify(buf))
+
+
+def _as_rows(obj: Any) -> Any:
+    """What ``load_columns`` gave, its columns rebuilt as records."""
+    if type(obj) is tuple:
+        return tuple(map(_records.listed, obj))
+    return _records.listed(obj)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(record_lists())
+def test_loaded_as_columns_a_list_rebuilds_the_records_a_load_gives(items: list[Any]) -> None:
+    """A top-level list of records, alone or in a tuple, loads as its columns (or as
+    it is, when it is no batch); rebuilt, they are what a load gives, and so is any
+    other object: a batch nested below is loaded as records."""
+    for obj in (items, (np.arange(3), items), {"nested": [items]}, [{"a": items}] * 3):
+        assert_same(_as_rows(_columns_of(obj)), obj)
+
+
+def test_a_batch_of_records_loads_as_columns_that_stack() -> None:
+    boxes = np.arange(MIN_RUN * 8, dtype=">f4").reshape(MIN_RUN, 2, 4)
+    records = [
+        {
+            "id": i,
+            "boxes": boxes[i].copy(),
+            "t": torch.tensor(float(i)),
+            "hits": [{"x": np.ones(1)}] * 0,
+        }
+        for i in range(MIN_RUN)
+    ]
+    _, columns = _columns_of((np.arange(MIN_RUN), records))
+    assert type(columns) is _records.Columns and columns.cls is dict
+    assert columns.names == ("id", "boxes", "t", "hits") and len(columns) == MIN_RUN
+    np.testing.assert_array_equal(columns.stacked("boxes"), boxes)  # its dtype kept
+    assert columns.stacked("boxes").dtype.str == ">f4"
+    assert columns.stacked("t").tolist() == list(range(MIN_RUN))  # 0-d tensors: one row each
+    assert columns.stacked("id") is None and columns.field("id") == list(range(MIN_RUN))
+    assert_same(columns.rows(), records)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,7 +11,9 @@ else of it:
 - ``Chunks.first(obj)``: a long list or dict as a run of chunks, each a frame, encoded
   while the earlier ones travel; ``Assembly`` rebuilds them in order on the receiver.
 - ``verify(data) -> Verified`` checks a part's digest (XXH3-128, or keyed BLAKE3) and
-  binding; ``load(verified)`` rebuilds its object; ``decode`` is both.
+  binding; ``load(verified)`` rebuilds its object; ``decode`` is both;
+  ``load_columns(verified)`` leaves a top-level list of records as its columns
+  (``records.Columns``), for what reads a field at a time.
 - ``check_picklable(obj, root)`` asks, cheaply and before encoding, whether ``obj`` can
   be pickled; raises pickle's error, naming the culprit, when it cannot.
 
@@ -26,6 +28,7 @@ importable, as what they now are, so that such parts, kept in a result set, stil
 import sys as _sys
 
 from gatherstore.codec import columns, frames, records, storage
+from gatherstore.codec.as_columns import load_columns
 from gatherstore.codec.chunks import Assembly, Chunks, Unchunkable
 from gatherstore.codec.culprit import check_picklable
 from gatherstore.codec.frames import (
@@ -38,11 +41,13 @@ from gatherstore.codec.frames import (
     load,
     verify,
 )
+from gatherstore.codec.records import Columns
 from gatherstore.codec.staging import release as release_pinned
 
 __all__ = [
     "Assembly",
     "Chunks",
+    "Columns",
     "Frame",
     "Unchunkable",
     "Verified",
@@ -52,6 +57,7 @@ __all__ = [
     "duplicate",
     "encode",
     "load",
+    "load_columns",
     "release_pinned",
     "verify",
 ]

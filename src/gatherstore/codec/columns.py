@@ -28,7 +28,16 @@ import torch
 
 from gatherstore.codec import storage
 
-__all__ = ["LARGE_VALUE", "VIEW_VALUE", "Column", "Kind", "distinct", "joined", "rebuilt"]
+__all__ = [
+    "LARGE_VALUE",
+    "VIEW_VALUE",
+    "Column",
+    "Kind",
+    "distinct",
+    "joined",
+    "rebuilt",
+    "stacked",
+]
 
 #: Fields whose arrays average this many bytes or more are not copied into a column:
 #: they travel as storage spans, straight from their memory; so do those whose arrays
@@ -409,6 +418,27 @@ def rebuilt(kind: Kind, count: int, column: Any) -> list[Any]:
     distinct = count if positions is None else int(positions.max(initial=-1)) + 1
     found = rebuild(buf, kind[1], tuple(kind[2]), kind[3], distinct, lengths)
     return found if positions is None else [found[i] for i in positions]
+
+
+def stacked(kind: Kind, count: int, column: Any) -> np.ndarray[Any, Any] | None:
+    """The ``count`` arrays or tensors of a column copied into one region, all of one
+    shape, as one numpy array of ``count`` rows (a view of the region); None for any
+    other column, and for tensors of a dtype numpy lacks."""
+    if kind[0] not in ("np", "pt"):
+        return None
+    buf, lengths, positions = column
+    if positions is not None or not (lengths is None or isinstance(lengths, int)):
+        return None
+    name, trailing, zero_d = kind[1:]
+    if kind[0] == "np":
+        dtype = np.dtype(name)
+    else:
+        try:
+            dtype = torch.empty(0, dtype=getattr(torch, name)).numpy().dtype
+        except TypeError:  # bfloat16, ...
+            return None
+    shape = (count,) if zero_d else (count, lengths, *trailing)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 def distinct(items: list[Any]) -> bool:

@@ -50,7 +50,16 @@ import torch
 
 from gatherstore.codec import columns
 
-__all__ = ["Batch", "Packed", "columnar", "pack", "structure"]
+__all__ = [
+    "REBUILD",
+    "Batch",
+    "Columns",
+    "Packed",
+    "columnar",
+    "listed",
+    "pack",
+    "structure",
+]
 
 #: Shortest run of records worth a batch.
 MIN_RUN = 8
@@ -228,9 +237,10 @@ class Batch:
 def _field(kind: columns.Kind, count: int, column: Any) -> list[Any]:
     """The ``count`` values of a field of a batch, from its column."""
     if kind[0] == "py":
-        return column  # type: ignore[no-any-return]
+        values: list[Any] = listed(column)
+        return values
     if kind[0] == "lists":
-        return _lists(column)
+        return _lists((listed(column[0]), column[1]))
     return columns.rebuilt(kind, count, column)
 
 
@@ -256,6 +266,54 @@ def _unbatch(
     for name, field in zip(names, values, strict=True):
         deque(map(operator.setitem, targets, repeat(name), field), maxlen=0)
     return out
+
+
+#: What a batch's pickle calls to rebuild its records; stored parts name it: keep its name.
+REBUILD = _unbatch
+
+
+class Columns:
+    """A batch loaded as its columns, its records not rebuilt (``as_columns``):
+    what reads a field at a time (an export to Arrow) takes the columns as they are,
+    without a record made per row."""
+
+    def __init__(
+        self,
+        cls: type,
+        names: tuple[Any, ...],
+        kinds: list[columns.Kind],
+        count: int,
+        data: list[Any],
+    ) -> None:
+        self.cls, self.names, self.kinds, self.count, self.data = cls, names, kinds, count, data
+        #: How many of its columns are batches loaded as columns themselves.
+        self.nested = sum(
+            type(column[0] if kind[0] == "lists" else column) is Columns
+            for kind, column in zip(kinds, data, strict=True)
+        )
+
+    def __len__(self) -> int:
+        return self.count
+
+    def rows(self) -> list[Any]:
+        """The records, rebuilt as a plain load rebuilds them."""
+        return _unbatch(self.cls, self.names, self.kinds, self.count, self.data)
+
+    def field(self, name: Any) -> list[Any]:
+        """The ``count`` values of the field ``name``."""
+        i = self.names.index(name)
+        return _field(self.kinds[i], self.count, self.data[i])
+
+    def stacked(self, name: Any) -> np.ndarray[Any, Any] | None:
+        """The field ``name`` as one array of ``count`` rows, a view of its column, when
+        its values are arrays or tensors of one shape copied into one region; else None."""
+        i = self.names.index(name)
+        return columns.stacked(self.kinds[i], self.count, self.data[i])
+
+
+def listed(value: Any) -> Any:
+    """``value``, a batch loaded as :class:`Columns` rebuilt as its records."""
+    return value.rows() if type(value) is Columns else value
 
 
 class _Arrays:
@@ -302,7 +360,7 @@ class _Chunks:
 def _concat(chunks: list[Any]) -> list[Any]:
     out: list[Any] = []
     for chunk in chunks:
-        out.extend(chunk)
+        out.extend(listed(chunk))
     return out
 
 

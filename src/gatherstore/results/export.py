@@ -9,9 +9,14 @@ one go per batch; ints, floats, bools, strs and bytes from buffers made in one
 pass (pyarrow's conversion of Python objects would first import pandas, a
 quarter of a second); other values go through pyarrow's conversion.
 
-The rows go in batches of about :data:`BATCH_BYTES` of Arrow data, each a Parquet
-row group: the first of :data:`FIRST_ROWS` rows, the next sized by the bytes a row
-took.  One thread merges and converts a batch while another writes the one before
+For Parquet and Arrow the merge holds chunks of records as their columns
+(``codec.load_columns``): a block of keys whose chunks all do is converted a field at
+a time, straight from them (arrays of one shape gathered into one array, in key
+order), with no record rebuilt per row; other blocks go row by row, into the same
+columns.  The tables go in batches of about :data:`BATCH_BYTES` of Arrow data, each a
+Parquet row group (rows: the first table of :data:`FIRST_ROWS`, the next sized by the
+bytes a row took); the first table is written at once, so that the writer starts
+while the next are read.  One thread merges and converts while another writes
 (pyarrow encodes without the GIL, on one thread per file).  With a folder, each
 range of keys (``ResultSet.export(files=N)``) is merged, converted and written to a
 part file of its own by threads of its own, all at once: N files use N cores.  The
@@ -31,14 +36,16 @@ import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["FORMATS", "PART", "check", "write"]
+from gatherstore.results import merge
+
+__all__ = ["FORMATS", "PART", "check", "columnar", "write"]
 
 FORMATS = (".parquet", ".arrow", ".jsonl")
 #: The name of part ``i`` of a folder (``.format(i, suffix)``).
@@ -107,17 +114,24 @@ def check(path: str | os.PathLike[str], compression: str | None = None, files: i
         )
 
 
+def columnar(path: str | os.PathLike[str]) -> bool:
+    """Whether the format of ``path`` takes its values a field at a time (Parquet,
+    Arrow): the merge then holds chunks of records as their columns."""
+    return _format(path) != ".jsonl"
+
+
 def write(
-    ranges: Sequence[Iterable[tuple[Any, Any]]],
+    ranges: Sequence[Iterable[merge.Block]],
     path: str | os.PathLike[str],
     compression: str | None = None,
     *,
     folder: bool = False,
 ) -> int:
-    """Write the rows of ``ranges`` (ranges of keys, in key order) to ``path`` in the format
-    its extension names: one range to one file, or with ``folder`` each range to a part
-    file of the folder ``path`` (``PART``), all at once; how many rows.  ``compression``
-    (Parquet and Arrow: e.g. ``"zstd"``, ``"lz4"``) is none by default.
+    """Write the rows of ``ranges`` (ranges of keys, in key order, as a merge's blocks) to
+    ``path`` in the format its extension names: one range to one file, or with
+    ``folder`` each range to a part file of the folder ``path`` (``PART``), all at once;
+    how many rows.  ``compression`` (Parquet and Arrow: e.g. ``"zstd"``, ``"lz4"``) is
+    none by default.
 
     Raises:
         ValueError: an unknown extension, or values the format cannot hold.
@@ -135,7 +149,8 @@ def write(
         outputs = [temp]
     try:
         if suffix == ".jsonl":
-            count = sum(_jsonl(rows, out) for rows, out in zip(ranges, outputs, strict=True))
+            jobs = zip(ranges, outputs, strict=True)
+            count = sum(_jsonl(merge.rows(iter(blocks)), out) for blocks, out in jobs)
         else:
             count = _arrow(ranges, outputs, suffix, compression)
         os.replace(temp, target)
@@ -161,9 +176,9 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"a {type(value).__name__} cannot be written as JSON")
 
 
-def _jsonl(rows: Iterable[tuple[Any, Any]], path: str) -> int:
+def _jsonl(rows: Iterator[tuple[Any, Any]], path: str) -> int:
     count = 0
-    with open(path, "w", encoding="utf-8") as out:
+    with contextlib.closing(rows), open(path, "w", encoding="utf-8") as out:  # type: ignore[type-var]
         for key, value in rows:
             try:
                 line = json.dumps({"key": key, "value": value}, default=_plain)
@@ -215,8 +230,20 @@ def _column(pa: Any, values: list[Any]) -> Any:
             if first.ndim == 0:
                 return _numbers(pa, np.stack(values))
             with contextlib.suppress(ValueError):  # trailing shapes differ: lists
-                return _lists(pa, values, np.concatenate(values))
+                joined = np.concatenate(values)
+                return _lists(pa, np.fromiter(map(len, values), np.int64, count), joined)
     return pa.array([v.tolist() if isinstance(v, np.ndarray | np.generic) else v for v in values])
+
+
+def _stacked(pa: Any, rows: Any) -> Any:
+    """One Arrow column of the array ``rows``, a row per value: the column ``_column``
+    makes of its rows as arrays, from its memory at once."""
+    if rows.dtype.kind not in "biufUS":
+        return _column(pa, list(rows))
+    if rows.ndim == 1:
+        return _numbers(pa, rows)
+    lengths = np.full(len(rows), rows.shape[1], dtype=np.int64)
+    return _lists(pa, lengths, rows.reshape(-1, *rows.shape[2:]))
 
 
 def _numbers(pa: Any, array: Any) -> Any:
@@ -246,14 +273,14 @@ def _strings(pa: Any, values: list[Any]) -> Any:
     )
 
 
-def _lists(pa: Any, values: list[Any], joined: Any) -> Any:
-    """The arrays ``values`` (joined: ``joined``) as Arrow lists of their first dimension,
-    nested fixed-size lists for the others."""
+def _lists(pa: Any, lengths: Any, joined: Any) -> Any:
+    """Arrays of first dimensions ``lengths``, joined along it in ``joined``, as Arrow lists
+    of their first dimension, nested fixed-size lists for the others."""
     column = _numbers(pa, joined.reshape(-1))
     for size in reversed(joined.shape[1:]):
         column = pa.FixedSizeListArray.from_arrays(column, size)
-    offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     return pa.LargeListArray.from_arrays(_numbers(pa, offsets), column)
 
 
@@ -291,6 +318,17 @@ def _table(pa: Any, batch: list[tuple[Any, Any]], fields: list[str] | None) -> A
         raise _mixed(keys[0], exc) from None
 
 
+def _columns_table(pa: Any, keys: Any, fields: list[str], values: list[Any]) -> Any:
+    """The table of ``keys`` and the values of each of ``fields`` (``merge.Block.fields``:
+    arrays of rows, or lists), the table ``_table`` makes of the same rows."""
+    keys = _numbers(pa, keys) if isinstance(keys, np.ndarray) else _column(pa, keys)
+    try:
+        columns = [_stacked(pa, v) if isinstance(v, np.ndarray) else _column(pa, v) for v in values]
+        return pa.Table.from_arrays([keys, *columns], names=["key", *fields])
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise _mixed(keys[0].as_py(), exc) from None
+
+
 def _mixed(key: Any, exc: Exception) -> ValueError:
     return ValueError(
         f"export: values from key {key!r} on do not fit one table ({exc}); export values "
@@ -298,26 +336,67 @@ def _mixed(key: Any, exc: Exception) -> ValueError:
     )
 
 
-class _Batches:
-    """The rows of one range in batches of about :data:`BATCH_BYTES` of Arrow data: the
-    first of :data:`FIRST_ROWS` rows, each next one sized by the bytes a row took."""
+#: ``_Tables.fields`` before the first value is seen.
+_UNKNOWN: Any = object()
 
-    def __init__(self, rows: Iterable[tuple[Any, Any]]) -> None:
-        self.rows: Iterator[tuple[Any, Any]] = iter(rows)
+
+class _Tables:
+    """The tables of one range's blocks, with the first key of each: a block whose chunks
+    hold columns (``merge.Block.fields``) as one table, taken from them; the rows of the
+    others in tables of about :data:`BATCH_BYTES`, the first of :data:`FIRST_ROWS`
+    rows, each next one sized by the bytes a row took.
+
+    ``fields``: the fields of the values (None: they are not dicts), as the first value
+    says; all ranges of an export take the first range's.
+    """
+
+    def __init__(self, pa: Any, blocks: Iterable[merge.Block]) -> None:
+        self.pa, self.blocks = pa, iter(blocks)
+        self.fields: list[str] | None = _UNKNOWN
+        self.rows: list[tuple[Any, Any]] = []
         self.size = FIRST_ROWS
+        self.found = self._tables()
 
-    def take(self) -> list[tuple[Any, Any]]:
-        """The next batch (empty: the range is over)."""
-        return list(itertools.islice(self.rows, self.size))
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return self.found
 
-    def sized(self, table: Any) -> None:
-        """Size the next batches by the bytes a row of ``table`` took."""
+    def _tables(self) -> Generator[tuple[Any, Any], None, None]:
+        for block in self.blocks:
+            names = block.names()
+            if names is not None and self.fields is _UNKNOWN and not self.rows:
+                self.fields = list(names)
+            fields = self.fields
+            if names and isinstance(fields, list) and (found := block.fields(fields)):
+                if self.rows:
+                    yield self._batch()
+                keys, values = found
+                if len(keys):
+                    first = keys[0].item() if isinstance(keys, np.ndarray) else keys[0]
+                    yield _columns_table(self.pa, keys, fields, values), first
+                continue
+            rows = block.rows()
+            while batch := list(itertools.islice(rows, self.size - len(self.rows))):
+                self.rows += batch
+                if len(self.rows) >= self.size:
+                    yield self._batch()
+        if self.rows:
+            yield self._batch()
+
+    def _batch(self) -> tuple[Any, Any]:
+        """The table of the rows taken; the next ones sized by the bytes a row took."""
+        batch, self.rows = self.rows, []
+        if self.fields is _UNKNOWN:
+            first = batch[0][1]
+            self.fields = [str(f) for f in first] if isinstance(first, dict) else None
+        table = _table(self.pa, batch, self.fields)
         per_row = table.nbytes / max(table.num_rows, 1)
         self.size = int(min(max(BATCH_BYTES // max(per_row, 1), 1), MAX_ROWS))
+        return table, batch[0][0]
 
     def close(self) -> None:
-        """Let go of the rows not read (a merge's chunks and threads)."""
-        close = getattr(self.rows, "close", None)
+        """Let go of the blocks not read (a merge's chunks and threads)."""
+        self.found.close()
+        close = getattr(self.blocks, "close", None)
         if close is not None:
             close()
 
@@ -325,24 +404,28 @@ class _Batches:
 @dataclasses.dataclass(frozen=True)
 class _Files:
     """What the files of one export share: pyarrow, the format, the schema every file
-    has, the fields of the values (None: not dicts), and the event that stops them all."""
+    has, and the event that stops them all."""
 
     pa: Any
     suffix: str
     compression: str | None
     schema: Any
-    fields: list[str] | None
     stop: threading.Event
 
 
 class _Sink:
     """Writes tables to one Parquet or Arrow file in a thread of its own (pyarrow encodes
-    without the GIL), while the next batch is merged and converted: at most two tables
-    wait.  The file is made at once: a range without rows is a file of the schema alone."""
+    without the GIL), while the next ones are merged and converted: the tables put are
+    gathered into batches of about :data:`BATCH_BYTES` (each a Parquet row group), and at
+    most two batches wait.  The file is made at once: a range without rows is a file of
+    the schema alone."""
 
     def __init__(self, files: _Files, path: str) -> None:
         self.files, self.path = files, path
         self.tables: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self.pending: list[Any] = []
+        self.nbytes = 0
+        self.started = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="gatherstore-export", daemon=True)
         self.thread.start()
@@ -373,7 +456,9 @@ class _Sink:
                 writer.close()
 
     def put(self, table: Any, first_key: Any) -> None:
-        """Queue ``table`` (cast to the schema).
+        """Add ``table`` (cast to the schema) to the batch being gathered; queue the
+        batch once it holds :data:`BATCH_BYTES` (a larger table: in slices of about as
+        many).
 
         Raises:
             ValueError: it cannot be cast (``first_key``, its first key, named).
@@ -387,38 +472,60 @@ class _Sink:
                 table = table.cast(self.files.schema)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
                 raise _mixed(first_key, exc) from None
-        self.tables.put(table)
+        rows = max(int(table.num_rows * BATCH_BYTES / max(table.nbytes, 1)), 1)
+        for start in range(0, table.num_rows, rows):
+            piece = table.slice(start, rows)
+            if self.nbytes + piece.nbytes > BATCH_BYTES:
+                self._queue()
+            self.pending.append(piece)
+            self.nbytes += piece.nbytes
+        if self.nbytes >= BATCH_BYTES or not self.started:  # the first at once: the
+            self.started = True  # writer starts while the next ones are read
+            self._queue()
+
+    def _queue(self) -> None:
+        """Queue the tables gathered as one batch."""
+        if self.pending:
+            pending, self.pending, self.nbytes = self.pending, [], 0
+            self.tables.put(
+                pending[0] if len(pending) == 1 else self.files.pa.concat_tables(pending)
+            )
 
     def close(self) -> None:
-        """Write what is queued and close the file.
+        """Write what is gathered and queued, and close the file.
 
         Raises:
             the error of a write that failed.
         """
-        self.tables.put(None)
-        self.thread.join()
+        try:
+            if self.error is None:
+                self._queue()
+        finally:
+            self.tables.put(None)
+            self.thread.join()
         if self.error is not None:
             raise self.error
 
 
-def _first(pa: Any, ranges: list[_Batches]) -> tuple[int, Any, Any, list[str] | None]:
-    """The first rows' range, table, first key and fields (those of the first value; None:
-    it is not a dict).  An empty set's table holds an empty key column."""
-    for i, batches in enumerate(ranges):
-        batch = batches.take()
-        if batch:
-            first = batch[0][1]
-            fields = [str(f) for f in first] if isinstance(first, dict) else None
-            table = _table(pa, batch, fields)
-            batches.sized(table)
-            return i, table, batch[0][0], fields
+def _first(ranges: list[_Tables]) -> tuple[int, Any, Any]:
+    """The first table's range, the table and its first key; the fields of the values
+    (those of the first value) given to every range.  An empty set's table holds an
+    empty key column."""
+    for i, tables in enumerate(ranges):
+        for table, key in tables:
+            for each in ranges:
+                each.fields = tables.fields
+            return i, table, key
+    pa = ranges[0].pa
+    for each in ranges:
+        each.fields = None
     empty = pa.Table.from_arrays([_numbers(pa, np.empty(0, np.int64))], names=["key"])
-    return 0, empty, None, None
+    return 0, empty, None
 
 
-def _part(files: _Files, batches: _Batches, path: str, head: Any = None, key: Any = None) -> int:
+def _part(files: _Files, tables: _Tables, path: str, head: Any = None, key: Any = None) -> int:
     """Write one range to ``path``: ``head`` (its first table, of first key ``key``), then
-    its batches, converted here and written by a sink; the rows written."""
+    its tables, converted here and written by a sink; the rows written."""
     count = 0
     try:
         sink = _Sink(files, path)
@@ -426,20 +533,20 @@ def _part(files: _Files, batches: _Batches, path: str, head: Any = None, key: An
             if head is not None:
                 sink.put(head, key)
                 count, head = head.num_rows, None
-            while not files.stop.is_set() and (batch := batches.take()):
-                table = _table(files.pa, batch, files.fields)
-                batches.sized(table)
-                sink.put(table, batch[0][0])
-                count += len(batch)
+            for table, first in tables:
+                if files.stop.is_set():
+                    break
+                sink.put(table, first)
+                count += table.num_rows
         finally:
             sink.close()
     finally:
-        batches.close()
+        tables.close()
     return count
 
 
 def _arrow(
-    ranges: Sequence[Iterable[tuple[Any, Any]]],
+    ranges: Sequence[Iterable[merge.Block]],
     paths: list[str],
     suffix: str,
     compression: str | None,
@@ -447,20 +554,20 @@ def _arrow(
     """Write each range to its path, all at once (one range: from this thread); the rows.
     The first failure stops the others, and is raised."""
     pa = _pyarrow()
-    batches = [_Batches(rows) for rows in ranges]
+    tables = [_Tables(pa, blocks) for blocks in ranges]
     try:
-        where, head, key, fields = _first(pa, batches)
+        where, head, key = _first(tables)
     except BaseException:
-        for each in batches:
+        for each in tables:
             each.close()
         raise
-    files = _Files(pa, suffix, compression, head.schema, fields, threading.Event())
+    files = _Files(pa, suffix, compression, head.schema, threading.Event())
     heads = [(head, key) if i == where else (None, None) for i in range(len(ranges))]
     if len(ranges) == 1:
-        return _part(files, batches[0], paths[0], *heads[0])
+        return _part(files, tables[0], paths[0], *heads[0])
     with ThreadPoolExecutor(len(ranges), thread_name_prefix="gatherstore-export") as pool:
-        jobs = zip(batches, paths, heads, strict=True)
-        futures = [pool.submit(_part, files, rows, path, *first) for rows, path, first in jobs]
+        jobs = zip(tables, paths, heads, strict=True)
+        futures = [pool.submit(_part, files, each, path, *first) for each, path, first in jobs]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
         finally:

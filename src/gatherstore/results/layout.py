@@ -212,15 +212,16 @@ def verify_chunk(
 
 
 def decode_chunk(
-    verified: codec.Verified, info: ChunkInfo, where: str
-) -> tuple[order.Keys, list[Any]]:
-    """The keys and values of a verified chunk.
+    verified: codec.Verified, info: ChunkInfo, where: str, columnar: bool = False
+) -> tuple[order.Keys, Any]:
+    """The keys and values of a verified chunk; with ``columnar``, values that travelled
+    as one batch of records come as its ``codec.records.Columns``.
 
     Raises:
         IntegrityError: it holds another count of values than its index says.
         GatherError: a value cannot be rebuilt in this process.
     """
-    keys, values = codec.load(verified)
+    keys, values = (codec.load_columns if columnar else codec.load)(verified)
     if len(keys) != info.count or len(values) != info.count:
         raise IntegrityError(f"{where} holds {len(values)} values, its index {info.count}")
     return keys, values

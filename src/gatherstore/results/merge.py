@@ -6,7 +6,9 @@ first key are merged in one go (with numpy where the keys are ints).  Of a key
 stored more than once, the value of the chunk whose name sorts first (the
 earliest run, then the lowest rank, then the earliest flush) is kept, and of
 a key added twice in one chunk the first added: the choice is the same
-whoever reads.
+whoever reads.  The merge goes a block of keys at a time (:class:`Block`): read as
+rows, (key, value) each, or, when its chunks were held as columns (an export), a
+field at a time, straight from them.
 
 Memory: the chunks held open plus those read ahead (at most a quarter of it)
 stay within the budget;
@@ -21,6 +23,8 @@ consumer works.
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -36,7 +40,7 @@ from gatherstore.results import order
 from gatherstore.results.layout import ChunkInfo
 from gatherstore.results.read import SetReader
 
-__all__ = ["CHUNKS_AHEAD", "budget", "merged", "overlap"]
+__all__ = ["CHUNKS_AHEAD", "Block", "blocks", "budget", "merged", "overlap", "rows", "split"]
 
 #: Chunks read ahead at most (when the budget allows).
 CHUNKS_AHEAD = 8
@@ -84,7 +88,8 @@ class _Cursor:
     def __init__(
         self, info: ChunkInfo, prio: int, keys: order.Keys, values: list[Any], bounds: _Bounds
     ) -> None:
-        self.info, self.prio, self.keys, self.values = info, prio, keys, values
+        self.info, self.prio, self.keys = info, prio, keys
+        self.values: Any = values  # a list, or a chunk's codec.Columns
         self.ints = isinstance(keys, np.ndarray)
         self.orders = None if self.ints else [order.order_key(k) for k in keys]
         self.spill: _Spill | None = None
@@ -108,15 +113,20 @@ class _Cursor:
             return self.end
         return min(int(np.searchsorted(self.keys, bound[1], side="left")), self.end)
 
-    def take(self, pos: int, keep: bool) -> Any:
-        """The value at ``pos`` (released here once taken); None unless ``keep``."""
-        if self.spill is not None:
-            return self.spill.take(pos, keep)
-        value, self.values[pos] = self.values[pos], None
-        return value if keep else None
+    def rows(self) -> list[Any]:
+        """Its values (a chunk loaded as columns: their records, rebuilt now)."""
+        if type(self.values) is codec.Columns:
+            self.values = self.values.rows()
+        values: list[Any] = self.values
+        return values
+
+    def columns(self) -> codec.Columns | None:
+        """Its values as columns of dicts, when it holds them so (and is not spilled)."""
+        values = self.values
+        return values if type(values) is codec.Columns and values.cls is dict else None
 
     def spill_rest(self) -> None:
-        self.spill = _Spill(self.values, self.pos)
+        self.spill = _Spill(self.rows(), self.pos)
         self.values = []
 
     def close(self) -> None:
@@ -125,16 +135,124 @@ class _Cursor:
             self.spill.close()
 
 
+class Block:
+    """The keys of the open chunks below a bound, in key order (of equal keys, the chunks'
+    order), and where each one's value is: read it once, by :meth:`rows` or
+    :meth:`fields`, before the merge goes on."""
+
+    def __init__(
+        self, merge: _Merge, cursors: list[_Cursor], keys: Any, which: Any, positions: Any
+    ) -> None:
+        self.merge, self.cursors = merge, cursors
+        self.keys, self.which, self.positions = keys, which, positions
+
+    def rows(self) -> Iterator[tuple[order.Key, Any]]:
+        """(key, value) of each key once: the first chunk's value."""
+        cursors = self.cursors
+        spills = [c.spill for c in cursors]
+        held = [None if c.spill is not None else c.rows() for c in cursors]
+        last = self.merge.last
+        keys = self.keys.tolist() if isinstance(self.keys, np.ndarray) else self.keys
+        which, positions = self.which.tolist(), self.positions.tolist()
+        for key, j, pos in zip(keys, which, positions, strict=True):
+            first = key != last
+            values = held[j]
+            if values is None:  # spilled: read in order, skipped ones too
+                value = spills[j].take(pos, keep=first)
+            else:
+                value, values[pos] = values[pos], None
+            if first:
+                last = self.merge.last = key
+                yield key, value
+
+    def names(self) -> tuple[str, ...] | None:
+        """The fields of its first value, when every chunk it reads holds its values as
+        columns of dicts (see ``codec.load_columns``); else None."""
+        found = [c.columns() for c in self.cursors]
+        if not found or any(columns is None for columns in found):
+            return None
+        return found[int(self.which[0])].names  # type: ignore[union-attr]
+
+    def fields(self, names: list[str]) -> tuple[Any, list[Any]] | None:
+        """Each key once, and the values of each field of ``names``, taken from the
+        chunks' columns: an array of a row per key where they stack, else a list; None
+        unless every chunk holds every field of ``names`` in columns (see ``names``)."""
+        found = [c.columns() for c in self.cursors]
+        if not found or any(c is None or not set(names) <= set(c.names) for c in found):
+            return None
+        keep = _firsts(self.keys, self.merge.last)
+        keys = self.keys[keep] if isinstance(self.keys, np.ndarray) else _kept(self.keys, keep)
+        which, positions = self.which[keep], self.positions[keep]
+        if len(keys):
+            self.merge.last = keys[-1] if isinstance(keys, list) else keys[-1].item()
+        return keys, [_gather(found, name, which, positions) for name in names]  # type: ignore[arg-type]
+
+
+def _firsts(keys: Any, last: Any) -> Any:
+    """Which of ``keys`` (in order) differs from the one before it (the first: from
+    ``last``), as a bool array."""
+    if isinstance(keys, np.ndarray):
+        keep = np.empty(len(keys), dtype=bool)
+        keep[1:] = keys[1:] != keys[:-1]
+        if len(keys):
+            keep[0] = last is _NOTHING or keys[0] != last
+        return keep
+    return np.fromiter(map(operator.ne, keys, [last, *keys[:-1]]), bool, len(keys))
+
+
+def _kept(keys: list[Any], keep: Any) -> list[Any]:
+    return list(itertools.compress(keys, keep.tolist()))
+
+
+def _gather(found: list[codec.Columns], name: str, which: Any, positions: Any) -> Any:
+    """The values of field ``name`` at ``positions`` of the columns ``which`` names: an
+    array of rows where every chunk's field stacks into one of one dtype and row shape,
+    else a list."""
+    stacks = [columns.stacked(name) for columns in found]
+    if all(s is not None for s in stacks) and len({(s.dtype, s.shape[1:]) for s in stacks}) == 1:  # type: ignore[union-attr]
+        first = stacks[0]
+        if len(stacks) == 1:
+            return first[_spaced(positions)]  # type: ignore[index]
+        out = np.empty((len(positions), *first.shape[1:]), dtype=first.dtype)  # type: ignore[union-attr]
+        for j, stack in enumerate(stacks):
+            at = np.flatnonzero(which == j)
+            out[_spaced(at)] = stack[_spaced(positions[at])]  # type: ignore[index]
+        return out
+    lists = [columns.field(name) for columns in found]
+    if len(lists) == 1:
+        return list(map(lists[0].__getitem__, positions.tolist()))
+    sources = map(lists.__getitem__, which.tolist())
+    return list(map(operator.getitem, sources, positions.tolist()))
+
+
+def _spaced(at: Any) -> Any:
+    """The indexes ``at`` as a slice when they are evenly spaced (the rows of a chunk in a
+    run of its own, or spread over every W-th place: ranks' shares that a sampler
+    interleaved), so that a copy through it takes no temporary; else ``at``."""
+    if len(at) < 2:
+        return at
+    step = int(at[1] - at[0])
+    evenly = step > 0 and int(at[-1]) == int(at[0]) + step * (len(at) - 1)
+    if evenly and (np.diff(at) == step).all():
+        return slice(int(at[0]), int(at[-1]) + 1, step)
+    return at
+
+
 class _Merge:
     def __init__(
-        self, infos: list[ChunkInfo], reader: SetReader, budget: int, bounds: _Bounds
+        self,
+        infos: list[ChunkInfo],
+        reader: SetReader,
+        budget: int,
+        bounds: _Bounds,
+        columnar: bool = False,
     ) -> None:
         names = sorted(info.name for info in infos)  # the priorities of all: ranges agree
         self.prio = {name: p for p, name in enumerate(names)}
         self.bounds = bounds
         infos = [info for info in infos if _overlaps(info, bounds)]
         self.plan = sorted(infos, key=lambda i: (order.order_key(i.first), self.prio[i.name]))
-        self.reader, self.budget = reader, budget
+        self.reader, self.budget, self.columnar = reader, budget, columnar
         self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="gatherstore-results-read")
         self.futures: dict[int, Future[codec.Verified]] = {}
         self.next_fetch = 0
@@ -143,7 +261,7 @@ class _Merge:
         self.cursors: list[_Cursor] = []
         self.last: Any = _NOTHING
 
-    def run(self) -> Iterator[tuple[order.Key, Any]]:
+    def run(self) -> Iterator[Block]:
         opened = 0
         self._read_ahead()
         while opened < len(self.plan) or self.cursors:
@@ -156,7 +274,9 @@ class _Merge:
                 opened += 1
                 continue
             bound = self.bounds[1] if upcoming is None else order.order_key(upcoming.first)
-            yield from self._merge_below(bound)
+            block = self._below(bound)
+            if block is not None:
+                yield block
             for cursor in [c for c in self.cursors if c.pos >= c.end]:
                 self.cursors.remove(cursor)
                 if cursor.spill is None:
@@ -193,32 +313,23 @@ class _Merge:
             biggest = max(held, key=lambda c: c.cost)
             biggest.spill_rest()
             self.held -= biggest.cost
-        keys, values = self.reader.decode(verified, info)
+        keys, values = self.reader.decode(verified, info, self.columnar)
         cursor = _Cursor(info, self.prio[info.name], keys, values, self.bounds)
         if cursor.pos < cursor.end:  # it holds keys of the range
             self.cursors.append(cursor)
             self.held += cost
 
-    def _merge_below(self, bound: tuple[int, Any] | None) -> Iterator[tuple[order.Key, Any]]:
+    def _below(self, bound: tuple[int, Any] | None) -> Block | None:
+        """The block of the open chunks' keys below ``bound`` (None: none)."""
         spans = [(c, c.pos, c.end_before(bound)) for c in self.cursors]
         spans = [span for span in spans if span[2] > span[1]]
+        if not spans:
+            return None
         merge = _merge_ints if all(c.ints for c, _, _ in spans) else _merge_any
         keys, which, positions = merge(spans)
-        cursors = [c for c, _, _ in spans]
-        held = [None if c.spill is not None else c.values for c in cursors]
-        last = self.last
-        for key, j, pos in zip(keys, which, positions, strict=True):
-            first = key != last
-            values = held[j]
-            if values is None:  # spilled: read in order, skipped ones too
-                value = cursors[j].take(pos, keep=first)
-            else:
-                value, values[pos] = values[pos], None
-            if first:
-                last = self.last = key
-                yield key, value
         for cursor, _, end in spans:
             cursor.pos = end
+        return Block(self, [c for c, _, _ in spans], keys, which, positions)
 
     def close(self) -> None:
         for future in self.futures.values():
@@ -229,20 +340,19 @@ class _Merge:
         self.cursors = []
 
 
-Merged = tuple[list[Any], list[int], list[int]]
+#: Keys (an int64 array, or a list), and the span and position of each, as int64 arrays.
+Merged = tuple[Any, Any, Any]
 
 
 def _merge_ints(spans: list[tuple[_Cursor, int, int]]) -> Merged:
     """(keys, span of each, position of each) of int-keyed spans in key order, then
     chunk order."""
-    if not spans:
-        return [], [], []
     keys = np.concatenate([c.keys[a:b] for c, a, b in spans])
     which = np.concatenate([np.full(b - a, j, dtype=np.int64) for j, (_, a, b) in enumerate(spans)])
     pos = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in spans])
     prio = np.asarray([c.prio for c, _, _ in spans], dtype=np.int64)[which]
     by = np.lexsort((pos, prio, keys))
-    return keys[by].tolist(), which[by].tolist(), pos[by].tolist()
+    return keys[by], which[by], pos[by]
 
 
 def _merge_any(spans: list[tuple[_Cursor, int, int]]) -> Merged:
@@ -252,7 +362,9 @@ def _merge_any(spans: list[tuple[_Cursor, int, int]]) -> Merged:
         for j, (c, start, end) in enumerate(spans)
         for p, k in zip(range(start, end), order.unpack(c.keys[start:end]), strict=True)
     )
-    return [k for *_, k, _ in found], [j for *_, j in found], [p for _, _, p, _, _ in found]
+    which = np.fromiter((j for *_, j in found), np.int64, len(found))
+    positions = np.fromiter((p for _, _, p, _, _ in found), np.int64, len(found))
+    return [k for *_, k, _ in found], which, positions
 
 
 def _sorted_as(key: order.Key | None) -> tuple[int, Any] | None:
@@ -267,16 +379,19 @@ def _overlaps(info: ChunkInfo, bounds: _Bounds) -> bool:
     )
 
 
-def merged(
+def blocks(
     infos: list[ChunkInfo],
     reader: SetReader,
     budget: int,
     start: order.Key | None = None,
     stop: order.Key | None = None,
-) -> Iterator[tuple[Any, Any]]:
-    """(key, value) of the chunks ``infos`` in key order, each key once (see the module's
-    docstring), from ``start`` on and below ``stop`` (None: no bound); ``budget`` bounds
-    the bytes held open and read ahead.
+    *,
+    columnar: bool = False,
+) -> Iterator[Block]:
+    """The chunks ``infos`` merged in key order (see the module's docstring), as blocks of
+    keys, from ``start`` on and below ``stop`` (None: no bound); ``budget`` bounds the
+    bytes held open and read ahead.  ``columnar``: chunks of records of one shape are held
+    as their columns (``codec.load_columns``), for ``Block.fields``.
 
     Raises:
         IntegrityError: a chunk is damaged, planted or sealed with another key.
@@ -284,11 +399,38 @@ def merged(
         StoreUnavailableError: the store failed.
     """
     bounds: _Bounds = (_sorted_as(start), _sorted_as(stop))
-    merge = _Merge(infos, reader, budget, bounds)
+    merge = _Merge(infos, reader, budget, bounds, columnar)
     try:
         yield from merge.run()
     finally:
         merge.close()
+
+
+def rows(found: Iterator[Block]) -> Iterator[tuple[Any, Any]]:
+    """(key, value) of the blocks ``found``, each key once, in key order."""
+    try:
+        for block in found:
+            yield from block.rows()
+    finally:
+        close = getattr(found, "close", None)
+        if close is not None:
+            close()
+
+
+def merged(
+    infos: list[ChunkInfo],
+    reader: SetReader,
+    budget: int,
+    start: order.Key | None = None,
+    stop: order.Key | None = None,
+) -> Iterator[tuple[Any, Any]]:
+    """(key, value) of the chunks ``infos`` in key order, each key once: ``rows`` of
+    ``blocks``.
+
+    Raises:
+        the errors of ``blocks``.
+    """
+    return rows(blocks(infos, reader, budget, start, stop))
 
 
 def budget(read_ahead: int | None, infos: list[ChunkInfo], share: int = 1) -> int:

@@ -72,14 +72,16 @@ class SetReader:
             raise self._gone("chunk", info.name)
         return layout.verify_chunk(raw, info, self.key, self.uid, self.where("chunk", info.name))
 
-    def decode(self, verified: codec.Verified, info: layout.ChunkInfo) -> tuple[Any, Any]:
-        """The keys and values of a verified chunk.
+    def decode(
+        self, verified: codec.Verified, info: layout.ChunkInfo, columnar: bool = False
+    ) -> tuple[Any, Any]:
+        """The keys and values of a verified chunk (``columnar``: see ``layout.decode_chunk``).
 
         Raises:
             IntegrityError: it holds another number of values than its index says.
             GatherError: a value cannot be rebuilt in this process.
         """
-        return layout.decode_chunk(verified, info, self.where("chunk", info.name))
+        return layout.decode_chunk(verified, info, self.where("chunk", info.name), columnar)
 
     def _gone(self, kind: str, name: str) -> GatherError:
         return GatherError(

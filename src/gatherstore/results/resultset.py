@@ -472,7 +472,7 @@ class ResultSet:
                 rebuilt here; and the errors of ``flush``.
             ValueError: a negative ``read_ahead``.
         """
-        return self._ranges(1, read_ahead)[0]
+        return merge.rows(self._ranges(1, read_ahead)[0])
 
     def export(
         self,
@@ -512,9 +512,8 @@ class ResultSet:
         from gatherstore.results import export
 
         export.check(path, compression, files)
-        if files == 1:
-            return export.write([self.items(read_ahead=read_ahead)], path, compression)
-        return export.write(self._ranges(files, read_ahead), path, compression, folder=True)
+        ranges = self._ranges(files, read_ahead, columnar=export.columnar(path))
+        return export.write(ranges, path, compression, folder=files > 1)
 
     # --- helpers ---------------------------------------------------------------------------
     def _reader(self) -> SetReader:
@@ -524,10 +523,13 @@ class ResultSet:
         """The arguments of one of the set's collectives: its timeout, the set's group."""
         return {"timeout": self._seconds(timeout), "group": self._group}
 
-    def _ranges(self, parts: int, read_ahead: int | None) -> list[Iterator[tuple[Any, Any]]]:
+    def _ranges(
+        self, parts: int, read_ahead: int | None, columnar: bool = False
+    ) -> list[Iterator[merge.Block]]:
         """The stored values in at most ``parts`` ranges of keys, each merged on its own
         within a share of the read-ahead budget (this rank's buffered values written
-        first); none is read before it is iterated.
+        first), in blocks (``columnar``: see ``merge.blocks``); none is read before it
+        is iterated.
 
         Raises:
             ValueError: a negative ``read_ahead``.
@@ -543,7 +545,10 @@ class ResultSet:
             indexes = list(reader.indexes(names))
             infos, cuts = [info for info, _ in indexes], merge.split(indexes, parts)
         budget = merge.budget(read_ahead, infos, len(cuts))
-        return [merge.merged(infos, reader, budget, start, stop) for start, stop in cuts]
+        return [
+            merge.blocks(infos, reader, budget, start, stop, columnar=columnar)
+            for start, stop in cuts
+        ]
 
     def _seconds(self, timeout: Timeout) -> float:
         return self._timeout if timeout is None else to_seconds(timeout)
