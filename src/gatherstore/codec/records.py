@@ -286,6 +286,7 @@ class Columns:
         data: list[Any],
     ) -> None:
         self.cls, self.names, self.kinds, self.count, self.data = cls, names, kinds, count, data
+        self.fields: dict[Any, list[Any]] = {}
         #: How many of its columns are batches loaded as columns themselves.
         self.nested = sum(
             type(column[0] if kind[0] == "lists" else column) is Columns
@@ -300,9 +301,11 @@ class Columns:
         return _unbatch(self.cls, self.names, self.kinds, self.count, self.data)
 
     def field(self, name: Any) -> list[Any]:
-        """The ``count`` values of the field ``name``."""
-        i = self.names.index(name)
-        return _field(self.kinds[i], self.count, self.data[i])
+        """The ``count`` values of the field ``name`` (rebuilt once: the list is kept)."""
+        if name not in self.fields:
+            i = self.names.index(name)
+            self.fields[name] = _field(self.kinds[i], self.count, self.data[i])
+        return self.fields[name]
 
     def stacked(self, name: Any) -> np.ndarray[Any, Any] | None:
         """The field ``name`` as one array of ``count`` rows, a view of its column, when
