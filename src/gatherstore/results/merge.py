@@ -86,7 +86,7 @@ class _Cursor:
     where the keys of the merge's range end in it."""
 
     def __init__(
-        self, info: ChunkInfo, prio: int, keys: order.Keys, values: list[Any], bounds: _Bounds
+        self, info: ChunkInfo, prio: int, keys: order.Keys, values: Any, bounds: _Bounds
     ) -> None:
         self.info, self.prio, self.keys = info, prio, keys
         self.values: Any = values  # a list, or a chunk's codec.Columns
@@ -168,24 +168,29 @@ class Block:
     def names(self) -> tuple[str, ...] | None:
         """The fields of its first value, when every chunk it reads holds its values as
         columns of dicts (see ``codec.load_columns``); else None."""
-        found = [c.columns() for c in self.cursors]
-        if not found or any(columns is None for columns in found):
-            return None
-        return found[int(self.which[0])].names  # type: ignore[union-attr]
+        found = self._columns([])
+        return None if found is None else found[int(self.which[0])].names
 
     def fields(self, names: list[str]) -> tuple[Any, list[Any]] | None:
         """Each key once, and the values of each field of ``names``, taken from the
         chunks' columns: an array of a row per key where they stack, else a list; None
         unless every chunk holds every field of ``names`` in columns (see ``names``)."""
-        found = [c.columns() for c in self.cursors]
-        if not found or any(c is None or not set(names) <= set(c.names) for c in found):
+        found = self._columns(names)
+        if found is None:
             return None
         keep = _firsts(self.keys, self.merge.last)
         keys = self.keys[keep] if isinstance(self.keys, np.ndarray) else _kept(self.keys, keep)
         which, positions = self.which[keep], self.positions[keep]
         if len(keys):
             self.merge.last = keys[-1] if isinstance(keys, list) else keys[-1].item()
-        return keys, [_gather(found, name, which, positions) for name in names]  # type: ignore[arg-type]
+        return keys, [_gather(found, name, which, positions) for name in names]
+
+    def _columns(self, names: list[str]) -> list[codec.Columns] | None:
+        """Each chunk's columns of dicts, when every chunk holds its values so, with every
+        field of ``names``; else None."""
+        found = [c.columns() for c in self.cursors]
+        held = [c for c in found if c is not None and set(names) <= set(c.names)]
+        return held if held and len(held) == len(found) else None
 
 
 def _firsts(keys: Any, last: Any) -> Any:
@@ -209,14 +214,15 @@ def _gather(found: list[codec.Columns], name: str, which: Any, positions: Any) -
     array of rows where every chunk's field stacks into one of one dtype and row shape,
     else a list."""
     stacks = [columns.stacked(name) for columns in found]
-    if all(s is not None for s in stacks) and len({(s.dtype, s.shape[1:]) for s in stacks}) == 1:  # type: ignore[union-attr]
-        first = stacks[0]
-        if len(stacks) == 1:
-            return first[_spaced(positions)]  # type: ignore[index]
-        out = np.empty((len(positions), *first.shape[1:]), dtype=first.dtype)  # type: ignore[union-attr]
-        for j, stack in enumerate(stacks):
+    arrays = [stack for stack in stacks if stack is not None]
+    if len(arrays) == len(stacks) and len({(a.dtype, a.shape[1:]) for a in arrays}) == 1:
+        first = arrays[0]
+        if len(arrays) == 1:
+            return first[_spaced(positions)]
+        out = np.empty((len(positions), *first.shape[1:]), dtype=first.dtype)
+        for j, stack in enumerate(arrays):
             at = np.flatnonzero(which == j)
-            out[_spaced(at)] = stack[_spaced(positions[at])]  # type: ignore[index]
+            out[_spaced(at)] = stack[_spaced(positions[at])]
         return out
     lists = [columns.field(name) for columns in found]
     if len(lists) == 1:
