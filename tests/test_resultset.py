@@ -402,6 +402,30 @@ def test_export_to_files_writes_the_same_rows_in_parts(tmp_path: Path, suffix: s
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_an_export_takes_its_schema_from_its_first_rows(tmp_path: Path) -> None:
+    """Ranks' chunks that interleave in keys, whose first value lacks a label: the
+    schema comes from the first rows together (an int column), whatever the merge's
+    first block holds; arrays with an empty dimension, and an Arrow file in few record
+    batches."""
+    import pyarrow.ipc
+    import pyarrow.parquet
+
+    rs = gs.ResultSet(NAME, store=f"file://{tmp_path}/store", flush_every=1000)
+    for k in [*range(0, 3000, 2), *range(1, 3000, 2)]:  # two chunks that interleave
+        label = None if k == 0 else k
+        rs.add(k, {"boxes": np.full((2, 4), k, np.float32), "label": label, "e": np.zeros((3, 0))})
+    assert rs.export(tmp_path / "out.parquet") == 3000
+    table = pyarrow.parquet.read_table(tmp_path / "out.parquet")
+    assert str(table.schema.field("label").type) == "int64"
+    assert table.column("label").to_pylist() == [None, *range(1, 3000)]
+    assert table.column("boxes").to_pylist()[2999] == [[2999.0] * 4] * 2
+    assert table.column("e").to_pylist()[5] == [[], [], []]
+    assert rs.export(tmp_path / "out.arrow") == 3000
+    with pyarrow.ipc.open_file(tmp_path / "out.arrow") as arrow:
+        assert arrow.num_record_batches <= 3  # the first rows, then batches of 8 MiB
+        assert arrow.read_all().equals(table)
+
+
 @pytest.mark.parametrize("files", [0, -2, 1.5, True, "2", None])
 def test_export_refuses_a_files_that_is_no_positive_int(tmp_path: Path, files: Any) -> None:
     rs = gs.ResultSet(NAME, store=f"file://{tmp_path}/store")

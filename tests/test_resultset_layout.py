@@ -4,7 +4,9 @@ real stores, is test_resultset.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import sys
 import uuid
 from typing import Any
 
@@ -178,14 +180,40 @@ def test_an_export_takes_the_columns_of_chunks_as_their_rows_would_give(
     ]
     infos, reader = _stored(items)
     found = {}
-    for columnar in (False, True):
-        blocks = merge.blocks(infos, reader, budget, columnar=columnar)
-        found[columnar] = list(export._Tables(pa, blocks))
+    with pytest.MonkeyPatch.context() as patch:  # columns from the fourth row on
+        patch.setattr(export, "FIRST_ROWS", 3)
+        for columnar in (False, True):
+            blocks = merge.blocks(infos, reader, budget, columnar=columnar)
+            found[columnar] = list(export._Tables(pa, blocks))
     rows = {c: [r for table, _ in found[c] for r in table.to_pylist()] for c in found}
     assert rows[True] == rows[False]
     assert len({table.schema for c in found for table, _ in found[c]}) == 1
     firsts = {c: [(t.column("key")[0].as_py(), key) for t, key in found[c]] for c in found}
     assert all(column == key for c in firsts for column, key in firsts[c])
+
+
+@dataclasses.dataclass
+class Detection:
+    boxes: np.ndarray
+    label: int
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedDetection:  # what ``Detection`` became after its set was stored
+    boxes: np.ndarray
+    label: int
+
+
+def test_records_held_as_columns_that_cannot_be_rebuilt_fail_as_a_load_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pyarrow as pa
+
+    infos, reader = _stored([[(k, Detection(np.ones(3) * k, k)) for k in range(20)]])
+    monkeypatch.setattr(sys.modules[__name__], "Detection", SlottedDetection)
+    tables = export._Tables(pa, merge.blocks(infos, reader, 1 << 30, columnar=True))
+    with pytest.raises(gs.GatherError, match=r"chunk .* cannot be rebuilt here: AttributeError"):
+        list(tables)
 
 
 def test_an_export_holds_a_chunk_of_one_batch_as_its_columns() -> None:

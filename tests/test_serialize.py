@@ -160,6 +160,23 @@ def test_loaded_as_columns_a_list_rebuilds_the_records_a_load_gives(items: list[
         assert_same(_as_rows(_columns_of(obj)), obj)
 
 
+def test_runs_of_records_load_once_as_their_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list of runs of two shapes rebuilds its batches' records as it loads: nothing is
+    left as columns, and the part is not loaded again; a batch in a value of a short list
+    is, plainly."""
+    runs = [{"a": np.ones(2) * i} for i in range(MIN_RUN)] + [
+        {"b": np.ones(3) * i, "c": i} for i in range(MIN_RUN)
+    ]
+    loads: list[int] = []
+    plain = serialize.load
+    monkeypatch.setattr(serialize, "load", lambda verified: loads.append(1) or plain(verified))
+    assert_same(_columns_of(runs), runs)
+    assert loads == []
+    short = [{"records": runs[:MIN_RUN]}] * 2
+    assert_same(_columns_of(short), short)
+    assert loads == [1]
+
+
 def test_a_batch_of_records_loads_as_columns_that_stack() -> None:
     boxes = np.arange(MIN_RUN * 8, dtype=">f4").reshape(MIN_RUN, 2, 4)
     records = [

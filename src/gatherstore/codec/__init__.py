@@ -13,7 +13,8 @@ else of it:
 - ``verify(data) -> Verified`` checks a part's digest (XXH3-128, or keyed BLAKE3) and
   binding; ``load(verified)`` rebuilds its object; ``decode`` is both;
   ``load_columns(verified)`` leaves a top-level list of records as its columns
-  (``records.Columns``), for what reads a field at a time.
+  (``records.Columns``), for what reads a field at a time; ``rebuilding(verified, f)``
+  runs what rebuilds them later as ``load`` runs it.
 - ``check_picklable(obj, root)`` asks, cheaply and before encoding, whether ``obj`` can
   be pickled; raises pickle's error, naming the culprit, when it cannot.
 
@@ -39,6 +40,7 @@ from gatherstore.codec.frames import (
     duplicate,
     encode,
     load,
+    rebuilding,
     verify,
 )
 from gatherstore.codec.records import Columns
@@ -58,6 +60,7 @@ __all__ = [
     "encode",
     "load",
     "load_columns",
+    "rebuilding",
     "release_pinned",
     "verify",
 ]

@@ -20,17 +20,24 @@ __all__ = ["load_columns"]
 
 class _AsColumns:
     """Stands in for the rebuild of a batch: makes its :class:`records.Columns`, and
-    counts those that no other batch holds in a column (all should be top-level).
-    Not a bound method of the unpickler: its memo keeps this, and a reference back
-    would keep the part alive until a collection."""
+    counts those left as columns that no other batch holds in a column (all should be
+    top-level; a list of runs rebuilds its batches' records at once).  Not a bound
+    method of the unpickler: its memo keeps this, and a reference back would keep the
+    part alive until a collection."""
 
     def __init__(self) -> None:
         self.loose = 0
 
     def __call__(self, *args: Any) -> records.Columns:
         batch = records.Columns(*args)
-        self.loose += 1 - batch.nested
+        self.loose += 1 - len(batch.inner)
+        for inner in batch.inner:  # counted no more: ``batch`` holds them
+            inner.on_rows = None
+        batch.on_rows = self._rebuilt
         return batch
+
+    def _rebuilt(self) -> None:
+        self.loose -= 1
 
 
 class _Unpickler(frames.Unpickler):
@@ -48,6 +55,7 @@ def _unpickle(verified: frames.Verified) -> Any:
     found = _Unpickler(verified, batches).load()
     top = found if type(found) is tuple else (found,)
     if batches.loose != sum(type(item) is records.Columns for item in top):
+        del found, top  # not held while the part is loaded again
         return frames.load(verified)  # a batch below the top: records, as a load makes
     return found
 
@@ -55,7 +63,10 @@ def _unpickle(verified: frames.Verified) -> Any:
 def load_columns(verified: frames.Verified) -> Any:
     """``frames.load``, but the part's top-level list of records (the object, or an item
     of the tuple that is), when it travelled as one batch, comes as its
-    :class:`records.Columns`.
+    :class:`records.Columns`: rebuild its records or fields through ``frames.rebuilding``
+    with this ``verified``, so that their errors are those of a load.  A part with a
+    batch elsewhere (in a value of a list too short to be a batch itself) is loaded
+    twice, the second time plainly.
 
     Raises:
         the errors of ``frames.load``.

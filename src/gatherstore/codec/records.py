@@ -286,26 +286,32 @@ class Columns:
         data: list[Any],
     ) -> None:
         self.cls, self.names, self.kinds, self.count, self.data = cls, names, kinds, count, data
-        self.fields: dict[Any, list[Any]] = {}
-        #: How many of its columns are batches loaded as columns themselves.
-        self.nested = sum(
-            type(column[0] if kind[0] == "lists" else column) is Columns
+        self.cache: dict[Any, list[Any]] = {}
+        #: Called the first time its records are rebuilt (a load that counts batches).
+        self.on_rows: Callable[[], None] | None = None
+        #: Its columns that are batches loaded as columns themselves.
+        self.inner = [
+            inner
             for kind, column in zip(kinds, data, strict=True)
-        )
+            if type(inner := column[0] if kind[0] == "lists" else column) is Columns
+        ]
 
     def __len__(self) -> int:
         return self.count
 
     def rows(self) -> list[Any]:
         """The records, rebuilt as a plain load rebuilds them."""
+        if self.on_rows is not None:
+            self.on_rows()
+            self.on_rows = None
         return _unbatch(self.cls, self.names, self.kinds, self.count, self.data)
 
     def field(self, name: Any) -> list[Any]:
         """The ``count`` values of the field ``name`` (rebuilt once: the list is kept)."""
-        if name not in self.fields:
+        if name not in self.cache:
             i = self.names.index(name)
-            self.fields[name] = _field(self.kinds[i], self.count, self.data[i])
-        return self.fields[name]
+            self.cache[name] = _field(self.kinds[i], self.count, self.data[i])
+        return self.cache[name]
 
     def stacked(self, name: Any) -> np.ndarray[Any, Any] | None:
         """The field ``name`` as one array of ``count`` rows, a view of its column, when

@@ -14,9 +14,10 @@ For Parquet and Arrow the merge holds chunks of records as their columns
 a time, straight from them (arrays of one shape gathered into one array, in key
 order), with no record rebuilt per row; other blocks go row by row, into the same
 columns.  The tables go in batches of about :data:`BATCH_BYTES` of Arrow data, each a
-Parquet row group (rows: the first table of :data:`FIRST_ROWS`, the next sized by the
-bytes a row took); the first table is written at once, so that the writer starts
-while the next are read.  One thread merges and converts while another writes
+Parquet row group or Arrow record batch (rows: the first table of :data:`FIRST_ROWS`,
+made from rows, whose types make the schema; the next sized by the bytes a row
+took); the first table is written at once, so that the writer starts while the next
+are read.  One thread merges and converts while another writes
 (pyarrow encodes without the GIL, on one thread per file).  With a folder, each
 range of keys (``ResultSet.export(files=N)``) is merged, converted and written to a
 part file of its own by threads of its own, all at once: N files use N cores.  The
@@ -238,7 +239,7 @@ def _column(pa: Any, values: list[Any]) -> Any:
 def _stacked(pa: Any, rows: Any) -> Any:
     """One Arrow column of the array ``rows``, a row per value: the column ``_column``
     makes of its rows as arrays, from its memory at once."""
-    if rows.dtype.kind not in "biufUS":
+    if rows.dtype.kind not in "biufUS" or not rows.size:  # as ``_column`` takes them
         return _column(pa, list(rows))
     if rows.ndim == 1:
         return _numbers(pa, rows)
@@ -321,12 +322,13 @@ def _table(pa: Any, batch: list[tuple[Any, Any]], fields: list[str] | None) -> A
 def _columns_table(pa: Any, keys: Any, fields: list[str], values: list[Any]) -> Any:
     """The table of ``keys`` and the values of each of ``fields`` (``merge.Block.fields``:
     arrays of rows, or lists), the table ``_table`` makes of the same rows."""
-    keys = _numbers(pa, keys) if isinstance(keys, np.ndarray) else _column(pa, keys)
+    first = keys[0].item() if isinstance(keys, np.ndarray) else keys[0]
     try:
+        key = _numbers(pa, keys) if isinstance(keys, np.ndarray) else _column(pa, keys)
         columns = [_stacked(pa, v) if isinstance(v, np.ndarray) else _column(pa, v) for v in values]
-        return pa.Table.from_arrays([keys, *columns], names=["key", *fields])
+        return pa.Table.from_arrays([key, *columns], names=["key", *fields])
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise _mixed(keys[0].as_py(), exc) from None
+        raise _mixed(first, exc) from None
 
 
 def _mixed(key: Any, exc: Exception) -> ValueError:
@@ -341,10 +343,11 @@ _UNKNOWN: Any = object()
 
 
 class _Tables:
-    """The tables of one range's blocks, with the first key of each: a block whose chunks
-    hold columns (``merge.Block.fields``) as one table, taken from them; the rows of the
-    others in tables of about :data:`BATCH_BYTES`, the first of :data:`FIRST_ROWS`
-    rows, each next one sized by the bytes a row took.
+    """The tables of one range's blocks, with the first key of each: the first of
+    :data:`FIRST_ROWS` rows (whose types make the file's schema, as many rows as
+    before there were columns); then a block whose chunks hold columns
+    (``merge.Block.fields``) as one table, taken from them, and the rows of the others
+    in tables of about :data:`BATCH_BYTES`, sized by the bytes a row took.
 
     ``fields``: the fields of the values (None: they are not dicts), as the first value
     says; all ranges of an export take the first range's.
@@ -361,12 +364,11 @@ class _Tables:
         return self.found
 
     def _tables(self) -> Generator[tuple[Any, Any], None, None]:
+        made = False  # the first table: from rows
         for block in self.blocks:
-            names = block.names()
-            if names is not None and self.fields is _UNKNOWN and not self.rows:
-                self.fields = list(names)
             fields = self.fields
-            if names and isinstance(fields, list) and (found := block.fields(fields)):
+            columnar = made and isinstance(fields, list) and block.names()
+            if columnar and isinstance(fields, list) and (found := block.fields(fields)):
                 if self.rows:
                     yield self._batch()
                 keys, values = found
@@ -378,6 +380,7 @@ class _Tables:
             while batch := list(itertools.islice(rows, self.size - len(self.rows))):
                 self.rows += batch
                 if len(self.rows) >= self.size:
+                    made = True
                     yield self._batch()
         if self.rows:
             yield self._batch()
@@ -416,9 +419,9 @@ class _Files:
 class _Sink:
     """Writes tables to one Parquet or Arrow file in a thread of its own (pyarrow encodes
     without the GIL), while the next ones are merged and converted: the tables put are
-    gathered into batches of about :data:`BATCH_BYTES` (each a Parquet row group), and at
-    most two batches wait.  The file is made at once: a range without rows is a file of
-    the schema alone."""
+    gathered into batches of about :data:`BATCH_BYTES` (each a Parquet row group; the
+    first queued at once), and at most two batches wait besides the one gathered.  The
+    file is made at once: a range without rows is a file of the schema alone."""
 
     def __init__(self, files: _Files, path: str) -> None:
         self.files, self.path = files, path
@@ -484,12 +487,14 @@ class _Sink:
             self._queue()
 
     def _queue(self) -> None:
-        """Queue the tables gathered as one batch."""
+        """Queue the tables gathered as one batch (for Arrow IPC, one record batch: it
+        writes each chunk of a table as one)."""
         if self.pending:
             pending, self.pending, self.nbytes = self.pending, [], 0
-            self.tables.put(
-                pending[0] if len(pending) == 1 else self.files.pa.concat_tables(pending)
-            )
+            batch = pending[0] if len(pending) == 1 else self.files.pa.concat_tables(pending)
+            if self.files.suffix == ".arrow" and len(pending) > 1:
+                batch = batch.combine_chunks()
+            self.tables.put(batch)
 
     def close(self) -> None:
         """Write what is gathered and queued, and close the file.

@@ -86,10 +86,18 @@ class _Cursor:
     where the keys of the merge's range end in it."""
 
     def __init__(
-        self, info: ChunkInfo, prio: int, keys: order.Keys, values: Any, bounds: _Bounds
+        self,
+        info: ChunkInfo,
+        prio: int,
+        keys: order.Keys,
+        values: Any,
+        bounds: _Bounds,
+        verified: codec.Verified,
     ) -> None:
         self.info, self.prio, self.keys = info, prio, keys
         self.values: Any = values  # a list, or a chunk's codec.Columns
+        #: The chunk, while its values are columns: what rebuilds them names it.
+        self.verified = verified if type(values) is codec.Columns else None
         self.ints = isinstance(keys, np.ndarray)
         self.orders = None if self.ints else [order.order_key(k) for k in keys]
         self.spill: _Spill | None = None
@@ -114,11 +122,29 @@ class _Cursor:
         return min(int(np.searchsorted(self.keys, bound[1], side="left")), self.end)
 
     def rows(self) -> list[Any]:
-        """Its values (a chunk loaded as columns: their records, rebuilt now)."""
-        if type(self.values) is codec.Columns:
-            self.values = self.values.rows()
+        """Its values (a chunk loaded as columns: their records, rebuilt now).
+
+        Raises:
+            GatherError: a value cannot be rebuilt here.
+        """
+        columns, verified = self.values, self.verified
+        if type(columns) is codec.Columns:
+            assert verified is not None, "columns come from a chunk"
+            self.values = codec.rebuilding(verified, lambda _: columns.rows())
+            self.verified = None
         values: list[Any] = self.values
         return values
+
+    def field(self, name: str) -> list[Any]:
+        """The values of field ``name`` of its columns (see ``columns``).
+
+        Raises:
+            GatherError: a value cannot be rebuilt here.
+        """
+        columns, verified = self.values, self.verified
+        assert verified is not None, "columns come from a chunk"
+        found: list[Any] = codec.rebuilding(verified, lambda _: columns.field(name))
+        return found
 
     def columns(self) -> codec.Columns | None:
         """Its values as columns of dicts, when it holds them so (and is not spilled)."""
@@ -130,7 +156,7 @@ class _Cursor:
         self.values = []
 
     def close(self) -> None:
-        self.values = []
+        self.values, self.verified = [], None
         if self.spill is not None:
             self.spill.close()
 
@@ -183,7 +209,7 @@ class Block:
         which, positions = self.which[keep], self.positions[keep]
         if len(keys):
             self.merge.last = keys[-1] if isinstance(keys, list) else keys[-1].item()
-        return keys, [_gather(found, name, which, positions) for name in names]
+        return keys, [_gather(self.cursors, found, name, which, positions) for name in names]
 
     def _columns(self, names: list[str]) -> list[codec.Columns] | None:
         """Each chunk's columns of dicts, when every chunk holds its values so, with every
@@ -209,22 +235,25 @@ def _kept(keys: list[Any], keep: Any) -> list[Any]:
     return list(itertools.compress(keys, keep.tolist()))
 
 
-def _gather(found: list[codec.Columns], name: str, which: Any, positions: Any) -> Any:
-    """The values of field ``name`` at ``positions`` of the columns ``which`` names: an
-    array of rows where every chunk's field stacks into one of one dtype and row shape,
-    else a list."""
-    stacks = [columns.stacked(name) for columns in found]
+def _gather(
+    cursors: list[_Cursor], found: list[codec.Columns], name: str, which: Any, positions: Any
+) -> Any:
+    """The values of field ``name`` at ``positions`` of the cursors' columns ``found``
+    that ``which`` names: an array of rows (a copy, never a view of a chunk) where every
+    chunk's field stacks into one of one dtype and row shape, else a list."""
+    stacks = [held.stacked(name) for held in found]
     arrays = [stack for stack in stacks if stack is not None]
     if len(arrays) == len(stacks) and len({(a.dtype, a.shape[1:]) for a in arrays}) == 1:
         first = arrays[0]
         if len(arrays) == 1:
-            return first[_spaced(positions)]
+            at = _spaced(positions)
+            return first[at].copy() if isinstance(at, slice) else first[at]
         out = np.empty((len(positions), *first.shape[1:]), dtype=first.dtype)
         for j, stack in enumerate(arrays):
-            at = np.flatnonzero(which == j)
-            out[_spaced(at)] = stack[_spaced(positions[at])]
+            rows = np.flatnonzero(which == j)
+            out[_spaced(rows)] = stack[_spaced(positions[rows])]
         return out
-    lists = [columns.field(name) for columns in found]
+    lists = [cursor.field(name) for cursor in cursors]
     if len(lists) == 1:
         return list(map(lists[0].__getitem__, positions.tolist()))
     sources = map(lists.__getitem__, which.tolist())
@@ -320,7 +349,7 @@ class _Merge:
             biggest.spill_rest()
             self.held -= biggest.cost
         keys, values = self.reader.decode(verified, info, self.columnar)
-        cursor = _Cursor(info, self.prio[info.name], keys, values, self.bounds)
+        cursor = _Cursor(info, self.prio[info.name], keys, values, self.bounds, verified)
         if cursor.pos < cursor.end:  # it holds keys of the range
             self.cursors.append(cursor)
             self.held += cost
