@@ -565,14 +565,8 @@ def _wait_in_s3(out: str, url: str, options: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_killed_rank_leaves_nothing_in_s3(shm: Path, gatherstore_s3: Any) -> None:
-    botocore_session = pytest.importorskip("botocore.session")
-    client = botocore_session.get_session().create_client(
-        "s3",
-        endpoint_url=gatherstore_s3.endpoint_url,
-        aws_access_key_id=gatherstore_s3.key,
-        aws_secret_access_key=gatherstore_s3.secret,
-        region_name="us-east-1",
-    )
+    pytest.importorskip("botocore.session")
+    client = gatherstore_s3.client()
     bucket = f"gatherstore-faults-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     killer = threading.Thread(

@@ -93,7 +93,7 @@ def test_two_groups_gather_at_once_through_redis(redis_db: str, tmp_path: Path) 
 @pytest.mark.timeout(240)
 def test_two_groups_gather_at_once_through_s3(gatherstore_s3: S3Endpoint, tmp_path: Path) -> None:
     s3fs = pytest.importorskip("s3fs")
-    botocore = pytest.importorskip("botocore.session")
+    pytest.importorskip("botocore.session")
     fs = s3fs.S3FileSystem(**gatherstore_s3.storage_options, skip_instance_cache=True)
     bucket = f"gatherstore-groups-{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
@@ -102,13 +102,7 @@ def test_two_groups_gather_at_once_through_s3(gatherstore_s3: S3Endpoint, tmp_pa
         sets = gs.open_store(f"s3://{bucket}/sets", **options)
         results = _launch(_group_jobs.every_call_on_a_group, url, options, sets, str(tmp_path))
         _check_every_call(results)
-        client = botocore.get_session().create_client(
-            "s3",
-            endpoint_url=gatherstore_s3.endpoint_url,
-            aws_access_key_id=gatherstore_s3.key,
-            aws_secret_access_key=gatherstore_s3.secret,
-            region_name="us-east-1",
-        )
+        client = gatherstore_s3.client()
         listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
         client.close()
         keys = [item["Key"] for item in listed]

@@ -21,23 +21,13 @@ from gatherstore.testing import StoreTests
 from gatherstore.testing.plugin import S3Endpoint
 
 s3fs = pytest.importorskip("s3fs")
-botocore_session = pytest.importorskip("botocore.session")
-
-
-def _client(endpoint: S3Endpoint) -> Any:
-    return botocore_session.get_session().create_client(
-        "s3",
-        endpoint_url=endpoint.endpoint_url,
-        aws_access_key_id=endpoint.key,
-        aws_secret_access_key=endpoint.secret,
-        region_name="us-east-1",
-    )
+pytest.importorskip("botocore.session")
 
 
 @pytest.fixture(scope="module")
 def s3(gatherstore_s3: S3Endpoint) -> Iterator[tuple[S3Endpoint, str, Any]]:
     """(endpoint, a bucket of this module's own, a raw botocore client)."""
-    client = _client(gatherstore_s3)
+    client = gatherstore_s3.client()
     bucket = f"gatherstore-test-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     yield gatherstore_s3, bucket, client
@@ -98,7 +88,7 @@ def _raw_client(store: Store) -> Iterator[tuple[Any, str, str]]:
     """(a botocore client of the store's endpoint, its bucket, its key prefix)."""
     assert isinstance(store, FsspecStore)
     bucket, _, prefix = store.root.partition("/")
-    client = _client(S3Endpoint(**_endpoint_of(store)))
+    client = S3Endpoint(**_endpoint_of(store)).client()
     try:
         yield client, bucket, f"{prefix}/"
     finally:

@@ -367,8 +367,7 @@ class _Tables:
         made = False  # the first table: from rows
         for block in self.blocks:
             fields = self.fields
-            columnar = made and isinstance(fields, list) and block.names()
-            if columnar and isinstance(fields, list) and (found := block.fields(fields)):
+            if made and isinstance(fields, list) and (found := block.fields(fields)):
                 if self.rows:
                     yield self._batch()
                 keys, values = found

@@ -191,16 +191,11 @@ class Block:
                 last = self.merge.last = key
                 yield key, value
 
-    def names(self) -> tuple[str, ...] | None:
-        """The fields of its first value, when every chunk it reads holds its values as
-        columns of dicts (see ``codec.load_columns``); else None."""
-        found = self._columns([])
-        return None if found is None else found[int(self.which[0])].names
-
     def fields(self, names: list[str]) -> tuple[Any, list[Any]] | None:
         """Each key once, and the values of each field of ``names``, taken from the
         chunks' columns: an array of a row per key where they stack, else a list; None
-        unless every chunk holds every field of ``names`` in columns (see ``names``)."""
+        unless every chunk holds every field of ``names`` in columns of dicts (see
+        ``codec.load_columns``)."""
         found = self._columns(names)
         if found is None:
             return None

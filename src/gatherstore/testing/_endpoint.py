@@ -24,3 +24,17 @@ class S3Endpoint:
             "secret": self.secret,
             "client_kwargs": {"endpoint_url": self.endpoint_url},
         }
+
+    def client(self, **options: Any) -> Any:
+        """A botocore S3 client of the endpoint (``options``: more of
+        ``create_client``'s, e.g. ``config``), to look at buckets as S3 itself shows them."""
+        import botocore.session
+
+        return botocore.session.get_session().create_client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+            region_name="us-east-1",
+            **options,
+        )

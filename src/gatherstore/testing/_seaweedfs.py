@@ -61,21 +61,15 @@ class S3Service(Service):
 
     def __init__(self, executable: str, directory: Path, host: str = HOST):
         try:
-            session, config, errors = (
-                importlib.import_module(f"botocore.{name}")
-                for name in ("session", "config", "exceptions")
+            config, errors = (
+                importlib.import_module(f"botocore.{name}") for name in ("config", "exceptions")
             )
         except ImportError as exc:
             raise RuntimeError("the S3 readiness check needs botocore: pip install s3fs") from exc
         self.key, self.secret = f"gs-{secrets.token_hex(6)}", secrets.token_urlsafe(24)
         self.ports = dict(zip(_WEED_PORTS, free_ports(len(_WEED_PORTS), host), strict=True))
         self.url = self.endpoint_url = f"http://{host}:{self.ports['s3.port']}"
-        self._client = session.get_session().create_client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=self.key,
-            aws_secret_access_key=self.secret,
-            region_name="us-east-1",
+        self._client = S3Endpoint(self.endpoint_url, self.key, self.secret).client(
             config=config.Config(
                 connect_timeout=1, read_timeout=5, retries={"total_max_attempts": 1}
             ),
